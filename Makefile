@@ -1,0 +1,15 @@
+PY ?= python
+
+.PHONY: demo test test-fast lint
+
+demo:  ## train the debug Qwen3-MoE on 2 CPU ranks (under 3 minutes)
+	$(PY) -m torch.distributed.run --nproc_per_node=2 train.py --config configs/debug_qwen3_moe.toml
+
+test:  ## the whole suite (unit + multi-process gloo + HF parity)
+	$(PY) -m pytest -q tests
+
+test-fast:  ## everything but the multi-process end-to-end runs
+	$(PY) -m pytest -q -m "not slow" tests
+
+lint:
+	ruff check . && ruff format --check .

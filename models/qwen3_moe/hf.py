@@ -1,0 +1,118 @@
+"""Hugging Face <-> native Qwen3-MoE: config.json and weight names.
+
+Native names are HF's without the leading "model.", except the routed experts, which
+HF checkpoints store per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`) and we
+store stacked: `mlp.experts.gate_up_proj [E, 2I, H]` (gate rows, then up rows) and
+`mlp.experts.down_proj [E, H, I]`. Checkpoints that already hold the stacked form
+(transformers-5 in-memory names) are read too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+import torch
+
+from models import HFFormatError
+from models.qwen3_moe.args import Qwen3MoeArgs
+
+_SAME_NAME_KEYS = (
+    "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers "
+    "num_attention_heads num_key_value_heads rms_norm_eps max_position_embeddings "
+    "num_experts_per_tok norm_topk_prob decoder_sparse_step tie_word_embeddings "
+    "router_aux_loss_coef initializer_range attention_bias"
+).split()
+
+
+def args_from_hf_config(cfg: dict) -> Qwen3MoeArgs:
+    """Both dialects: published (`rope_theta`, `num_experts`) and transformers-5
+    (`rope_parameters: {rope_type, rope_theta}`, possibly `num_local_experts`)."""
+    if cfg.get("model_type", "qwen3_moe") != "qwen3_moe":
+        raise HFFormatError(
+            f"config.json has model_type {cfg['model_type']!r}, expected 'qwen3_moe'"
+        )
+    if cfg.get("use_sliding_window"):
+        raise HFFormatError("use_sliding_window=true is not supported (Qwen3-MoE ships it off)")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise HFFormatError(f"RoPE type {rope_type!r} is not supported, only 'default'")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise HFFormatError(f"hidden_act {cfg['hidden_act']!r} is not supported, only 'silu'")
+    kwargs = {k: cfg[k] for k in _SAME_NAME_KEYS if k in cfg}
+    kwargs["rope_theta"] = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kwargs["num_experts"] = cfg.get("num_experts", cfg.get("num_local_experts", 128))
+    kwargs["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kwargs["mlp_only_layers"] = list(cfg.get("mlp_only_layers") or [])
+    return Qwen3MoeArgs(**kwargs)
+
+
+def load_hf_config(model_dir: str) -> Qwen3MoeArgs:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise HFFormatError(f"no config.json in {model_dir!r} (model.init_from_hf)")
+    with open(path) as f:
+        return args_from_hf_config(json.load(f))
+
+
+def hf_config_dict(args: Qwen3MoeArgs, dtype: torch.dtype = torch.float32) -> dict:
+    """config.json content in the transformers-5 dialect (older versions read rope_theta)."""
+    cfg = {k: getattr(args, k) for k in _SAME_NAME_KEYS}
+    cfg.update(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        head_dim=args.head_dim,
+        num_experts=args.num_experts,
+        mlp_only_layers=list(args.mlp_only_layers),
+        hidden_act="silu",
+        rope_theta=args.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+        use_sliding_window=False,
+        sliding_window=None,
+        attention_dropout=0.0,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    return cfg
+
+
+def _hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def _expert_keys(prefix: str, num_experts: int, proj: str) -> list[str]:
+    return [f"{prefix}.{e}.{proj}.weight" for e in range(num_experts)]
+
+
+def from_hf(
+    name: str, args: Qwen3MoeArgs, has: Callable[[str], bool], get: Callable[[str], torch.Tensor]
+) -> torch.Tensor:
+    """The full value of native parameter `name`, read from a checkpoint via has/get."""
+    hf = _hf_name(name)
+    if has(hf):
+        return get(hf)
+    prefix, _, param = hf.rpartition(".")  # e.g. "model.layers.0.mlp.experts", "gate_up_proj"
+    if prefix.endswith(".mlp.experts") and param in ("gate_up_proj", "down_proj"):
+        if param == "down_proj":
+            return torch.stack(
+                [get(k) for k in _expert_keys(prefix, args.num_experts, "down_proj")]
+            )
+        gate = [get(k) for k in _expert_keys(prefix, args.num_experts, "gate_proj")]
+        up = [get(k) for k in _expert_keys(prefix, args.num_experts, "up_proj")]
+        return torch.stack([torch.cat(pair) for pair in zip(gate, up)])
+    raise HFFormatError(f"checkpoint has no tensor {hf!r} (needed for {name!r})")
+
+
+def to_hf(name: str, tensor: torch.Tensor, args: Qwen3MoeArgs) -> dict[str, torch.Tensor]:
+    """HF checkpoint entries (per-expert keys) for the full value of native `name`."""
+    hf = _hf_name(name)
+    prefix, _, param = hf.rpartition(".")
+    if prefix.endswith(".mlp.experts") and param == "down_proj":
+        return dict(zip(_expert_keys(prefix, args.num_experts, "down_proj"), tensor.unbind(0)))
+    if prefix.endswith(".mlp.experts") and param == "gate_up_proj":
+        gate, up = tensor.chunk(2, dim=1)
+        out = dict(zip(_expert_keys(prefix, args.num_experts, "gate_proj"), gate.unbind(0)))
+        out.update(zip(_expert_keys(prefix, args.num_experts, "up_proj"), up.unbind(0)))
+        return out
+    return {hf: tensor}

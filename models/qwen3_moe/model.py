@@ -1,0 +1,151 @@
+"""Qwen3-MoE (Hugging Face `Qwen3MoeForCausalLM` semantics), plain PyTorch.
+
+    h = embed(tokens)
+    for each block:  h = h + attn(norm(h));  h = h + ffn(norm(h))   # ffn: MoE or dense SwiGLU
+    logits = head(norm(h))
+
+Parameter names mirror Hugging Face's without the leading "model." so the adapter in
+hf.py stays a thin renaming, except for the stacked expert weights.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common.attention import AttentionCore
+from models.common.init import param_generator
+from models.common.mlp import SwiGLU
+from models.common.moe import MoE, RouterStats, load_balancing_loss
+from models.common.norm import RMSNorm
+from models.common.rope import apply_rope, rope_cos_sin
+from models.qwen3_moe.args import Qwen3MoeArgs
+
+
+class CausalLMOutput(NamedTuple):
+    logits: torch.Tensor  # [B, S, vocab]
+    aux_loss: torch.Tensor | None  # load-balancing loss (unweighted), None without MoE layers
+    expert_load: torch.Tensor | None  # [moe_layers, E] tokens routed to each expert
+
+
+class Attention(nn.Module):
+    def __init__(self, args: Qwen3MoeArgs) -> None:
+        super().__init__()
+        d, bias = args.head_dim, args.attention_bias
+        self.head_dim = d
+        self.q_proj = nn.Linear(args.hidden_size, args.num_attention_heads * d, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, args.num_key_value_heads * d, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, args.num_key_value_heads * d, bias=bias)
+        self.o_proj = nn.Linear(args.num_attention_heads * d, args.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(d, args.rms_norm_eps)  # per head, before RoPE
+        self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        self.core = AttentionCore(scale=d**-0.5, causal=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, S, -1, self.head_dim))  # [B, S, Hq, D]
+        k = self.k_norm(self.k_proj(x).view(B, S, -1, self.head_dim))  # [B, S, Hkv, D]
+        v = self.v_proj(x).view(B, S, -1, self.head_dim)  # [B, S, Hkv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o_proj(self.core(q, k, v).reshape(B, S, -1))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, args: Qwen3MoeArgs, layer_idx: int, gemm: str = "auto") -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if args.is_moe_layer(layer_idx):
+            self.mlp = MoE(
+                args.hidden_size,
+                args.moe_intermediate_size,
+                args.num_experts,
+                args.num_experts_per_tok,
+                args.norm_topk_prob,
+                gemm,
+            )
+        else:
+            self.mlp = SwiGLU(args.hidden_size, args.intermediate_size)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, RouterStats | None]:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        ffn_out = self.mlp(self.post_attention_layernorm(h))
+        stats = None
+        if isinstance(ffn_out, tuple):
+            ffn_out, stats = ffn_out
+        return h + ffn_out, stats
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    def __init__(self, args: Qwen3MoeArgs, gemm: str = "auto") -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderBlock(args, i, gemm) for i in range(args.num_hidden_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # NOTE: tied embeddings reuse embed_tokens.weight in forward instead of sharing one
+        # Parameter between two modules, which meta-device materialisation would untie.
+        self.lm_head = (
+            None
+            if args.tie_word_embeddings
+            else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> CausalLMOutput:
+        """input_ids [B, S]; position_ids [B, S] (default 0..S-1, the true positions when the
+        sequence is split or reordered)."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+            position_ids = position_ids.expand_as(input_ids)
+        h = self.embed_tokens(input_ids)  # [B, S, hidden]
+        cos, sin = rope_cos_sin(position_ids, self.args.head_dim, self.args.rope_theta, h.dtype)
+
+        all_stats: list[RouterStats] = []
+        for block in self.layers:
+            h, stats = block(h, cos, sin)
+            if stats is not None:
+                all_stats.append(stats)
+
+        h = self.norm(h)
+        logits = (
+            self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed_tokens.weight)
+        )
+        if not all_stats:
+            return CausalLMOutput(logits, None, None)
+        aux_loss = load_balancing_loss(all_stats, self.args.num_experts)
+        expert_load = torch.stack([s.tokens_per_expert for s in all_stats])
+        return CausalLMOutput(logits, aux_loss, expert_load)
+
+    # ---- initialisation -------------------------------------------------------------
+    def reset_parameter(
+        self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None
+    ) -> None:
+        """Fill `tensor` (the full, unsharded value of parameter `name`) with its init.
+
+        Norm weights are 1, biases 0, every other weight N(0, initializer_range), as
+        Hugging Face initialises Qwen3-MoE. Taking the tensor as an argument lets the
+        trainer initialise each global parameter identically on any parallel layout.
+        """
+        owner = self.get_submodule(name.rpartition(".")[0])
+        if isinstance(owner, RMSNorm):
+            tensor.fill_(1.0)
+        elif name.endswith(".bias"):
+            tensor.zero_()
+        else:
+            tensor.normal_(0.0, self.args.initializer_range, generator=generator)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every (unsharded) parameter from `seed`; see `param_generator`."""
+        for name, param in self.named_parameters():
+            self.reset_parameter(name, param, param_generator(seed, name, param.device))

@@ -1,0 +1,50 @@
+"""Layout-independent weight initialisation and loading of full tensors into shards."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from models.common.init import param_generator
+
+
+def local_part(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The slice of the global value `full` that this rank holds of `param`.
+
+    Works for any placements (FSDP Shard(0), EP Shard(0) x FSDP Shard(1), HSDP ...), uneven
+    shards included, because DTensor itself says where the local shard starts.
+    """
+    if not isinstance(param, DTensor):
+        return full
+    # NOTE: a private helper, but it is the one DTensor itself uses for this question.
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    return full[index]
+
+
+@torch.no_grad()
+def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the global value `full` into `param`'s local storage (no communication)."""
+    if tuple(full.shape) != tuple(param.shape):
+        raise ValueError(f"shape mismatch: expected {tuple(param.shape)}, got {tuple(full.shape)}")
+    local = param.to_local() if isinstance(param, DTensor) else param
+    local.copy_(local_part(full, param).to(local.dtype))
+
+
+@torch.no_grad()
+def init_weights_global(model: nn.Module, seed: int) -> None:
+    """Initialise every parameter as the unsharded model would be, then keep the local part.
+
+    Each rank materialises one full parameter at a time (on its device) from a per-name
+    RNG stream, so the same seed gives the same global weights on any layout. Costs one
+    transient full-size tensor per parameter.
+    """
+    for name, param in model.named_parameters():
+        device = param.device
+        full = torch.empty(param.shape, dtype=torch.float32, device=device)
+        model.reset_parameter(name, full, param_generator(seed, name, device))
+        copy_full_(param, full)

@@ -1,0 +1,97 @@
+"""Parallel degrees, their checks, and the device mesh built from them.
+
+Degrees (DESIGN §3): world = dp_replicate * dp_shard * cp; expert parallelism borrows
+its ranks from dp_shard * cp. Every check here is arithmetic on the config and the world
+size, so a bad layout is refused before any process group exists.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot run; the message names the keys and the fix."""
+
+
+def world_size_from_env() -> int:
+    """The world size torchrun will give us (1 for a plain `python train.py`)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    ep: int
+    world_size: int
+
+    @classmethod
+    def resolve(
+        cls, dp_replicate: int, dp_shard: int, cp: int, ep: int, world_size: int
+    ) -> ParallelDims:
+        fixed = dp_replicate * cp
+        if dp_shard == -1:
+            if world_size % fixed:
+                raise LayoutError(
+                    f"world size {world_size} is not divisible by parallel.dp_replicate * "
+                    f"parallel.cp = {dp_replicate} * {cp}; launch a multiple of {fixed} ranks "
+                    "or change the degrees"
+                )
+            dp_shard = world_size // fixed
+        if dp_replicate * dp_shard * cp != world_size:
+            raise LayoutError(
+                f"parallel.dp_replicate * dp_shard * cp = {dp_replicate} * {dp_shard} * {cp} = "
+                f"{dp_replicate * dp_shard * cp}, but the world size is {world_size}; set "
+                "parallel.dp_shard=-1 to use the rest, or launch that many ranks "
+                "(torchrun --nproc_per_node=N)"
+            )
+        if (dp_shard * cp) % ep:
+            raise LayoutError(
+                f"parallel.ep={ep} must divide parallel.dp_shard * cp = {dp_shard * cp} "
+                "(expert parallelism borrows its ranks from them)"
+            )
+        return cls(dp_replicate, dp_shard, cp, ep, world_size)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: each reads a different slice of the global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks that shard one copy of the dense parameters."""
+        return self.dp_shard * self.cp
+
+    @property
+    def efsdp_size(self) -> int:
+        """Ranks that shard one expert-parallel slice of the routed experts."""
+        return self.fsdp_size // self.ep
+
+
+@dataclass
+class Meshes:
+    world: DeviceMesh  # dims (dp_replicate, dp_shard, cp)
+    dense: DeviceMesh  # FSDP of dense params: (fsdp,) or (dp_replicate, fsdp) for HSDP
+
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (dp_replicate-major)."""
+        rep = self.world.get_local_rank("dp_replicate")
+        return rep * self.world.size(1) + self.world.get_local_rank("dp_shard")
+
+
+def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
+    world = init_device_mesh(
+        device_type,
+        (dims.dp_replicate, dims.dp_shard, dims.cp),
+        mesh_dim_names=("dp_replicate", "dp_shard", "cp"),
+    )
+    # NOTE: DeviceMesh._flatten is private but is how one mesh dim spans two (torchtitan
+    # does the same); it keeps every view a slice of the one world mesh.
+    fsdp = world["dp_shard", "cp"]._flatten("fsdp")
+    dense = world["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else fsdp
+    return Meshes(world=world, dense=dense)

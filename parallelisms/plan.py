@@ -1,0 +1,30 @@
+"""Resolve a model's ParallelPlan (FQN patterns) to its modules."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class PlanError(ValueError):
+    pass
+
+
+def _matches(pattern: str, fqn: str) -> bool:
+    parts, names = pattern.split("."), fqn.split(".")
+    return len(parts) == len(names) and all(p in ("*", n) for p, n in zip(parts, names))
+
+
+def match_modules(model: nn.Module, pattern: str, what: str) -> list[tuple[str, nn.Module]]:
+    """(fqn, module) pairs matching `pattern` ("*" = one name component), in model order.
+
+    A pattern that matches nothing is an error: a plan that silently does nothing would
+    leave the model unsharded or unparallelised without anyone noticing.
+    """
+    found = [(fqn, mod) for fqn, mod in model.named_modules() if fqn and _matches(pattern, fqn)]
+    if not found:
+        examples = [fqn for fqn, _ in model.named_modules() if fqn][:6]
+        raise PlanError(
+            f"parallel plan: {what} pattern {pattern!r} matches no module of "
+            f"{type(model).__name__} (module names look like {examples}); fix the model's PLAN"
+        )
+    return found

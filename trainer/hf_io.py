@@ -1,0 +1,120 @@
+"""Read and write Hugging Face checkpoint directories (config.json + safetensors).
+
+Names and stacking are the model adapter's business (`models/<name>/hf.py`); this file
+does the file I/O and the sharding: each parameter is assembled at its full size, then
+every rank keeps only its local part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from parallelisms.init import copy_full_
+
+
+class SafetensorsDir:
+    """Lazy key -> tensor view over `model.safetensors` or a sharded set with an index."""
+
+    def __init__(self, model_dir: str) -> None:
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.key_to_file = {k: os.path.join(model_dir, v) for k, v in weight_map.items()}
+        else:
+            files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors files in {model_dir!r}")
+            self.key_to_file = {}
+            for name in files:
+                path = os.path.join(model_dir, name)
+                with safe_open(path, "pt") as f:
+                    self.key_to_file.update(dict.fromkeys(f.keys(), path))
+        self._open: dict[str, Any] = {}
+        self.used: set[str] = set()
+
+    def has(self, key: str) -> bool:
+        return key in self.key_to_file
+
+    def get(self, key: str) -> torch.Tensor:
+        path = self.key_to_file[key]
+        if path not in self._open:
+            self._open[path] = safe_open(path, "pt")
+        self.used.add(key)
+        return self._open[path].get_tensor(key)
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, adapter: Any, args: Any, model_dir: str) -> None:
+    """Fill every parameter of `model` (sharded or not) from an HF checkpoint directory."""
+    reader = SafetensorsDir(model_dir)
+    for name, param in model.named_parameters():
+        full = adapter.from_hf(name, args, reader.has, reader.get)
+        if tuple(full.shape) != tuple(param.shape):
+            raise ValueError(
+                f"{model_dir}: {name} has shape {tuple(full.shape)} in the checkpoint but "
+                f"{tuple(param.shape)} in the model; does config.json match the weights?"
+            )
+        copy_full_(param, full)
+    unused = set(reader.key_to_file) - reader.used
+    if getattr(args, "tie_word_embeddings", False):
+        unused.discard("lm_head.weight")  # some exporters write the tied copy too
+    if unused:
+        raise ValueError(
+            f"{model_dir}: {len(unused)} checkpoint tensors do not belong to the model, e.g. "
+            f"{sorted(unused)[:3]}; is this the right model family?"
+        )
+
+
+@torch.no_grad()
+def save_hf_checkpoint(
+    model: nn.Module,
+    adapter: Any,
+    args: Any,
+    out_dir: str,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 4 << 30,
+) -> None:
+    """Write config.json + safetensors (per-expert keys) from rank 0; all ranks must call.
+
+    Each parameter is gathered to full size on every rank (`full_tensor`) one at a time.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        if rank != 0:
+            continue
+        for key, tensor in adapter.to_hf(name, full.detach(), args).items():
+            tensor = tensor.to("cpu", dtype).contiguous()
+            if shard_bytes and shard_bytes + tensor.nbytes > max_shard_bytes:
+                shards.append({})
+                shard_bytes = 0
+            shards[-1][key] = tensor
+            shard_bytes += tensor.nbytes
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(adapter.hf_config_dict(args, dtype), f, indent=2)
+        if len(shards) == 1:
+            save_file(shards[0], os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, os.path.join(out_dir, fname), {"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, fname))
+            with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,106 @@
+"""Per-step console line with a progress bar (rank 0) and metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+from torch import nn
+
+# Dense bf16 peak FLOP/s by device-name fragment, for MFU.
+_PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in _PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def active_params(model: nn.Module) -> float:
+    """Parameters one token uses: routed experts count top_k / num_experts of their size.
+
+    Input embeddings are excluded (a lookup, not a matmul); a tied head is counted once as
+    the head, which is what its matmul costs.
+    """
+    total = 0.0
+    for module in model.modules():
+        if hasattr(module, "num_experts") and hasattr(module, "top_k"):
+            n = sum(p.numel() for p in module.experts.parameters())
+            total -= n * (1 - module.top_k / module.num_experts)
+    total += sum(p.numel() for p in model.parameters())
+    embed = getattr(model, "embed_tokens", None)
+    if embed is not None and getattr(model, "lm_head", None) is not None:
+        total -= embed.weight.numel()
+    return total
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * active params + attention scores (fwd + bwd)."""
+    args = model.args
+    attn = 12 * args.num_hidden_layers * args.num_attention_heads * args.head_dim * seq_len
+    return 6 * active_params(model) + attn
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # CPU: the process's peak resident set size (Linux reports KiB).
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class MetricsLogger:
+    def __init__(
+        self, output_dir: str, total_steps: int, is_rank0: bool, jsonl: bool, progress: bool
+    ):
+        self.total_steps = total_steps
+        self.is_rank0 = is_rank0
+        self.progress = progress
+        self.path = os.path.join(output_dir, "metrics.jsonl") if jsonl else None
+        self.start = time.monotonic()
+        if is_rank0 and self.path:
+            os.makedirs(output_dir, exist_ok=True)
+            open(self.path, "w").close()  # a new run starts a new file
+
+    def info(self, msg: str) -> None:
+        if self.is_rank0:
+            print(msg, flush=True)
+
+    def log(self, record: dict) -> None:
+        if not self.is_rank0:
+            return
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        print(self._line(record), file=sys.stdout, flush=True)
+
+    def _line(self, r: dict) -> str:
+        step, total = r["step"], self.total_steps
+        parts = [f"step {step:>{len(str(total))}}/{total}"]
+        if self.progress:
+            filled = int(20 * step / total)
+            elapsed = time.monotonic() - self.start
+            eta = elapsed / max(step, 1) * (total - step)
+            parts.append(f"[{'#' * filled}{'.' * (20 - filled)}] eta {_hms(eta)}")
+        parts.append(f"loss {r['loss']:.4f}")
+        if r.get("aux_loss") is not None:
+            parts.append(f"aux {r['aux_loss']:.4f}")
+        parts += [
+            f"gnorm {r['grad_norm']:.3f}",
+            f"lr {r['lr']:.2e}",
+            f"{r['tokens_per_s']:,.0f} tok/s",
+            f"mem {r['peak_mem_gib']:.2f}GiB",
+        ]
+        if r.get("mfu") is not None:
+            parts.append(f"mfu {100 * r['mfu']:.1f}%")
+        return " | ".join(parts)
+
+
+def _hms(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"

@@ -1,0 +1,52 @@
+"""AdamW and the learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from trainer.config import TrainSection
+
+
+def build_optimizer(model: nn.Module, cfg: TrainSection) -> torch.optim.AdamW:
+    """AdamW; 1-D parameters (norm weights, biases) get no weight decay."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # NOTE: foreach=True works on DTensor parameters of different meshes: the ops run on
+    # local shards, which is all AdamW needs (it is elementwise).
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True
+    )
+
+
+def lr_factor(step: int, cfg: TrainSection) -> float:
+    """Multiplier of cfg.lr for the update made at optimizer step `step` (0-based)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    floor = cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        span = max(cfg.steps - cfg.warmup_steps - 1, 1)
+        progress = min((step - cfg.warmup_steps) / span, 1.0)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if cfg.schedule == "wsd":  # warmup, stable at peak, then linear decay to the floor
+        decay_steps = max(int(round(cfg.decay_ratio * cfg.steps)), 1)
+        decay_start = cfg.steps - decay_steps
+        if step < decay_start:
+            return 1.0
+        progress = min((step - decay_start + 1) / decay_steps, 1.0)
+        return 1.0 - (1.0 - floor) * progress
+    raise ValueError(f"unknown train.schedule {cfg.schedule!r}")
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainSection
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
