@@ -123,6 +123,7 @@ class Trainer:
         self.loader, _ = build_dataloader(cfg.data, cfg.train, self.dp_rank, dims.dp_size)
         self.grad_accum = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp_size)
         self.step = 0
+        self._data_iter = None
         self.history: list[dict] = []
         self.logger = MetricsLogger(
             cfg.job.output_dir,
@@ -138,8 +139,11 @@ class Trainer:
         dist.all_reduce(t)  # over the world: every rank holds a distinct part of the batch
         return t
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict:
-        """One optimizer step over this rank's micro-batches of the global batch."""
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict:
+        """Accumulate the gradients of this rank's micro-batches of one global batch.
+
+        Returns the step's global mean token loss and mean aux loss (all ranks agree).
+        """
         coef = getattr(self.args, "router_aux_loss_coef", 0.0)
         local_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches)
         num_tokens = self._all_reduce(local_tokens.to(self.device, torch.float32))
@@ -164,26 +168,34 @@ class Trainer:
             loss.backward()
             sums[0] += ce_sum.detach()
 
+        self._all_reduce(sums)
+        return {
+            "loss": (sums[0] / num_tokens).item(),
+            "aux_loss": (sums[1] / micro_batches_global).item() if has_aux else None,
+            "tokens": int(num_tokens.item()),
+        }
+
+    def optimizer_step(self) -> dict:
+        """Clip, update, advance the schedule; returns the pre-clip grad norm and the lr used."""
         grad_norm = clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        return {"step": self.step, "grad_norm": grad_norm.item(), "lr": lr}
 
-        self._all_reduce(sums)
-        return {
-            "step": self.step,
-            "loss": (sums[0] / num_tokens).item(),
-            "aux_loss": (sums[1] / micro_batches_global).item() if has_aux else None,
-            "grad_norm": grad_norm.item(),
-            "lr": lr,
-            "tokens": int(num_tokens.item()),
-        }
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict:
+        """One optimizer step over this rank's micro-batches of the global batch."""
+        losses = self.forward_backward(micro_batches)
+        return {**self.optimizer_step(), **losses}
 
-    def _next_micro_batches(self, data_iter) -> list[dict[str, torch.Tensor]]:
+    def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of the next global batch, on the training device."""
+        if self._data_iter is None:
+            self._data_iter = iter(self.loader)  # one iterator: re-iterating drops prefetch
         return [
-            {k: v.to(self.device, non_blocking=True) for k, v in next(data_iter).items()}
+            {k: v.to(self.device, non_blocking=True) for k, v in next(self._data_iter).items()}
             for _ in range(self.grad_accum)
         ]
 
@@ -196,10 +208,9 @@ class Trainer:
             f"global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens, "
             f"micro {cfg.train.micro_batch_size}, grad accum {self.grad_accum} | {self.device}"
         )
-        data_iter = iter(self.loader)
         while self.step < cfg.train.steps:
             start = time.perf_counter()
-            record = self.train_step(self._next_micro_batches(data_iter))
+            record = self.train_step(self.next_micro_batches())
             elapsed = time.perf_counter() - start
             tokens_per_s = cfg.train.global_batch_size * cfg.data.seq_len / elapsed
             record.update(

@@ -1,0 +1,108 @@
+"""train.py through the front door: refusals before any set-up, and 1 vs 2 ranks."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import train
+
+ROOT = Path(__file__).resolve().parent.parent
+DEBUG = "--config=configs/debug_qwen3_moe.toml"
+
+
+@pytest.fixture(autouse=True)
+def _in_repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--config=configs/nope.toml"], "configs/nope.toml"),
+        ([DEBUG, "--train.stpes=3"], "did you mean --train.steps?"),
+        ([DEBUG, "--train.steps=three"], "train.steps"),
+        ([DEBUG, "--data.source=text", "--data.path=no/such/dir/*.txt"], "data.path"),
+        ([DEBUG, "--model.vocab_size=200"], "vocab_size"),
+        ([DEBUG, "--train.global_batch_size=6", "--train.micro_batch_size=4"], "global_batch_size"),
+        ([DEBUG, "--model.init_from_hf=no/such/dir"], "config.json"),
+    ],
+    ids=["missing-config", "unknown-key", "wrong-type", "data-path", "vocab", "batch", "hf-dir"],
+)
+def test_bad_input_is_refused_with_exit_code_2(argv, expected, capsys):
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and expected in err, err
+    assert "Traceback" not in err
+
+
+def test_world_size_that_does_not_fit_the_degrees(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert train.main([DEBUG, "--parallel.dp_replicate=2"]) == 2
+    err = capsys.readouterr().err
+    assert "world size is 3" in err or "world size 3" in err, err
+
+
+def test_refusal_from_the_shell_has_no_traceback():
+    proc = subprocess.run(
+        [sys.executable, "train.py", DEBUG, "--train.stpes=3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "train.steps" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_help_lists_every_key():
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0
+    for key in ("--train.global_batch_size", "--parallel.dp_shard", "--model.num_experts"):
+        assert key in proc.stdout
+
+
+def _losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_one_and_two_ranks_write_the_same_losses(tmp_path):
+    common = [
+        DEBUG,
+        "--train.steps=4",
+        "--train.warmup_steps=2",
+        "--data.max_tokens=200000",
+        "--metrics.log_interval=1",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    one = subprocess.run(
+        [sys.executable, "train.py", *common, f"--job.output_dir={tmp_path / 'one'}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py"]
+        + [*common, f"--job.output_dir={tmp_path / 'two'}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert two.returncode == 0, two.stderr
+    records = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= records[0].keys()
+    assert _losses(tmp_path / "two" / "metrics.jsonl") == pytest.approx(
+        _losses(tmp_path / "one" / "metrics.jsonl"), rel=1e-5
+    )
