@@ -226,4 +226,10 @@ class Trainer:
             self.history.append(record)
             if self.step % cfg.metrics.log_interval == 0 or self.step == cfg.train.steps:
                 self.logger.log(record)
+        if self.history:
+            first, last = self.history[0], self.history[-1]
+            self.logger.info(
+                f"done: loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
+                f"(step {last['step']})"
+            )
         return self.history
