@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from models.common.plan import ParallelPlan
+from parallelisms.mesh import Meshes
 from parallelisms.plan import match_modules
 
 
@@ -17,13 +18,18 @@ def mixed_precision_policy(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
-def apply_fsdp(
-    model: nn.Module, plan: ParallelPlan, dense_mesh: DeviceMesh, param_dtype: torch.dtype
-) -> None:
-    """Shard every block, then the root (embeddings, final norm, head) over `dense_mesh`.
+def _shard_dim1(_param: nn.Parameter) -> Shard:
+    return Shard(1)
 
-    With a 2-D mesh (dp_replicate, fsdp) this is HSDP: shard within a replica group,
-    all-reduce gradients across replicas.
+
+def apply_fsdp(
+    model: nn.Module, plan: ParallelPlan, meshes: Meshes, param_dtype: torch.dtype
+) -> None:
+    """Shard routers (fp32, with bf16), expert-parallel experts, every block, then the root.
+
+    Dense parameters shard over `meshes.dense` (HSDP when it is 2-D). Experts already
+    sharded on dim 0 by EP get their own units over `meshes.expert_fsdp` on dim 1, so the
+    two shardings compose into one DTensor.
     """
     policy = mixed_precision_policy(param_dtype)
     if param_dtype != torch.float32:
@@ -32,11 +38,20 @@ def apply_fsdp(
         fp32 = mixed_precision_policy(torch.float32)
         for pattern in plan.fp32_modules:
             for _, module in match_modules(model, pattern, "fp32_modules"):
-                fully_shard(module, mesh=dense_mesh, mp_policy=fp32)
-    for _, block in match_modules(model, plan.blocks, "blocks"):
-        fully_shard(block, mesh=dense_mesh, mp_policy=policy)
-    # NOTE: the root is not resharded after forward: backward needs it first anyway.
-    fully_shard(model, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=False)
+                fully_shard(module, mesh=meshes.dense, mp_policy=fp32)
+    expert_units: dict[str, nn.Module] = {}
+    if meshes.ep is not None:
+        for fqn, experts in match_modules(model, plan.routed_experts, "routed_experts"):
+            fully_shard(
+                experts, mesh=meshes.expert_fsdp, shard_placement_fn=_shard_dim1, mp_policy=policy
+            )
+            expert_units[fqn] = experts
+    blocks = match_modules(model, plan.blocks, "blocks")
+    for _, block in blocks:
+        fully_shard(block, mesh=meshes.dense, mp_policy=policy)
+    # NOTE: the root (embeddings, final norm, head) is not resharded after forward:
+    # backward needs it first anyway.
+    fully_shard(model, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=False)
 
     # The loss is already divided by the number of tokens in the global batch, so the
     # gradient reduction must sum, not average (DESIGN §6). Plain SUM collectives (no
@@ -45,3 +60,34 @@ def apply_fsdp(
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    if expert_units:
+        set_prefetch_chains(model, blocks, expert_units)
+
+
+def set_prefetch_chains(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]], expert_units: dict[str, nn.Module]
+) -> None:
+    """Explicit FSDP prefetch (DESIGN §7).
+
+    NOTE: why not FSDP's implicit prefetch: the dispatch needs the all-to-all split sizes on
+    the host (`.tolist()`), a device sync in the middle of every MoE block. Until it
+    returns, the CPU cannot issue the next unit's all-gather, so implicit overlap stops at
+    every MoE layer. Explicit lists make each block's pre-forward issue the next block's
+    (and its experts') all-gathers before the sync; backward is mirrored.
+
+    The chains are role-stable: a block prefetches the next block and then that block's
+    experts, always in this order, so with activation checkpointing the recomputation does
+    not keep extra all-gathers alive.
+    """
+
+    def units(i: int) -> list[nn.Module]:
+        fqn, block = blocks[i]
+        return [block] + [m for f, m in expert_units.items() if f.startswith(fqn + ".")]
+
+    model.set_modules_to_forward_prefetch(units(0))  # embeddings (root) -> block 0
+    model.set_modules_to_backward_prefetch(units(len(blocks) - 1))  # norm/head -> last block
+    for i, (_, block) in enumerate(blocks):
+        if i + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch(units(i + 1))
+        if i > 0:
+            block.set_modules_to_backward_prefetch(units(i - 1))

@@ -75,8 +75,13 @@ class ParallelDims:
 
 @dataclass
 class Meshes:
-    world: DeviceMesh  # dims (dp_replicate, dp_shard, cp)
+    world: DeviceMesh  # dims (dp_replicate, dp_shard, cp): the batch view
     dense: DeviceMesh  # FSDP of dense params: (fsdp,) or (dp_replicate, fsdp) for HSDP
+    # Routed experts, when ep > 1: `ep` shards dim 0 (EP), `expert_fsdp` shards dim 1
+    # ((efsdp,) or (dp_replicate, efsdp) for HSDP). Both are slices of one (dp_replicate,
+    # efsdp, ep) mesh, as FSDP2 requires for a parameter that is already a DTensor.
+    ep: DeviceMesh | None = None
+    expert_fsdp: DeviceMesh | None = None
 
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (dp_replicate-major)."""
@@ -94,4 +99,18 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     # does the same); it keeps every view a slice of the one world mesh.
     fsdp = world["dp_shard", "cp"]._flatten("fsdp")
     dense = world["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else fsdp
-    return Meshes(world=world, dense=dense)
+    meshes = Meshes(world=world, dense=dense)
+    if dims.ep > 1:
+        # NOTE: a second mesh over the same ranks in the same (row-major) order: ep groups
+        # are runs of consecutive ranks inside one fsdp group, so EP traffic stays as local
+        # (same node) as the fsdp group itself.
+        sparse = init_device_mesh(
+            device_type,
+            (dims.dp_replicate, dims.efsdp_size, dims.ep),
+            mesh_dim_names=("dp_replicate", "efsdp", "ep"),
+        )
+        meshes.ep = sparse["ep"]
+        meshes.expert_fsdp = (
+            sparse["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else sparse["efsdp"]
+        )
+    return meshes

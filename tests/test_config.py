@@ -329,7 +329,6 @@ def test_impossible_values(argv, expected):
     ("arg", "expected"),
     [
         ("--parallel.cp=2", "parallel.cp = 2: context parallelism is not available"),
-        ("--parallel.ep=4", "parallel.ep = 4: expert parallelism is not available"),
         ("--checkpoint.interval=10", "checkpoint.interval = 10: checkpointing is not available"),
     ],
 )

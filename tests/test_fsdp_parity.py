@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from models import get_model_spec
+from models.common.moe import load_balancing_loss
 from parallelisms.mesh import ParallelDims
 from tests.distributed import run_distributed
 from trainer.config import load_config
@@ -86,7 +87,7 @@ def _reference(argv: list[str]) -> list[dict]:
         for mb in micro:
             out = model(mb["input_ids"], mb["position_ids"])
             ce = F.cross_entropy(out.logits.flatten(0, 1), mb["labels"].flatten(), reduction="sum")
-            aux = out.aux_loss
+            aux = load_balancing_loss(out.router_stats, cfg.model.args.num_experts)
             (ce / n_tokens + cfg.model.args.router_aux_loss_coef * aux / n_micro).backward()
             total_ce, total_aux = total_ce + ce.item(), total_aux + aux.item()
         grads = {n: q.grad.detach().clone() for n, q in model.named_parameters()}

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 
 from models import get_model_spec  # noqa: E402
+from models.common.moe import MoEOptions, load_balancing_loss  # noqa: E402
 from models.qwen3_moe.hf import HFFormatError, args_from_hf_config, load_hf_config  # noqa: E402
 from trainer.hf_io import load_hf_weights, save_hf_checkpoint  # noqa: E402
 
@@ -50,7 +51,7 @@ def _hf_model(overrides: dict, seed: int = 0):
 
 def _ours_from_dir(model_dir: str):
     args = load_hf_config(model_dir)
-    model = SPEC.model_cls(args, gemm="loop")
+    model = SPEC.model_cls(args, MoEOptions(gemm="loop"))
     load_hf_weights(model, SPEC.hf_adapter, args, model_dir)
     return model.eval()
 
@@ -58,8 +59,8 @@ def _ours_from_dir(model_dir: str):
 def _our_loss(model, input_ids, labels):
     out = model(input_ids)
     ce = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-    aux = out.aux_loss if out.aux_loss is not None else torch.zeros(())
-    return out.logits, out.aux_loss, ce + model.args.router_aux_loss_coef * aux
+    aux = load_balancing_loss(out.router_stats, model.args.num_experts)
+    return out.logits, aux, ce + model.args.router_aux_loss_coef * aux
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -78,8 +79,7 @@ def test_logits_and_loss_match_transformers(case, tmp_path):
         logits, aux, our_loss = _our_loss(ours, input_ids, shifted)
 
     torch.testing.assert_close(logits, hf_out.logits, rtol=1e-4, atol=1e-4)
-    if hf_out.aux_loss is not None and aux is not None:
-        torch.testing.assert_close(aux, hf_out.aux_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(aux, hf_out.aux_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(our_loss, hf_out.loss, rtol=1e-4, atol=1e-5)
 
 

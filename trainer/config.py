@@ -115,6 +115,29 @@ class ParallelSection:
 
 
 @dataclass
+class MoESection:
+    aux_loss_mode: str = _h(
+        "micro_batch",
+        "micro_batch (load-balancing statistics of each rank's forward) | global_batch "
+        "(statistics summed over all data-parallel ranks of the same accumulation round)",
+        choices=("micro_batch", "global_batch"),
+    )
+    capacity_factor: float | None = _h(
+        None, "GShard-style expert capacity (tokens beyond it are dropped); None = drop-less"
+    )
+    gemm: str = _h(
+        "auto",
+        "expert GEMM: auto (torch._grouped_mm where supported) | grouped_mm | loop",
+        choices=("auto", "grouped_mm", "loop"),
+    )
+    dispatcher: str = _h(
+        "all_to_all",
+        "token dispatch over the ep ranks (all_to_all: variable-split all-to-all)",
+        choices=("all_to_all",),
+    )
+
+
+@dataclass
 class CheckpointSection:
     interval: int = _h(0, "save every N steps (0 = no checkpoints)")
     resume: str = _h("auto", "auto (newest complete checkpoint) | none | PATH")
@@ -126,6 +149,9 @@ class CheckpointSection:
 class MetricsSection:
     log_interval: int = _h(1, "log every N steps to the console and metrics.jsonl")
     jsonl: bool = _h(True, "append each logged step to <job.output_dir>/metrics.jsonl")
+    expert_load_interval: int = _h(
+        10, "every N steps, log tokens per expert of each MoE layer to metrics.jsonl (0 = never)"
+    )
     progress: bool = _h(True, "show a progress bar with ETA on rank 0")
 
 
@@ -136,6 +162,7 @@ class JobConfig:
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    moe: MoESection = field(default_factory=MoESection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
 
@@ -368,6 +395,12 @@ def validate(cfg: JobConfig) -> None:
     need(t.eps > 0, f"train.eps must be > 0, got {t.eps}")
     need(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
     need(t.max_grad_norm >= 0, f"train.max_grad_norm must be >= 0 (0 = off), got {t.max_grad_norm}")
+    cf = cfg.moe.capacity_factor
+    need(cf is None or cf > 0, f"moe.capacity_factor must be > 0 or none (drop-less), got {cf}")
+    need(
+        cfg.metrics.expert_load_interval >= 0,
+        f"metrics.expert_load_interval must be >= 0, got {cfg.metrics.expert_load_interval}",
+    )
     need(
         t.micro_batch_size < 1 or t.global_batch_size % t.micro_batch_size == 0,
         f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
@@ -403,8 +436,6 @@ def _not_available_yet(cfg: JobConfig) -> list[str]:
     problems = []
     if p.cp > 1:
         problems.append(f"parallel.cp = {p.cp}: context parallelism {todo}; set it to 1")
-    if p.ep > 1:
-        problems.append(f"parallel.ep = {p.ep}: expert parallelism {todo}; set it to 1")
     if interval > 0:
         problems.append(f"checkpoint.interval = {interval}: checkpointing {todo}; set it to 0")
     return problems

@@ -17,10 +17,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from models import get_model_spec
+from models.common.moe import MoEOptions, RouterStats, load_balancing_loss
 from parallelisms.clip import clip_grad_norm_
-from parallelisms.fsdp import apply_fsdp
 from parallelisms.init import init_weights_global
 from parallelisms.mesh import LayoutError, ParallelDims, build_meshes
+from parallelisms.parallelize import check_layout, parallelize
 from trainer.config import JobConfig
 from trainer.data import IGNORE_INDEX, DataError, build_dataloader, build_tokenizer
 from trainer.hf_io import load_hf_weights
@@ -52,6 +53,9 @@ def resolve_model_args(cfg: JobConfig) -> None:
 def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
     """Checks that need more than the config alone, before any process group exists."""
     resolve_model_args(cfg)
+    spec = get_model_spec(cfg.model.name)
+    with torch.device("meta"):
+        check_layout(spec.model_cls(cfg.model.args), spec.plan, dims)
     t = cfg.train
     if t.global_batch_size % (t.micro_batch_size * dims.dp_size):
         raise LayoutError(
@@ -103,10 +107,11 @@ class Trainer:
         bf16 = cfg.train.mixed_precision == "bf16" or (
             cfg.train.mixed_precision == "auto" and self.device.type == "cuda"
         )
+        moe_options = MoEOptions(gemm=cfg.moe.gemm, capacity_factor=cfg.moe.capacity_factor)
         with torch.device("meta"):
-            self.model = spec.model_cls(self.args)
-        apply_fsdp(
-            self.model, spec.plan, self.meshes.dense, torch.bfloat16 if bf16 else torch.float32
+            self.model = spec.model_cls(self.args, moe_options)
+        self.dispatchers = parallelize(
+            self.model, spec.plan, self.meshes, torch.bfloat16 if bf16 else torch.float32
         )
         self.model.to_empty(device=self.device)
         if cfg.model.init_from_hf:
@@ -139,18 +144,36 @@ class Trainer:
         dist.all_reduce(t)  # over the world: every rank holds a distinct part of the batch
         return t
 
+    def _aux_loss(self, stats: RouterStats, rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(term added to this rank's loss, aux value logged) for one forward.
+
+        micro_batch: each forward's own statistics; the loss of the step is the mean over
+        all forwards of all data-parallel ranks. global_batch: assignment counts summed over
+        the data-parallel ranks of the same accumulation round, so the value is that of one
+        device running their union; each rank adds its share (see load_balancing_loss).
+        """
+        num_experts = stats.prob_sum.shape[1]
+        if self.cfg.moe.aux_loss_mode == "global_batch":
+            counts = self._all_reduce(stats.tokens_per_expert.sum(0))
+            rows = stats.prob_sum.shape[0] * stats.num_tokens * self.dims.dp_size
+            share = load_balancing_loss(stats, num_experts, counts, rows)
+            return share / rounds, share.detach()
+        aux = load_balancing_loss(stats, num_experts)
+        return aux / (rounds * self.dims.dp_size), aux.detach()
+
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict:
         """Accumulate the gradients of this rank's micro-batches of one global batch.
 
-        Returns the step's global mean token loss and mean aux loss (all ranks agree).
+        Returns the step's global mean token loss and aux loss (all ranks agree) and the
+        tokens routed to each expert ([L, E], this rank, summed over micro-batches).
         """
         coef = getattr(self.args, "router_aux_loss_coef", 0.0)
         local_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches)
         num_tokens = self._all_reduce(local_tokens.to(self.device, torch.float32))
-        micro_batches_global = len(micro_batches) * self.dims.dp_size
+        rounds = len(micro_batches)
 
-        sums = torch.zeros(2, device=self.device)  # [sum of token losses, sum of aux losses]
-        has_aux = False
+        sums = torch.zeros(2, device=self.device)  # [sum of token losses, sum of aux values]
+        expert_load = None
         for mb in micro_batches:
             out = self.model(mb["input_ids"], mb["position_ids"])
             ce_sum = F.cross_entropy(
@@ -160,19 +183,23 @@ class Trainer:
                 reduction="sum",
             )
             loss = ce_sum / num_tokens
-            if out.aux_loss is not None:
-                # The aux loss is a per-forward mean: weight each micro-batch equally.
-                loss = loss + coef * out.aux_loss / micro_batches_global
-                sums[1] += out.aux_loss.detach()
-                has_aux = True
+            if out.router_stats is not None:
+                aux_term, aux_value = self._aux_loss(out.router_stats, rounds)
+                loss = loss + coef * aux_term
+                sums[1] += aux_value
+                load = out.router_stats.tokens_per_expert
+                expert_load = load if expert_load is None else expert_load + load
             loss.backward()
             sums[0] += ce_sum.detach()
 
         self._all_reduce(sums)
+        global_aux = self.cfg.moe.aux_loss_mode == "global_batch"
+        aux_div = rounds if global_aux else rounds * self.dims.dp_size
         return {
             "loss": (sums[0] / num_tokens).item(),
-            "aux_loss": (sums[1] / micro_batches_global).item() if has_aux else None,
+            "aux_loss": (sums[1] / aux_div).item() if expert_load is not None else None,
             "tokens": int(num_tokens.item()),
+            "expert_load": expert_load,
         }
 
     def optimizer_step(self) -> dict:
@@ -187,8 +214,17 @@ class Trainer:
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict:
         """One optimizer step over this rank's micro-batches of the global batch."""
-        losses = self.forward_backward(micro_batches)
-        return {**self.optimizer_step(), **losses}
+        record = self.forward_backward(micro_batches)
+        record.update(self.optimizer_step())
+        load = record.pop("expert_load")
+        interval = self.cfg.metrics.expert_load_interval
+        if load is not None and interval and self.step % interval == 0:
+            load = self._all_reduce(load.clone())  # [L, E] over the whole global batch
+            record["expert_load"] = load.int().tolist()
+            record["expert_load_max_over_mean"] = (load.max(1).values / load.mean(1)).tolist()
+        if self.dispatchers:
+            record["a2a_bytes"] = sum(d.reset_bytes() for d in self.dispatchers)
+        return record
 
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches of the next global batch, on the training device."""
@@ -204,7 +240,8 @@ class Trainer:
         n_params = sum(p.numel() for p in self.model.parameters())
         self.logger.info(
             f"{cfg.model.name}: {n_params / 1e6:.2f}M params | world {self.dims.world_size} "
-            f"(dp_replicate {self.dims.dp_replicate}, dp_shard {self.dims.dp_shard}) | "
+            f"(dp_replicate {self.dims.dp_replicate}, dp_shard {self.dims.dp_shard}, "
+            f"ep {self.dims.ep}) | "
             f"global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens, "
             f"micro {cfg.train.micro_batch_size}, grad accum {self.grad_accum} | {self.device}"
         )

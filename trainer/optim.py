@@ -6,22 +6,28 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainer.config import TrainSection
 
 
 def build_optimizer(model: nn.Module, cfg: TrainSection) -> torch.optim.AdamW:
-    """AdamW; 1-D parameters (norm weights, biases) get no weight decay."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+    """AdamW; 1-D parameters (norm weights, biases) get no weight decay.
+
+    NOTE: parameters are grouped by device mesh too: the foreach kernels take one list per
+    group, and DTensor refuses one op over tensors of different meshes (dense params live
+    on the FSDP mesh, routed experts on the (efsdp, ep) mesh).
+    """
+    groups: dict[tuple, list[nn.Parameter]] = {}
+    for p in model.parameters():
+        mesh = p.device_mesh if isinstance(p, DTensor) else None
+        groups.setdefault((p.ndim >= 2, mesh), []).append(p)
+    param_groups = [
+        {"params": params, "weight_decay": cfg.weight_decay if decay else 0.0}
+        for (decay, _), params in groups.items()
     ]
-    # NOTE: foreach=True works on DTensor parameters of different meshes: the ops run on
-    # local shards, which is all AdamW needs (it is elementwise).
     return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True
+        param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True
     )
 
 

@@ -8,6 +8,8 @@ rank owning each expert (all-to-all) and back, while this file stays mesh-agnost
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -17,11 +19,20 @@ from torch.distributed.tensor import DTensor
 
 
 class RouterStats(NamedTuple):
-    """What one MoE layer saw, for load balancing and logging."""
+    """What MoE layers saw, for load balancing and logging: [E] for one layer, [L, E] for a
+    model's L MoE layers stacked."""
 
-    tokens_per_expert: torch.Tensor  # [E] float, top-k assignments per expert (no grad)
-    prob_sum: torch.Tensor  # [E] fp32, router probabilities summed over tokens (has grad)
-    num_tokens: int
+    tokens_per_expert: torch.Tensor  # float, top-k assignments per expert (no grad)
+    prob_sum: torch.Tensor  # fp32, router probabilities summed over tokens (has grad)
+    num_tokens: int  # tokens each layer routed
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    """Run-time choices of the MoE layers that do not change the weights."""
+
+    gemm: str = "auto"  # see grouped_mm
+    capacity_factor: float | None = None  # None: drop-less
 
 
 def _grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -110,13 +121,15 @@ class MoE(nn.Module):
         num_experts: int,
         top_k: int,
         norm_topk_prob: bool,
-        gemm: str = "auto",
+        options: MoEOptions | None = None,
     ) -> None:
         super().__init__()
+        options = options or MoEOptions()
         self.num_experts = num_experts
         self.top_k = top_k
+        self.capacity_factor = options.capacity_factor
         self.gate = TopKRouter(dim, num_experts, top_k, norm_topk_prob)
-        self.experts = GroupedExperts(num_experts, dim, hidden_dim, gemm)
+        self.experts = GroupedExperts(num_experts, dim, hidden_dim, options.gemm)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         shape = x.shape
@@ -126,25 +139,56 @@ class MoE(nn.Module):
         # Permute the T*k (token, expert) assignments expert-major.
         flat_experts = top_experts.reshape(-1)  # [T*k]
         order = torch.argsort(flat_experts, stable=True)  # assignment ids, expert-major
-        token_of = order // self.top_k  # [T*k] source token of each sorted assignment
         tokens_per_expert = torch.bincount(flat_experts, minlength=self.num_experts)
+        stats = RouterStats(tokens_per_expert.detach().float(), probs.sum(dim=0), x.shape[0])
+        if self.capacity_factor is not None:
+            order, tokens_per_expert = self._drop_over_capacity(order, tokens_per_expert)
+        token_of = order // self.top_k  # source token of each sorted assignment
 
-        y_sorted = self.experts(x[token_of], tokens_per_expert)  # [T*k, dim]
+        y_sorted = self.experts(x[token_of], tokens_per_expert)  # [assignments, dim]
         y_sorted = y_sorted * top_weights.reshape(-1)[order, None].to(y_sorted.dtype)
         y = torch.zeros_like(x).index_add_(0, token_of, y_sorted)  # un-permute and sum over k
-
-        stats = RouterStats(tokens_per_expert.detach().float(), probs.sum(dim=0), x.shape[0])
         return y.reshape(shape), stats
 
+    def _drop_over_capacity(
+        self, order: torch.Tensor, tokens_per_expert: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """GShard capacity: each expert keeps its first ceil(cf * T * k / E) assignments in
+        token order; the rest are dropped (the residual stream carries those tokens)."""
+        capacity = math.ceil(self.capacity_factor * order.numel() / self.num_experts)
+        starts = torch.cumsum(tokens_per_expert, 0) - tokens_per_expert  # [E]
+        expert_of = torch.repeat_interleave(tokens_per_expert)  # expert of each sorted slot
+        rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[expert_of]
+        return order[rank_in_expert < capacity], tokens_per_expert.clamp(max=capacity)
 
-def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:
+
+def stack_stats(per_layer: list[RouterStats]) -> RouterStats:
+    """Per-layer stats -> one RouterStats with [L, E] tensors."""
+    return RouterStats(
+        torch.stack([s.tokens_per_expert for s in per_layer]),
+        torch.stack([s.prob_sum for s in per_layer]),
+        per_layer[0].num_tokens,
+    )
+
+
+def load_balancing_loss(
+    stats: RouterStats,
+    num_experts: int,
+    batch_counts: torch.Tensor | None = None,
+    batch_rows: float | None = None,
+) -> torch.Tensor:
     """Switch/GShard auxiliary loss, E * sum_e f_e * P_e, over all MoE layers at once.
 
     f_e is the fraction of (token, top-k slot) assignments that went to expert e and P_e the
     mean router probability of e, both pooled over the layers' tokens as Hugging Face's
     `load_balancing_loss_func` does (so the value matches transformers exactly).
+
+    For a batch spread over ranks, pass `batch_counts` ([E], assignments summed over the
+    layers and the ranks) and `batch_rows` (layer-token rows over the ranks): the result is
+    this rank's share, and the shares of all ranks sum to the loss of the whole batch
+    (the loss is linear in the probabilities, and f carries no gradient).
     """
-    rows = sum(s.num_tokens for s in stats)
-    counts = torch.stack([s.tokens_per_expert for s in stats]).sum(0)  # [E]
-    prob_sum = torch.stack([s.prob_sum for s in stats]).sum(0)  # [E]
-    return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
+    layers = stats.prob_sum.shape[0]
+    rows = batch_rows if batch_rows is not None else layers * stats.num_tokens
+    counts = batch_counts if batch_counts is not None else stats.tokens_per_expert.sum(0)
+    return num_experts * torch.sum((counts / rows) * (stats.prob_sum.sum(0) / rows))

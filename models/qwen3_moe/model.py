@@ -19,7 +19,7 @@ from torch import nn
 from models.common.attention import AttentionCore
 from models.common.init import param_generator
 from models.common.mlp import SwiGLU
-from models.common.moe import MoE, RouterStats, load_balancing_loss
+from models.common.moe import MoE, MoEOptions, RouterStats, stack_stats
 from models.common.norm import RMSNorm
 from models.common.rope import apply_rope, rope_cos_sin
 from models.qwen3_moe.args import Qwen3MoeArgs
@@ -27,8 +27,9 @@ from models.qwen3_moe.args import Qwen3MoeArgs
 
 class CausalLMOutput(NamedTuple):
     logits: torch.Tensor  # [B, S, vocab]
-    aux_loss: torch.Tensor | None  # load-balancing loss (unweighted), None without MoE layers
-    expert_load: torch.Tensor | None  # [moe_layers, E] tokens routed to each expert
+    # Routing statistics of the MoE layers stacked ([L, E]); None without MoE layers. The
+    # trainer turns them into the load-balancing loss (per forward or per global batch).
+    router_stats: RouterStats | None
 
 
 class Attention(nn.Module):
@@ -54,7 +55,7 @@ class Attention(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, args: Qwen3MoeArgs, layer_idx: int, gemm: str = "auto") -> None:
+    def __init__(self, args: Qwen3MoeArgs, layer_idx: int, moe_options: MoEOptions) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args)
@@ -66,7 +67,7 @@ class DecoderBlock(nn.Module):
                 args.num_experts,
                 args.num_experts_per_tok,
                 args.norm_topk_prob,
-                gemm,
+                moe_options,
             )
         else:
             self.mlp = SwiGLU(args.hidden_size, args.intermediate_size)
@@ -83,12 +84,13 @@ class DecoderBlock(nn.Module):
 
 
 class Qwen3MoeForCausalLM(nn.Module):
-    def __init__(self, args: Qwen3MoeArgs, gemm: str = "auto") -> None:
+    def __init__(self, args: Qwen3MoeArgs, moe_options: MoEOptions | None = None) -> None:
         super().__init__()
+        moe_options = moe_options or MoEOptions()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderBlock(args, i, gemm) for i in range(args.num_hidden_layers)
+            DecoderBlock(args, i, moe_options) for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         # NOTE: tied embeddings reuse embed_tokens.weight in forward instead of sharing one
@@ -120,11 +122,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         logits = (
             self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed_tokens.weight)
         )
-        if not all_stats:
-            return CausalLMOutput(logits, None, None)
-        aux_loss = load_balancing_loss(all_stats, self.args.num_experts)
-        expert_load = torch.stack([s.tokens_per_expert for s in all_stats])
-        return CausalLMOutput(logits, aux_loss, expert_load)
+        return CausalLMOutput(logits, stack_stats(all_stats) if all_stats else None)
 
     # ---- initialisation -------------------------------------------------------------
     def reset_parameter(

@@ -1,0 +1,136 @@
+"""Expert parallelism: routed experts sharded on dim 0 over `ep`, tokens moved by all-to-all.
+
+The model's experts module takes tokens sorted expert-major plus the count per expert
+(`models.common.moe.GroupedExperts`). EP wraps it from outside with two hooks:
+
+    pre-forward:  (x_sorted [N, H], counts [E]) -> dispatch -> (x_local [N', H], counts [E/ep])
+    post-forward: y_local [N', H] -> combine -> y_sorted [N, H]   (same order as x_sorted)
+
+Drop-less: the all-to-all carries exactly the (token, expert) assignments whose expert
+lives on another rank, with variable splits and no padding.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+
+class TokenDispatcher(Protocol):
+    """Moves expert-major tokens to the ranks that own their experts, and back.
+
+    `all_to_all` is the default implementation; a DeepEP one plugs in behind the same two
+    calls. `bytes_sent` counts what this rank sent (forward and backward) since the last reset.
+    """
+
+    bytes_sent: int
+
+    def dispatch(
+        self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def combine(self, y_local: torch.Tensor) -> torch.Tensor: ...
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with variable splits; its gradient is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, counter):
+        ctx.splits, ctx.group, ctx.counter = (out_splits, in_splits), group, counter
+        counter.count(in_splits, x)
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        ctx.counter.count(out_splits, grad)
+        grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None, None
+
+
+def _source_major_to_expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
+    """Row permutation that reorders received tokens from (source rank, local expert) order
+    to (local expert, source rank) order. recv_counts: [ep, E_local]."""
+    flat = recv_counts.flatten()  # chunk sizes in arrival order
+    starts = torch.cumsum(flat, 0) - flat  # where each chunk starts in arrival order
+    sizes = recv_counts.t().flatten()  # chunk sizes in expert-major order
+    chunk_starts = starts.view_as(recv_counts).t().flatten()
+    chunk_of_row = torch.repeat_interleave(torch.arange(sizes.numel(), device=flat.device), sizes)
+    row_in_chunk = (
+        torch.arange(int(sizes.sum()), device=flat.device)
+        - (torch.cumsum(sizes, 0) - sizes)[chunk_of_row]
+    )
+    return chunk_starts[chunk_of_row] + row_in_chunk
+
+
+class AllToAllDispatcher:
+    def __init__(self, ep_mesh: DeviceMesh, num_experts: int) -> None:
+        self.group = ep_mesh.get_group()
+        self.ep = ep_mesh.size()
+        self.rank = ep_mesh.get_local_rank()
+        self.local_experts = num_experts // self.ep
+        self.bytes_sent = 0
+        self._pending: list[tuple] = []  # per in-flight forward: (perm, send, recv) splits
+
+    def count(self, splits: list[int], x: torch.Tensor) -> None:
+        """Bytes this rank sends to the others (its own chunk stays local)."""
+        rows = sum(splits) - splits[self.rank]
+        self.bytes_sent += rows * x[0:1].numel() * x.element_size() if x.numel() else 0
+
+    def dispatch(
+        self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        send_counts = tokens_per_expert.view(self.ep, self.local_experts)  # [dest rank, expert]
+        recv_counts = torch.empty_like(send_counts)  # [source rank, local expert]
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
+        # NOTE: the host needs the split sizes: this is the device sync that breaks FSDP's
+        # implicit prefetch (see parallelisms/fsdp.py).
+        send_splits = send_counts.sum(1).tolist()
+        recv_splits = recv_counts.sum(1).tolist()
+        x_recv = _AllToAll.apply(x_sorted, recv_splits, send_splits, self.group, self)
+        perm = _source_major_to_expert_major(recv_counts)
+        self._pending.append((perm, send_splits, recv_splits))
+        return x_recv[perm], recv_counts.sum(0)
+
+    def combine(self, y_local: torch.Tensor) -> torch.Tensor:
+        perm, send_splits, recv_splits = self._pending.pop()
+        y_recv = torch.empty_like(y_local).index_copy(0, perm, y_local)  # back to arrival order
+        return _AllToAll.apply(y_recv, send_splits, recv_splits, self.group, self)
+
+    def reset_bytes(self) -> int:
+        sent, self.bytes_sent = self.bytes_sent, 0
+        return sent
+
+
+def apply_expert_parallel(experts: nn.Module, ep_mesh: DeviceMesh) -> AllToAllDispatcher:
+    """Shard the stacked expert weights on dim 0 over `ep_mesh` and route tokens to them.
+
+    Parameters become DTensors `Shard(0)` (global shapes kept: checkpoints and clipping see
+    the truth); FSDP later adds `Shard(1)` on `efsdp` on top.
+    """
+    num_experts = None
+    for name, param in list(experts.named_parameters(recurse=False)):
+        num_experts = param.shape[0]
+        sharded = nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]))
+        experts.register_parameter(name, sharded)
+    dispatcher = AllToAllDispatcher(ep_mesh, num_experts)
+
+    def pre_hook(_module, args):
+        x_sorted, tokens_per_expert = args
+        return dispatcher.dispatch(x_sorted, tokens_per_expert)
+
+    def post_hook(_module, _args, y_local):
+        return dispatcher.combine(y_local)
+
+    experts.register_forward_pre_hook(pre_hook)
+    experts.register_forward_hook(post_hook)
+    return dispatcher

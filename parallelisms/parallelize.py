@@ -1,0 +1,48 @@
+"""Apply a model's parallel plan: expert parallelism, then FSDP2 (DESIGN §4-§7, §9)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.common.plan import ParallelPlan
+from parallelisms.expert_parallel import TokenDispatcher, apply_expert_parallel
+from parallelisms.fsdp import apply_fsdp
+from parallelisms.mesh import LayoutError, Meshes, ParallelDims
+from parallelisms.plan import match_modules
+
+
+def parallelize(
+    model: nn.Module, plan: ParallelPlan, meshes: Meshes, param_dtype: torch.dtype
+) -> list[TokenDispatcher]:
+    """Shard `model` (on the meta device) in place; returns the EP dispatchers (one per MoE
+    layer, empty without EP) so the trainer can read their all-to-all volume."""
+    dispatchers = []
+    if meshes.ep is not None:
+        for _, experts in match_modules(model, plan.routed_experts, "routed_experts"):
+            dispatchers.append(apply_expert_parallel(experts, meshes.ep))
+    apply_fsdp(model, plan, meshes, param_dtype)
+    return dispatchers
+
+
+def check_layout(model: nn.Module, plan: ParallelPlan, dims: ParallelDims) -> None:
+    """Refuse a layout this model cannot take, from a meta-device instance (no memory, no
+    process group): every plan pattern must match, and the expert shards must be even."""
+    match_modules(model, plan.blocks, "blocks")
+    if dims.ep == 1:
+        return
+    if plan.routed_experts is None:
+        raise LayoutError(f"parallel.ep={dims.ep}, but this model's plan names no routed experts")
+    for fqn, experts in match_modules(model, plan.routed_experts, "routed_experts"):
+        for name, param in experts.named_parameters():
+            if param.shape[0] % dims.ep:
+                raise LayoutError(
+                    f"{param.shape[0]} experts ({fqn}.{name}) cannot be split evenly over "
+                    f"parallel.ep={dims.ep}; choose an ep that divides the number of experts"
+                )
+            if param.shape[1] % dims.efsdp_size:
+                raise LayoutError(
+                    f"dim 1 of {fqn}.{name} ({param.shape[1]}) is not divisible by the expert "
+                    f"FSDP degree dp_shard*cp/ep = {dims.efsdp_size}; change parallel.ep or "
+                    "parallel.dp_shard"
+                )
