@@ -73,36 +73,42 @@ def _losses(path: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
 
 
+def _run(args: list[str], out_dir: Path, nproc: int = 1) -> list[dict]:
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    proc = subprocess.run(
+        [*launcher, "train.py", *args, f"--job.output_dir={out_dir}"],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
-def test_one_and_two_ranks_write_the_same_losses(tmp_path):
+def test_one_two_and_four_ranks_with_ep_write_the_same_losses(tmp_path):
     common = [
         DEBUG,
         "--train.steps=4",
         "--train.warmup_steps=2",
         "--data.max_tokens=200000",
         "--metrics.log_interval=1",
+        "--metrics.expert_load_interval=2",
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    one = subprocess.run(
-        [sys.executable, "train.py", *common, f"--job.output_dir={tmp_path / 'one'}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert one.returncode == 0, one.stderr
-    two = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py"]
-        + [*common, f"--job.output_dir={tmp_path / 'two'}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert two.returncode == 0, two.stderr
-    records = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= records[0].keys()
-    assert _losses(tmp_path / "two" / "metrics.jsonl") == pytest.approx(
-        _losses(tmp_path / "one" / "metrics.jsonl"), rel=1e-5
-    )
+    one = _run(common, tmp_path / "one")
+    two = _run(common, tmp_path / "two", nproc=2)
+    four_ep = _run(common + ["--parallel.ep=2"], tmp_path / "four_ep", nproc=4)
+    assert [r["step"] for r in two] == [1, 2, 3, 4]
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= two[0].keys()
+    losses = [r["loss"] for r in one]
+    assert [r["loss"] for r in two] == pytest.approx(losses, rel=1e-5)
+    assert [r["loss"] for r in four_ep] == pytest.approx(losses, rel=1e-5)
+    assert all(r["a2a_bytes"] > 0 for r in four_ep) and "a2a_bytes" not in one[0]
+    # Expert load: every MoE layer's counts cover the whole global batch (16 x 128 x top-2).
+    assert "expert_load" not in one[0] and len(one[1]["expert_load"]) == 3
+    for run in (one, four_ep):
+        assert all(sum(layer) == 16 * 128 * 2 for layer in run[1]["expert_load"])
+    assert one[1]["expert_load"] == four_ep[1]["expert_load"]

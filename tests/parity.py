@@ -1,0 +1,198 @@
+"""Layout-equivalence harness: a parallel run on real gloo ranks vs one plain process.
+
+The reference is independent of the parallel code: an unsharded model, torch's own
+clip_grad_norm_, the global batch read through a one-rank sampler, fp32. Both sides may
+install the same routing override (forward hooks on the routers, plain PyTorch API) to
+force a badly imbalanced routing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from models import get_model_spec
+from models.common.moe import TopKRouter, load_balancing_loss
+from parallelisms.mesh import ParallelDims
+from trainer.config import load_config
+from trainer.data import IGNORE_INDEX, GlobalBatchSampler, build_dataset, build_tokenizer
+from trainer.optim import build_optimizer, build_scheduler
+
+STEPS = 3
+TINY = [
+    "--config=configs/debug_qwen3_moe.toml",
+    "--model.hidden_size=64",
+    "--model.num_hidden_layers=3",
+    "--model.moe_intermediate_size=32",
+    "--model.intermediate_size=96",
+    "--model.head_dim=16",
+    "--model.router_aux_loss_coef=0.05",
+    "--data.seq_len=32",
+    "--data.max_tokens=60000",
+    "--train.global_batch_size=8",
+    "--train.micro_batch_size=2",
+    "--train.warmup_steps=1",
+    "--train.max_grad_norm=0.5",  # small enough that clipping is active
+    # Adam's first update is ~lr * g / (|g| + eps): for |g| near eps it turns fp32 round-off
+    # into lr-sized parameter differences. A larger eps keeps the update smooth in g, so
+    # parameters compare as tightly as the gradients that produced them.
+    "--train.eps=1e-4",
+    "--metrics.jsonl=false",
+    "--metrics.progress=false",
+]
+
+
+def _skew_routing(router: nn.Module, _inputs, out):
+    """Send every token only to experts 0..2 (a routing no load balancer would allow)."""
+    probs, weights, experts = out
+    return probs, weights, experts % 3
+
+
+def install_routing(model: nn.Module, routing: str | None) -> None:
+    if routing == "skewed":
+        for module in model.modules():
+            if isinstance(module, TopKRouter):
+                module.register_forward_hook(_skew_routing)
+
+
+class RemoteAssignmentCounter:
+    """Counts, from the routers' own outputs, (token, expert) assignments whose expert
+    lives on another ep rank: the rows the dispatch must send."""
+
+    def __init__(self, model: nn.Module, ep: int, ep_rank: int, num_experts: int) -> None:
+        self.remote = 0
+        local = num_experts // ep
+        for module in model.modules():
+            if isinstance(module, TopKRouter):
+                module.register_forward_hook(self._hook)
+        self._owner = lambda e: e // local
+        self._rank = ep_rank
+
+    def _hook(self, _router, _inputs, out) -> None:
+        self.remote += int((self._owner(out[2]) != self._rank).sum())
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing: str | None):
+    from trainer.loop import Trainer, preflight
+
+    cfg = load_config(argv)
+    p = cfg.parallel
+    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
+    preflight(cfg, dims)
+    trainer = Trainer(cfg, dims)
+    install_routing(trainer.model, routing)
+    counter = None
+    if dims.ep > 1:
+        ep_rank = trainer.meshes.ep.get_local_rank()
+        counter = RemoteAssignmentCounter(
+            trainer.model, dims.ep, ep_rank, cfg.model.args.num_experts
+        )
+    # Gradients as the optimizer sees them (after clipping), captured by a pre-step hook, so
+    # the step itself runs through trainer.train_step: its record is what metrics.jsonl gets.
+    seen = {}
+    trainer.optimizer.register_step_pre_hook(
+        lambda *_: seen.update(
+            grads={n: _full(q.grad) for n, q in trainer.model.named_parameters()}
+        )
+    )
+    records = []
+    for _ in range(STEPS):
+        out = trainer.train_step(trainer.next_micro_batches())
+        out["grads"] = seen["grads"]
+        out["params"] = {n: _full(q) for n, q in trainer.model.named_parameters()}
+        if counter is not None:
+            # Per MoE layer and step: dispatch + combine, forward + backward, fp32 rows.
+            out["a2a_expected"] = 4 * counter.remote * cfg.model.args.hidden_size * 4
+            counter.remote = 0
+        records.append(out)
+    gathered = [None] * world
+    dist.all_gather_object(
+        gathered, [{k: r.get(k) for k in ("a2a_bytes", "a2a_expected")} for r in records]
+    )
+    if rank == 0:
+        torch.save({"records": records, "per_rank": gathered}, out_path)
+    dist.destroy_process_group()
+
+
+def reference_run(argv: list[str], dp_size: int, routing: str | None = None) -> list[dict]:
+    """The same training on one process, written without any of the parallel code.
+
+    With moe.aux_loss_mode=global_batch, the aux loss of accumulation round a is computed on
+    the union of round a's micro-batches of all `dp_size` ranks, in one forward.
+    """
+    cfg = load_config(argv)
+    spec = get_model_spec(cfg.model.name)
+    model = spec.model_cls(cfg.model.args)
+    model.init_weights(cfg.train.seed)
+    install_routing(model, routing)
+    opt = build_optimizer(model, cfg.train)
+    sched = build_scheduler(opt, cfg.train)
+    t, num_experts = cfg.train, cfg.model.args.num_experts
+    dataset = build_dataset(cfg.data, build_tokenizer(cfg.data))
+    sampler = iter(
+        GlobalBatchSampler(
+            len(dataset), t.global_batch_size, t.micro_batch_size, 0, 1, t.seed, True
+        )
+    )
+    n_micro = t.global_batch_size // t.micro_batch_size
+    rounds = n_micro // dp_size
+    records = []
+    for _ in range(STEPS):
+        micro = [[dataset[i] for i in next(sampler)] for _ in range(n_micro)]
+        if cfg.moe.aux_loss_mode == "global_batch":  # rank r's round a is micro[r * rounds + a]
+            forwards = [
+                sum((micro[r * rounds + a] for r in range(dp_size)), []) for a in range(rounds)
+            ]
+        else:
+            forwards = micro
+        forwards = [{k: torch.stack([s[k] for s in fw]) for k in fw[0]} for fw in forwards]
+        n_tokens = sum((fw["labels"] != IGNORE_INDEX).sum() for fw in forwards)
+        total_ce, total_aux = 0.0, 0.0
+        for fw in forwards:
+            out = model(fw["input_ids"], fw["position_ids"])
+            ce = F.cross_entropy(out.logits.flatten(0, 1), fw["labels"].flatten(), reduction="sum")
+            aux = load_balancing_loss(out.router_stats, num_experts)
+            coef = cfg.model.args.router_aux_loss_coef
+            (ce / n_tokens + coef * aux / len(forwards)).backward()
+            total_ce, total_aux = total_ce + ce.item(), total_aux + aux.item()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+        grads = {n: q.grad.detach().clone() for n, q in model.named_parameters()}  # clipped
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        params = {n: q.detach().clone() for n, q in model.named_parameters()}
+        records.append(
+            {
+                "loss": total_ce / n_tokens.item(),
+                "aux_loss": total_aux / len(forwards),
+                "grad_norm": norm.item(),
+                "grads": grads,
+                "params": params,
+            }
+        )
+    return records
+
+
+def assert_tensors_close(ours: dict, ref: dict, what: str, rtol: float) -> None:
+    assert ours.keys() == ref.keys()
+    for name in ref:
+        err = (ours[name] - ref[name]).norm() / ref[name].norm().clamp_min(1e-12)
+        assert err <= rtol, f"{what} {name}: relative error {err:.2e} > {rtol}"
+
+
+def assert_same_training(ours: list[dict], ref: list[dict], rtol: float = 1e-5) -> None:
+    for step, (o, r) in enumerate(zip(ours, ref, strict=True), start=1):
+        assert o["loss"] == pytest.approx(r["loss"], rel=rtol), f"loss at step {step}"
+        assert o["aux_loss"] == pytest.approx(r["aux_loss"], rel=rtol), f"aux at step {step}"
+        assert o["grad_norm"] == pytest.approx(r["grad_norm"], rel=rtol), f"norm at step {step}"
+        assert r["grad_norm"] > 0.5, "clipping should be active in this test"
+        assert_tensors_close(o["grads"], r["grads"], f"step {step} grad", rtol)
+        assert_tensors_close(o["params"], r["params"], f"step {step} param", rtol)
