@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.common.moe import MoE, grouped_mm
+from models.common.moe import MoE, MoEOptions, grouped_mm
 from trainer.config import TrainSection
 from trainer.optim import lr_factor
 
@@ -72,3 +72,27 @@ def test_warmup_stable_decay():
     assert lr_factor(80, cfg) == pytest.approx(1 - 0.9 / 20)
     assert lr_factor(99, cfg) == pytest.approx(0.1)
     assert all(lr_factor(s, cfg) >= lr_factor(s + 1, cfg) for s in range(80, 99))
+
+
+def test_capacity_factor_drops_late_assignments_gshard_style():
+    torch.manual_seed(0)
+    options = MoEOptions(capacity_factor=0.5, gemm="loop")
+    moe = MoE(dim=16, hidden_dim=8, num_experts=4, top_k=2, norm_topk_prob=False, options=options)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(1, 12, 16)
+    y, _ = moe(x)
+
+    capacity = math.ceil(0.5 * 12 * 2 / 4)  # 3 assignments per expert
+    probs = F.softmax(x[0] @ moe.gate.weight.T, dim=-1)
+    weights, experts = probs.topk(2)
+    ref, kept = torch.zeros(12, 16), [0] * 4
+    for t in range(12):  # token order decides who is dropped
+        for w, e in zip(weights[t], experts[t].tolist()):
+            if kept[e] == capacity:
+                continue
+            kept[e] += 1
+            gate, up = (moe.experts.gate_up_proj[e] @ x[0, t]).chunk(2)
+            ref[t] += w * (moe.experts.down_proj[e] @ (F.silu(gate) * up))
+    assert sum(kept) < 24, "the test must actually drop something"
+    torch.testing.assert_close(y[0], ref, rtol=1e-5, atol=1e-6)
