@@ -39,13 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         return _fail(err)
 
+    import torch.distributed as dist
+
     try:
         Trainer(cfg, dims).fit()
+        # NOTE: no rank tears its process group down while a peer may still talk to it.
+        dist.barrier()
     except USER_ERRORS as err:  # e.g. a data source that turns out empty
         return _fail(err)
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

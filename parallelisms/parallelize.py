@@ -2,33 +2,61 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
 from models.common.plan import ParallelPlan
+from parallelisms.context_parallel import ContextParallelAttention, apply_context_parallel
 from parallelisms.expert_parallel import TokenDispatcher, apply_expert_parallel
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.mesh import LayoutError, Meshes, ParallelDims
 from parallelisms.plan import match_modules
 
 
+@dataclass
+class Parallelized:
+    """What the trainer needs to read back from the applied plan."""
+
+    dispatchers: list[TokenDispatcher] = field(default_factory=list)  # one per MoE layer (EP)
+    ring_attention: list[ContextParallelAttention] = field(default_factory=list)  # CP
+
+
 def parallelize(
-    model: nn.Module, plan: ParallelPlan, meshes: Meshes, param_dtype: torch.dtype
-) -> list[TokenDispatcher]:
-    """Shard `model` (on the meta device) in place; returns the EP dispatchers (one per MoE
-    layer, empty without EP) so the trainer can read their all-to-all volume."""
-    dispatchers = []
+    model: nn.Module,
+    plan: ParallelPlan,
+    meshes: Meshes,
+    param_dtype: torch.dtype,
+    cp_zigzag: bool = True,
+    cp_kernel: str = "auto",
+) -> Parallelized:
+    """Shard `model` (on the meta device) in place: context parallelism swaps the attention
+    cores for ring attention, expert parallelism shards and wraps the routed experts, FSDP2
+    shards the rest."""
+    out = Parallelized()
+    if meshes.world.size(2) > 1:  # cp
+        cores = match_modules(model, plan.attention_core, "attention_core")
+        out.ring_attention = apply_context_parallel(
+            model, cores, meshes.world, cp_zigzag, cp_kernel
+        )
     if meshes.ep is not None:
         for _, experts in match_modules(model, plan.routed_experts, "routed_experts"):
-            dispatchers.append(apply_expert_parallel(experts, meshes.ep))
+            out.dispatchers.append(apply_expert_parallel(experts, meshes.ep))
     apply_fsdp(model, plan, meshes, param_dtype)
-    return dispatchers
+    return out
 
 
 def check_layout(model: nn.Module, plan: ParallelPlan, dims: ParallelDims) -> None:
     """Refuse a layout this model cannot take, from a meta-device instance (no memory, no
     process group): every plan pattern must match, and the expert shards must be even."""
     match_modules(model, plan.blocks, "blocks")
+    if dims.cp > 1:
+        if plan.attention_core is None:
+            raise LayoutError(
+                f"parallel.cp={dims.cp}, but this model's plan names no attention core"
+            )
+        match_modules(model, plan.attention_core, "attention_core")
     if dims.ep == 1:
         return
     if plan.routed_experts is None:

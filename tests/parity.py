@@ -119,7 +119,6 @@ def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing
     )
     if rank == 0:
         torch.save({"records": records, "per_rank": gathered}, out_path)
-    dist.destroy_process_group()
 
 
 def reference_run(argv: list[str], dp_size: int, routing: str | None = None) -> list[dict]:

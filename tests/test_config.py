@@ -328,7 +328,6 @@ def test_impossible_values(argv, expected):
 @pytest.mark.parametrize(
     ("arg", "expected"),
     [
-        ("--parallel.cp=2", "parallel.cp = 2: context parallelism is not available"),
         ("--checkpoint.interval=10", "checkpoint.interval = 10: checkpointing is not available"),
     ],
 )

@@ -63,7 +63,6 @@ def _moe_layer_worker(rank: int, world: int, kind: str, out_path: str) -> None:
     dist.all_gather_object(gathered, result)
     if rank == 0:
         torch.save(gathered, out_path)
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("kind", ["balanced", "rank0_only"])
@@ -119,7 +118,6 @@ def _prefetch_worker(rank: int, world: int, out_path: str) -> None:
     )  # block 1 is MoE in the debug config (layer 0 is dense)
     if rank == 0:
         torch.save(checks, out_path)
-    dist.destroy_process_group()
 
 
 def test_prefetch_chains_are_set_as_specified(tmp_path):

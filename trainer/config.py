@@ -112,6 +112,17 @@ class ParallelSection:
     dp_shard: int = _h(-1, "FSDP shard degree; -1 = the rest of the world size")
     cp: int = _h(1, "context-parallel degree (sequence split across ranks)")
     ep: int = _h(1, "expert-parallel degree (borrows ranks from dp_shard * cp)")
+    cp_layout: str = _h(
+        "zigzag",
+        "how the sequence is split over cp ranks: zigzag (rank r holds chunks r and 2cp-1-r: "
+        "equal causal work) | contiguous (chunk r)",
+        choices=("zigzag", "contiguous"),
+    )
+    cp_kernel: str = _h(
+        "auto",
+        "block kernel of ring attention: auto | cpu_flash (CPU, equal head dims) | math",
+        choices=("auto", "cpu_flash", "math"),
+    )
 
 
 @dataclass
@@ -395,6 +406,12 @@ def validate(cfg: JobConfig) -> None:
     need(t.eps > 0, f"train.eps must be > 0, got {t.eps}")
     need(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
     need(t.max_grad_norm >= 0, f"train.max_grad_norm must be >= 0 (0 = off), got {t.max_grad_norm}")
+    pieces = 2 * p.cp if p.cp_layout == "zigzag" else p.cp
+    need(
+        p.cp < 1 or d.seq_len % pieces == 0,
+        f"data.seq_len ({d.seq_len}) must be divisible by {pieces} to split it over "
+        f"parallel.cp={p.cp} ranks ({p.cp_layout} layout); change data.seq_len or parallel.cp",
+    )
     cf = cfg.moe.capacity_factor
     need(cf is None or cf > 0, f"moe.capacity_factor must be > 0 or none (drop-less), got {cf}")
     need(
@@ -432,10 +449,8 @@ def validate(cfg: JobConfig) -> None:
 # (tracked in the project's issues). Remove each line, and its test, when its feature lands.
 def _not_available_yet(cfg: JobConfig) -> list[str]:
     todo = "is not available in this version yet (tracked in the project's issues)"
-    p, interval = cfg.parallel, cfg.checkpoint.interval
+    interval = cfg.checkpoint.interval
     problems = []
-    if p.cp > 1:
-        problems.append(f"parallel.cp = {p.cp}: context parallelism {todo}; set it to 1")
     if interval > 0:
         problems.append(f"checkpoint.interval = {interval}: checkpointing {todo}; set it to 0")
     return problems

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from models import get_model_spec
 from models.common.moe import MoEOptions, RouterStats, load_balancing_loss
 from parallelisms.clip import clip_grad_norm_
+from parallelisms.context_parallel import split_for_cp
 from parallelisms.init import init_weights_global
 from parallelisms.mesh import LayoutError, ParallelDims, build_meshes
 from parallelisms.parallelize import check_layout, parallelize
@@ -110,9 +111,15 @@ class Trainer:
         moe_options = MoEOptions(gemm=cfg.moe.gemm, capacity_factor=cfg.moe.capacity_factor)
         with torch.device("meta"):
             self.model = spec.model_cls(self.args, moe_options)
-        self.dispatchers = parallelize(
-            self.model, spec.plan, self.meshes, torch.bfloat16 if bf16 else torch.float32
+        self.parallel = parallelize(
+            self.model,
+            spec.plan,
+            self.meshes,
+            torch.bfloat16 if bf16 else torch.float32,
+            cp_zigzag=cfg.parallel.cp_layout == "zigzag",
+            cp_kernel=cfg.parallel.cp_kernel,
         )
+        self.dispatchers = self.parallel.dispatchers
         self.model.to_empty(device=self.device)
         if cfg.model.init_from_hf:
             load_hf_weights(self.model, spec.hf_adapter, self.args, cfg.model.init_from_hf)
@@ -125,6 +132,8 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
 
         self.dp_rank = self.meshes.dp_rank()
+        self.cp_group = self.meshes.world.get_group("cp")
+        self.cp_rank = self.meshes.world.get_local_rank("cp")
         self.loader, _ = build_dataloader(cfg.data, cfg.train, self.dp_rank, dims.dp_size)
         self.grad_accum = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp_size)
         self.step = 0
@@ -147,19 +156,26 @@ class Trainer:
     def _aux_loss(self, stats: RouterStats, rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(term added to this rank's loss, aux value logged) for one forward.
 
-        micro_batch: each forward's own statistics; the loss of the step is the mean over
-        all forwards of all data-parallel ranks. global_batch: assignment counts summed over
-        the data-parallel ranks of the same accumulation round, so the value is that of one
-        device running their union; each rank adds its share (see load_balancing_loss).
+        micro_batch: the statistics of one forward's sequences; global_batch: those of all
+        data-parallel ranks' forwards of the same accumulation round, so the value is that
+        of one device running their union. Statistics spread over several ranks (the cp
+        ranks of a sequence, or the whole batch) have their assignment counts all-reduced,
+        and each rank adds its share (see load_balancing_loss), the shares summing to the
+        value. The step's loss is the mean over forwards.
         """
         num_experts = stats.prob_sum.shape[1]
         if self.cfg.moe.aux_loss_mode == "global_batch":
-            counts = self._all_reduce(stats.tokens_per_expert.sum(0))
-            rows = stats.prob_sum.shape[0] * stats.num_tokens * self.dims.dp_size
-            share = load_balancing_loss(stats, num_experts, counts, rows)
-            return share / rounds, share.detach()
-        aux = load_balancing_loss(stats, num_experts)
-        return aux / (rounds * self.dims.dp_size), aux.detach()
+            group, ranks, forwards = None, self.dims.world_size, rounds  # whole batch
+        else:
+            group, ranks, forwards = self.cp_group, self.dims.cp, rounds * self.dims.dp_size
+        if ranks == 1:
+            aux = load_balancing_loss(stats, num_experts)
+        else:
+            counts = stats.tokens_per_expert.sum(0)
+            dist.all_reduce(counts, group=group)
+            rows = stats.prob_sum.shape[0] * stats.num_tokens * ranks
+            aux = load_balancing_loss(stats, num_experts, counts, rows)
+        return aux / forwards, aux.detach()
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict:
         """Accumulate the gradients of this rank's micro-batches of one global batch.
@@ -230,10 +246,18 @@ class Trainer:
         """This rank's micro-batches of the next global batch, on the training device."""
         if self._data_iter is None:
             self._data_iter = iter(self.loader)  # one iterator: re-iterating drops prefetch
-        return [
-            {k: v.to(self.device, non_blocking=True) for k, v in next(self._data_iter).items()}
-            for _ in range(self.grad_accum)
-        ]
+        batches = []
+        for _ in range(self.grad_accum):
+            batch = {
+                k: v.to(self.device, non_blocking=True) for k, v in next(self._data_iter).items()
+            }
+            if self.dims.cp > 1:  # this rank's part of each sequence, true positions kept
+                zigzag = self.cfg.parallel.cp_layout == "zigzag"
+                batch = {
+                    k: split_for_cp(v, self.cp_rank, self.dims.cp, zigzag) for k, v in batch.items()
+                }
+            batches.append(batch)
+        return batches
 
     def fit(self) -> list[dict]:
         cfg = self.cfg
@@ -241,7 +265,7 @@ class Trainer:
         self.logger.info(
             f"{cfg.model.name}: {n_params / 1e6:.2f}M params | world {self.dims.world_size} "
             f"(dp_replicate {self.dims.dp_replicate}, dp_shard {self.dims.dp_shard}, "
-            f"ep {self.dims.ep}) | "
+            f"cp {self.dims.cp}, ep {self.dims.ep}) | "
             f"global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens, "
             f"micro {cfg.train.micro_batch_size}, grad accum {self.grad_accum} | {self.device}"
         )

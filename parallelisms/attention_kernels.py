@@ -1,0 +1,116 @@
+"""Block attention kernels that return the log-sum-exp, for the ring (context parallelism).
+
+A kernel computes one (query block x key block) piece: forward -> (out, lse), and a
+backward that takes the *final* out and lse of the whole ring (so each block's gradient is
+its exact share). Layouts: q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv];
+out [B, Sq, Hq, Dv] fp32, lse [B, Hq, Sq] fp32. A causal block is a diagonal one (Sq == Sk,
+aligned). GQA: Hkv divides Hq; K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """[B, S, Hq, D] -> [B, Hkv, G, S, D] fp32 (query heads grouped by their KV head)."""
+    b, s, hq, d = q.shape
+    return q.float().view(b, s, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4)
+
+
+def _kv(t: torch.Tensor) -> torch.Tensor:
+    """[B, S, Hkv, D] -> [B, Hkv, 1, S, D] fp32 (broadcast over the query group)."""
+    return t.float().permute(0, 2, 1, 3)[:, :, None]
+
+
+def _scores(q, k, scale, causal) -> torch.Tensor:
+    s = _grouped(q, k.shape[2]) @ _kv(k).transpose(-1, -2) * scale  # [B, Hkv, G, Sq, Sk]
+    if causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(mask, float("-inf"))
+    return s
+
+
+def _ungroup(x: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, G, S, D] -> [B, S, Hkv * G, D]."""
+    b, hkv, g, s, d = x.shape
+    return x.permute(0, 3, 1, 2, 4).reshape(b, s, hkv * g, d)
+
+
+def math_forward(q, k, v, scale, causal):
+    s = _scores(q, k, scale, causal)
+    lse = s.logsumexp(-1)  # [B, Hkv, G, Sq]
+    out = torch.exp(s - lse[..., None]) @ _kv(v)
+    return _ungroup(out), lse.flatten(1, 2)
+
+
+def math_backward(grad_out, q, k, v, out, lse, scale, causal):
+    hkv = k.shape[2]
+    p = torch.exp(
+        _scores(q, k, scale, causal) - lse.view(*lse.shape[:1], hkv, -1, lse.shape[-1])[..., None]
+    )
+    do = _grouped(grad_out, hkv)  # [B, Hkv, G, Sq, Dv]
+    dv = (p.transpose(-1, -2) @ do).sum(2)  # [B, Hkv, Sk, Dv]
+    dp = do @ _kv(v).transpose(-1, -2)
+    delta = (do * _grouped(out, hkv)).sum(-1, keepdim=True)  # rowsum(dO * O)
+    ds = p * (dp - delta) * scale
+    dq = ds @ _kv(k)
+    dk = (ds.transpose(-1, -2) @ _grouped(q, hkv)).sum(2)
+    return _ungroup(dq), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _bhsd(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2)  # [B, S, H, D] <-> [B, H, S, D]
+
+
+def cpu_flash_forward(q, k, v, scale, causal):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
+    )
+    return _bhsd(out).float(), lse.float()
+
+
+def cpu_flash_backward(grad_out, q, k, v, out, lse, scale, causal):
+    dtype = q.dtype
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _bhsd(grad_out.to(dtype)), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out.to(dtype)),
+        lse.contiguous(), 0.0, causal, scale=scale,
+    )  # fmt: skip
+    return _bhsd(dq).float(), _bhsd(dk).float(), _bhsd(dv).float()
+
+
+@dataclass(frozen=True)
+class BlockKernel:
+    name: str
+    forward: Callable
+    backward: Callable
+
+
+KERNELS = {
+    "math": BlockKernel("math", math_forward, math_backward),
+    "cpu_flash": BlockKernel("cpu_flash", cpu_flash_forward, cpu_flash_backward),
+}
+
+
+def resolve_kernel(name: str, device: torch.device, head_dim: int, v_head_dim: int) -> BlockKernel:
+    """auto: the CPU flash op (it returns the LSE) where it applies, else the math kernel.
+
+    NOTE: GPU block kernels (flash-attn, SDPA's efficient/flash ops) are not wired yet; on
+    CUDA, auto takes the math kernel (exact, not fast).
+    """
+    if name == "auto":
+        use_flash = device.type == "cpu" and head_dim == v_head_dim
+        name = "cpu_flash" if use_flash else "math"
+    if name not in KERNELS:
+        raise ValueError(
+            f"unknown attention kernel {name!r}; choose one of auto, {', '.join(KERNELS)}"
+        )
+    if name == "cpu_flash" and (device.type != "cpu" or head_dim != v_head_dim):
+        raise ValueError(
+            "parallel.cp_kernel=cpu_flash needs CPU tensors and equal q/k and v head dims "
+            f"(got {device.type}, {head_dim} vs {v_head_dim}); use auto or math"
+        )
+    return KERNELS[name]
