@@ -89,7 +89,8 @@ def _run(args: list[str], out_dir: Path, nproc: int = 1) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_one_two_and_four_ranks_with_ep_write_the_same_losses(tmp_path):
+def test_every_layout_writes_the_same_losses_as_one_rank(tmp_path):
+    """1 rank; 2 ranks FSDP; 4 ranks EP 2; 2 ranks CP 2; 4 ranks CP 2 x EP 2."""
     common = [
         DEBUG,
         "--train.steps=4",
@@ -101,11 +102,14 @@ def test_one_two_and_four_ranks_with_ep_write_the_same_losses(tmp_path):
     one = _run(common, tmp_path / "one")
     two = _run(common, tmp_path / "two", nproc=2)
     four_ep = _run(common + ["--parallel.ep=2"], tmp_path / "four_ep", nproc=4)
+    two_cp = _run(common + ["--parallel.cp=2"], tmp_path / "two_cp", nproc=2)
+    four_cp_ep = _run(common + ["--parallel.cp=2", "--parallel.ep=2"], tmp_path / "cp_ep", nproc=4)
     assert [r["step"] for r in two] == [1, 2, 3, 4]
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= two[0].keys()
     losses = [r["loss"] for r in one]
     assert [r["loss"] for r in two] == pytest.approx(losses, rel=1e-5)
-    assert [r["loss"] for r in four_ep] == pytest.approx(losses, rel=1e-5)
+    for run in (four_ep, two_cp, four_cp_ep):
+        assert [r["loss"] for r in run] == pytest.approx(losses, rel=1e-5)
     assert all(r["a2a_bytes"] > 0 for r in four_ep) and "a2a_bytes" not in one[0]
     # Expert load: every MoE layer's counts cover the whole global batch (16 x 128 x top-2).
     assert "expert_load" not in one[0] and len(one[1]["expert_load"]) == 3
