@@ -12,10 +12,11 @@ import sys
 from models import HFFormatError
 from parallelisms.mesh import LayoutError, ParallelDims, world_size_from_env
 from parallelisms.plan import PlanError
+from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, format_help, load_config
 from trainer.data import DataError
 
-USER_ERRORS = (ConfigError, LayoutError, DataError, HFFormatError, PlanError)
+USER_ERRORS = (ConfigError, LayoutError, DataError, HFFormatError, PlanError, CheckpointError)
 
 
 def _fail(err: Exception) -> int:

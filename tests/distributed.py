@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -53,3 +56,48 @@ def run_distributed(fn: Callable, world_size: int, *args) -> None:
         join=True,
         start_method="spawn",
     )
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def launch_train(
+    args: list[str], out_dir: Path, nproc: int = 1, extra: tuple = ()
+) -> subprocess.Popen:
+    """Start `train.py` through the front door: plain python for 1 rank, torchrun for more.
+
+    Its stdout and stderr go to `<out_dir>.log` (a file, not a pipe: a test that polls the
+    run instead of reading its output must not block it); see `finish`.
+    """
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *extra]
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{out_dir}.log", "w") as log:
+        return subprocess.Popen(
+            [*launcher, "train.py", *args, f"--job.output_dir={out_dir}"],
+            cwd=ROOT,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # so a test can signal the whole launch
+        )
+
+
+def finish(proc: subprocess.Popen, out_dir: Path, timeout: float = 600) -> str:
+    """Wait for a launched run; returns its output (stdout and stderr)."""
+    proc.wait(timeout=timeout)
+    return Path(f"{out_dir}.log").read_text()
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_train(args: list[str], out_dir: Path, nproc: int = 1) -> list[dict]:
+    """Run train.py to completion (must succeed); returns its metrics.jsonl records."""
+    proc = launch_train(args, out_dir, nproc)
+    output = finish(proc, out_dir)
+    assert proc.returncode == 0, output[-3000:]
+    return read_metrics(out_dir)

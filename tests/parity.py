@@ -20,7 +20,7 @@ from models.common.moe import TopKRouter, load_balancing_loss
 from parallelisms.mesh import ParallelDims
 from trainer.config import load_config
 from trainer.data import IGNORE_INDEX, GlobalBatchSampler, build_dataset, build_tokenizer
-from trainer.optim import build_optimizer, build_scheduler
+from trainer.optim import build_optimizer, lr_factor
 
 STEPS = 3
 TINY = [
@@ -133,7 +133,8 @@ def reference_run(argv: list[str], dp_size: int, routing: str | None = None) -> 
     model.init_weights(cfg.train.seed)
     install_routing(model, routing)
     opt = build_optimizer(model, cfg.train)
-    sched = build_scheduler(opt, cfg.train)
+    # torch's own scheduler, driven by the same formula (the trainer sets lr per step itself)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg.train))
     t, num_experts = cfg.train, cfg.model.args.num_experts
     dataset = build_dataset(cfg.data, build_tokenizer(cfg.data))
     sampler = iter(

@@ -325,16 +325,6 @@ def test_impossible_values(argv, expected):
     assert expected in config_error(argv)
 
 
-@pytest.mark.parametrize(
-    ("arg", "expected"),
-    [
-        ("--checkpoint.interval=10", "checkpoint.interval = 10: checkpointing is not available"),
-    ],
-)
-def test_features_not_available_yet(arg, expected):
-    assert expected in config_error([arg])
-
-
 def test_all_problems_are_reported_together(tmp_path):
     path = write_toml(tmp_path, "[train]\nstpes = 3\nlr = 'x'\n[data]\nsource = 'csv'\n")
     message = config_error(["--config", path, "--parallel.dp_shard=two", "oops"])

@@ -1,7 +1,6 @@
 """train.py through the front door: refusals before any set-up, and 1 vs 2 ranks."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import train
+from tests.distributed import run_train
 
 ROOT = Path(__file__).resolve().parent.parent
 DEBUG = "--config=configs/debug_qwen3_moe.toml"
@@ -73,21 +73,6 @@ def _losses(path: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
 
 
-def _run(args: list[str], out_dir: Path, nproc: int = 1) -> list[dict]:
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-    proc = subprocess.run(
-        [*launcher, "train.py", *args, f"--job.output_dir={out_dir}"],
-        cwd=ROOT,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
 def test_every_layout_writes_the_same_losses_as_one_rank(tmp_path):
     """1 rank; 2 ranks FSDP; 4 ranks EP 2; 2 ranks CP 2; 4 ranks CP 2 x EP 2."""
@@ -99,11 +84,13 @@ def test_every_layout_writes_the_same_losses_as_one_rank(tmp_path):
         "--metrics.log_interval=1",
         "--metrics.expert_load_interval=2",
     ]
-    one = _run(common, tmp_path / "one")
-    two = _run(common, tmp_path / "two", nproc=2)
-    four_ep = _run(common + ["--parallel.ep=2"], tmp_path / "four_ep", nproc=4)
-    two_cp = _run(common + ["--parallel.cp=2"], tmp_path / "two_cp", nproc=2)
-    four_cp_ep = _run(common + ["--parallel.cp=2", "--parallel.ep=2"], tmp_path / "cp_ep", nproc=4)
+    one = run_train(common, tmp_path / "one")
+    two = run_train(common, tmp_path / "two", nproc=2)
+    four_ep = run_train(common + ["--parallel.ep=2"], tmp_path / "four_ep", nproc=4)
+    two_cp = run_train(common + ["--parallel.cp=2"], tmp_path / "two_cp", nproc=2)
+    four_cp_ep = run_train(
+        common + ["--parallel.cp=2", "--parallel.ep=2"], tmp_path / "cp_ep", nproc=4
+    )
     assert [r["step"] for r in two] == [1, 2, 3, 4]
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= two[0].keys()
     losses = [r["loss"] for r in one]

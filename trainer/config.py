@@ -440,20 +440,8 @@ def validate(cfg: JobConfig) -> None:
     need(c.keep_last >= 0, f"checkpoint.keep_last must be >= 0 (0 = keep all), got {c.keep_last}")
     if hasattr(cfg.model.args, "validate"):
         problems += cfg.model.args.validate()
-    problems += _not_available_yet(cfg)
     if problems:
         raise ConfigError(_join(problems))
-
-
-# NOT AVAILABLE YET: keys that exist for the full design but whose code has not landed
-# (tracked in the project's issues). Remove each line, and its test, when its feature lands.
-def _not_available_yet(cfg: JobConfig) -> list[str]:
-    todo = "is not available in this version yet (tracked in the project's issues)"
-    interval = cfg.checkpoint.interval
-    problems = []
-    if interval > 0:
-        problems.append(f"checkpoint.interval = {interval}: checkpointing {todo}; set it to 0")
-    return problems
 
 
 # --- Help text and the resolved config as plain data ------------------------------------

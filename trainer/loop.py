@@ -9,6 +9,7 @@ the whole global batch, for any data-parallel layout and accumulation count.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import fields
 
@@ -23,11 +24,12 @@ from parallelisms.context_parallel import split_for_cp
 from parallelisms.init import init_weights_global
 from parallelisms.mesh import LayoutError, ParallelDims, build_meshes
 from parallelisms.parallelize import check_layout, parallelize
-from trainer.config import JobConfig
+from trainer.checkpoint import Checkpointer, check_checkpoint
+from trainer.config import JobConfig, config_to_dict
 from trainer.data import IGNORE_INDEX, DataError, build_dataloader, build_tokenizer
 from trainer.hf_io import load_hf_weights
 from trainer.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_gib
-from trainer.optim import build_optimizer, build_scheduler
+from trainer.optim import build_optimizer, set_lr
 
 
 def resolve_model_args(cfg: JobConfig) -> None:
@@ -54,6 +56,8 @@ def resolve_model_args(cfg: JobConfig) -> None:
 def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
     """Checks that need more than the config alone, before any process group exists."""
     resolve_model_args(cfg)
+    if cfg.checkpoint.resume not in ("auto", "none"):
+        check_checkpoint(cfg.checkpoint.resume)
     spec = get_model_spec(cfg.model.name)
     with torch.device("meta"):
         check_layout(spec.model_cls(cfg.model.args), spec.plan, dims)
@@ -87,6 +91,11 @@ def init_distributed(device: torch.device) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        # NOTE: gloo connects its full mesh lazily, on first use. Eager connection raced
+        # with the re-rendezvous of workers restarted by torchrun --max-restarts (seen as
+        # "connection refused" in the new round); lazy connection did not. Overridable.
+        os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     if "RANK" in os.environ:  # launched by torchrun
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     else:  # plain `python train.py`: a world of one, so the code path stays the same
@@ -129,7 +138,6 @@ class Trainer:
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg.train)
-        self.scheduler = build_scheduler(self.optimizer, cfg.train)
 
         self.dp_rank = self.meshes.dp_rank()
         self.cp_group = self.meshes.world.get_group("cp")
@@ -139,13 +147,26 @@ class Trainer:
         self.step = 0
         self._data_iter = None
         self.history: list[dict] = []
+        self._stop_requested = False
+
+        ck = cfg.checkpoint
+        self.checkpointer = Checkpointer(
+            os.path.join(cfg.job.output_dir, "checkpoints"), ck.keep_last, ck.async_save
+        )
+        resume_from = [self.checkpointer.resolve(ck.resume) if self.rank == 0 else None]
+        dist.broadcast_object_list(resume_from, src=0)  # every rank loads the same one
+        if resume_from[0] is not None:
+            self._restore(resume_from[0])
         self.logger = MetricsLogger(
             cfg.job.output_dir,
             cfg.train.steps,
             self.rank == 0,
             cfg.metrics.jsonl,
             cfg.metrics.progress,
+            resume_step=self.step if resume_from[0] is not None else None,
         )
+        if resume_from[0] is not None:
+            self.logger.info(f"resumed from {resume_from[0]} at step {self.step}")
         self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
         self.peak_flops = peak_flops(self.device)
 
@@ -186,6 +207,12 @@ class Trainer:
         coef = getattr(self.args, "router_aux_loss_coef", 0.0)
         local_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches)
         num_tokens = self._all_reduce(local_tokens.to(self.device, torch.float32))
+        # Order-independent checksum of the global batch's tokens: equal between runs that
+        # train on the same samples at this step, whatever the layout (positions are true).
+        fingerprint = sum(
+            (mb["input_ids"] * (mb["position_ids"] + 1)).sum() for mb in micro_batches
+        )
+        fingerprint = self._all_reduce(fingerprint.to(self.device, torch.int64))
         rounds = len(micro_batches)
 
         sums = torch.zeros(2, device=self.device)  # [sum of token losses, sum of aux values]
@@ -215,15 +242,15 @@ class Trainer:
             "loss": (sums[0] / num_tokens).item(),
             "aux_loss": (sums[1] / aux_div).item() if expert_load is not None else None,
             "tokens": int(num_tokens.item()),
+            "data_fingerprint": int(fingerprint.item()),
             "expert_load": expert_load,
         }
 
     def optimizer_step(self) -> dict:
         """Clip, update, advance the schedule; returns the pre-clip grad norm and the lr used."""
         grad_norm = clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = set_lr(self.optimizer, self.step, self.cfg.train)
         self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {"step": self.step, "grad_norm": grad_norm.item(), "lr": lr}
@@ -259,7 +286,56 @@ class Trainer:
             batches.append(batch)
         return batches
 
+    # --- checkpoints ------------------------------------------------------------------
+    def _data_state(self) -> dict:
+        """The sampler's position as of the last batch handed out (workers prefetch ahead,
+        so the sampler object itself may be further); layout-independent at a step end."""
+        state = self.loader.state_dict()
+        if "_snapshot" in state:
+            state = state["_snapshot"]["_main_snapshot"]
+        return state["_index_sampler_state"]
+
+    def trainer_state(self) -> dict:
+        rng = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {
+            "step": self.step,
+            # The LR schedule is a function of the step: nothing more to save.
+            "data": self._data_state(),
+            "rng": rng,  # rank 0's; training itself draws no random numbers after init
+            "config": config_to_dict(self.cfg),
+        }
+
+    def save_checkpoint(self) -> None:
+        self.checkpointer.save(self.model, self.optimizer, self.step, self.trainer_state())
+
+    def _restore(self, path: str) -> None:
+        state = self.checkpointer.load(path, self.model, self.optimizer)
+        self.step = state["step"]
+        self.loader.batch_sampler.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if "cuda" in state["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+
+    def _on_sigterm(self, _signum, _frame) -> None:
+        self._stop_requested = True  # acted on at the end of the current step
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank got SIGTERM: all ranks must stop (and save) at the same step."""
+        flag = torch.tensor([float(self._stop_requested)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def fit(self) -> list[dict]:
+        """Train to train.steps; on SIGTERM, finish the step, save, and return early."""
+        previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            return self._fit()
+        finally:
+            signal.signal(signal.SIGTERM, previous_handler)
+
+    def _fit(self) -> list[dict]:
         cfg = self.cfg
         n_params = sum(p.numel() for p in self.model.parameters())
         self.logger.info(
@@ -287,6 +363,15 @@ class Trainer:
             self.history.append(record)
             if self.step % cfg.metrics.log_interval == 0 or self.step == cfg.train.steps:
                 self.logger.log(record)
+            self.checkpointer.poll()
+            if self._stop_agreed():
+                self.logger.info(f"SIGTERM: saving step {self.step} and stopping")
+                self.save_checkpoint()
+                break
+            interval = cfg.checkpoint.interval
+            if interval and (self.step % interval == 0 or self.step == cfg.train.steps):
+                self.save_checkpoint()
+        self.checkpointer.wait()
         if self.history:
             first, last = self.history[0], self.history[-1]
             self.logger.info(

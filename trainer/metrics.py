@@ -56,16 +56,29 @@ def peak_memory_gib(device: torch.device) -> float:
 
 class MetricsLogger:
     def __init__(
-        self, output_dir: str, total_steps: int, is_rank0: bool, jsonl: bool, progress: bool
+        self,
+        output_dir: str,
+        total_steps: int,
+        is_rank0: bool,
+        jsonl: bool,
+        progress: bool,
+        resume_step: int | None = None,
     ):
         self.total_steps = total_steps
         self.is_rank0 = is_rank0
         self.progress = progress
         self.path = os.path.join(output_dir, "metrics.jsonl") if jsonl else None
         self.start = time.monotonic()
+        self.first_step = resume_step or 0  # for the ETA of a resumed run
         if is_rank0 and self.path:
             os.makedirs(output_dir, exist_ok=True)
-            open(self.path, "w").close()  # a new run starts a new file
+            kept = []
+            if resume_step is not None and os.path.isfile(self.path):
+                # Keep the history up to the checkpoint; steps after it will be redone.
+                with open(self.path) as f:
+                    kept = [line for line in f if json.loads(line)["step"] <= resume_step]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
 
     def info(self, msg: str) -> None:
         if self.is_rank0:
@@ -85,7 +98,7 @@ class MetricsLogger:
         if self.progress:
             filled = int(20 * step / total)
             elapsed = time.monotonic() - self.start
-            eta = elapsed / max(step, 1) * (total - step)
+            eta = elapsed / max(step - self.first_step, 1) * (total - step)
             parts.append(f"[{'#' * filled}{'.' * (20 - filled)}] eta {_hms(eta)}")
         parts.append(f"loss {r['loss']:.4f}")
         if r.get("aux_loss") is not None:

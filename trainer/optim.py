@@ -52,7 +52,13 @@ def lr_factor(step: int, cfg: TrainSection) -> float:
     raise ValueError(f"unknown train.schedule {cfg.schedule!r}")
 
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: TrainSection
-) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainSection) -> float:
+    """Set the learning rate of the update made at optimizer step `step`; returns it.
+
+    NOTE: a pure function of the step, not an LR-scheduler object: its whole state is the
+    step, so a checkpoint resumes it on any layout (whose parameter groups may differ).
+    """
+    lr = cfg.lr * lr_factor(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr

@@ -1,0 +1,217 @@
+"""Distributed checkpoints through the front door: exact and resharding resume, atomicity
+under kill -9, SIGTERM, restarts, retention, async vs sync, HF export."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import train
+from tests.distributed import ROOT, finish, launch_train, read_metrics, run_train
+
+DEBUG = [
+    "--config=configs/debug_qwen3_moe.toml",
+    "--data.max_tokens=200000",
+    "--metrics.log_interval=1",
+]
+FOUR_STEPS = DEBUG + ["--train.steps=4", "--train.warmup_steps=2", "--checkpoint.interval=2"]
+
+
+def _resume_from(step_dir, out_dir):
+    """A fresh run directory holding only the given checkpoint (resume=auto finds it)."""
+    shutil.copytree(step_dir, out_dir / "checkpoints" / step_dir.name)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def ep_run(tmp_path_factory):
+    """The uninterrupted reference: 4 ranks, EP 2 x efsdp 2, checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("ep_run")
+    return out, run_train(FOUR_STEPS + ["--parallel.ep=2"], out, nproc=4)
+
+
+@pytest.mark.slow
+def test_resume_on_the_same_layout_is_exact(ep_run, tmp_path):
+    out, straight = ep_run
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-2", "step-4"]
+    resumed_dir = _resume_from(out / "checkpoints" / "step-2", tmp_path / "resumed")
+    resumed = run_train(FOUR_STEPS + ["--parallel.ep=2"], resumed_dir, nproc=4)
+    assert [r["step"] for r in resumed] == [3, 4]
+    for ours, ref in zip(resumed, straight[2:], strict=True):
+        assert ours["loss"] == ref["loss"] and ours["grad_norm"] == ref["grad_norm"]
+        assert ours["data_fingerprint"] == ref["data_fingerprint"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "nproc,layout", [(4, []), (4, ["--parallel.ep=4"]), (2, [])], ids=["fsdp4", "ep4", "fsdp2"]
+)
+def test_resume_on_another_layout(ep_run, nproc, layout, tmp_path):
+    out, straight = ep_run
+    resumed_dir = _resume_from(out / "checkpoints" / "step-2", tmp_path / "resharded")
+    resumed = run_train(FOUR_STEPS + layout, resumed_dir, nproc=nproc)
+    assert [r["step"] for r in resumed] == [3, 4]
+    for ours, ref in zip(resumed, straight[2:], strict=True):
+        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        # The same samples, though the number of data-parallel ranks changed.
+        assert ours["data_fingerprint"] == ref["data_fingerprint"]
+
+
+def test_export_reproduces_our_logits_in_transformers(ep_run, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="needs the [hf] extra")
+    from trainer.export import load_checkpoint_model
+
+    step_dir = ep_run[0] / "checkpoints" / "step-4"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.export",
+            f"--checkpoint={step_dir}",
+            f"--out={tmp_path / 'hf'}",
+            "--dtype=fp32",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ours, _ = load_checkpoint_model(str(step_dir))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", attn_implementation="eager"
+    )
+    tokens = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens).logits, rtol=1e-4, atol=1e-4)
+    assert "experts.0.gate_proj.weight" in (tmp_path / "hf" / "model.safetensors").read_bytes()[
+        :100000
+    ].decode("latin1")
+
+
+def _full_state(step_dir, tmp_path):
+    path = tmp_path / f"{step_dir.parent.parent.name}-{step_dir.name}.pt"
+    dcp_to_torch_save(step_dir, path)
+    return torch.load(path, weights_only=False)
+
+
+def _assert_same(a, b, where="state"):
+    assert type(a) is type(b), where
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def test_async_save_equals_sync_and_keep_last_prunes(tmp_path):
+    sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
+    run_train(FOUR_STEPS + ["--checkpoint.interval=1", "--checkpoint.keep_last=2"], sync_dir)
+    run_train(FOUR_STEPS + ["--checkpoint.async_save=true"], async_dir)
+    assert sorted(os.listdir(sync_dir / "checkpoints")) == ["step-3", "step-4"]
+    assert sorted(os.listdir(async_dir / "checkpoints")) == ["step-2", "step-4"]
+    sync_state = _full_state(sync_dir / "checkpoints" / "step-4", tmp_path)
+    async_state = _full_state(async_dir / "checkpoints" / "step-4", tmp_path)
+    assert len(sync_state["model"]) > 10 and sync_state["optim"]["state"]
+    _assert_same(async_state, sync_state)
+
+
+def _workers(proc) -> list[int]:
+    """The torchrun launcher's worker processes."""
+    found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def _wait_for(predicate, proc, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, "the run ended early; see its .log next to its output dir"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.mark.slow
+def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
+    # A model large enough (~90M parameters, ~1 GB of state) that a save takes a while.
+    big = FOUR_STEPS + [
+        "--model.hidden_size=1024",
+        "--model.moe_intermediate_size=1024",
+        "--model.num_attention_heads=8",
+        "--model.head_dim=128",
+        "--data.seq_len=16",
+        "--train.global_batch_size=2",
+        "--train.micro_batch_size=1",
+    ]
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    proc = launch_train(big, out, nproc=2)
+    _wait_for(lambda: (ckpts / "step-2" / "COMPLETE").exists(), proc)
+    workers = _workers(proc)
+    _wait_for(lambda: (ckpts / ".tmp-step-4").exists(), proc)
+    for pid in [*workers, proc.pid]:  # the whole launch, mid-write (workers have own sessions)
+        os.kill(pid, signal.SIGKILL)
+    finish(proc, out)
+    assert not (ckpts / "step-4").exists() and (ckpts / "step-2" / "COMPLETE").exists()
+    logged = read_metrics(out)
+
+    resumed = run_train(big, out, nproc=2)  # resume=auto: the newest complete checkpoint
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # history kept up to step 2
+    for ours, ref in zip(resumed[2:], logged[2:4], strict=True):
+        assert ours["loss"] == ref["loss"]
+    assert sorted(os.listdir(ckpts)) == ["step-2", "step-4"]  # the leftover was cleaned
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
+    out = tmp_path / "run"
+    args = DEBUG + ["--train.steps=400"]
+    proc = launch_train(args, out, nproc=2)
+    _wait_for(lambda: (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 3, proc)
+    for pid in _workers(proc):  # what a scheduler does before preemption
+        os.kill(pid, signal.SIGTERM)
+    output = finish(proc, out, timeout=120)
+    assert proc.returncode == 0, output[-2000:]
+    last = read_metrics(out)[-1]["step"]
+    assert last < 400 and "SIGTERM: saving step" in output
+    assert sorted(os.listdir(out / "checkpoints")) == [f"step-{last}"]
+
+    resumed = run_train(DEBUG + [f"--train.steps={last + 2}"], out, nproc=2)
+    assert [r["step"] for r in resumed][-3:] == [last, last + 1, last + 2]
+
+
+@pytest.mark.slow
+def test_torchrun_restart_resumes_by_itself(tmp_path):
+    out = tmp_path / "run"
+    args = DEBUG + ["--train.steps=30", "--checkpoint.interval=3"]
+    # NOTE: --standalone (c10d rendezvous): with the default static rendezvous, restarted
+    # gloo workers can find the previous round's addresses in the store and fail to connect.
+    proc = launch_train(args, out, nproc=2, extra=("--standalone", "--max-restarts=1"))
+    _wait_for(lambda: (out / "checkpoints" / "step-3" / "COMPLETE").exists(), proc)
+    os.kill(_workers(proc)[0], signal.SIGKILL)  # one worker dies
+    output = finish(proc, out, timeout=300)
+    assert proc.returncode == 0, [line for line in output.splitlines() if "Error" in line]
+    assert "resumed from" in output
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, 31))
+
+
+@pytest.mark.parametrize("damage", ["missing", "incomplete"])
+def test_bad_resume_path_is_refused(damage, ep_run, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    path = tmp_path / "step-2"
+    if damage == "incomplete":
+        shutil.copytree(ep_run[0] / "checkpoints" / "step-2", path)
+        (path / "COMPLETE").unlink()
+    assert train.main(FOUR_STEPS + [f"--checkpoint.resume={path}"]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and ("no such directory" in err or "incomplete or damaged" in err)
