@@ -10,20 +10,24 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from models.common.init import param_generator
 
 
+def local_index(param: torch.Tensor) -> tuple[slice, ...]:
+    """The region of the global tensor that this rank holds of `param`, a slice per dim."""
+    if not isinstance(param, DTensor):
+        return tuple(slice(0, n) for n in param.shape)
+    # NOTE: a private helper, but it is the one DTensor itself uses for this question.
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+
+
 def local_part(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The slice of the global value `full` that this rank holds of `param`.
 
     Works for any placements (FSDP Shard(0), EP Shard(0) x FSDP Shard(1), HSDP ...), uneven
     shards included, because DTensor itself says where the local shard starts.
     """
-    if not isinstance(param, DTensor):
-        return full
-    # NOTE: a private helper, but it is the one DTensor itself uses for this question.
-    shape, offset = compute_local_shape_and_global_offset(
-        param.shape, param.device_mesh, param.placements
-    )
-    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-    return full[index]
+    return full[local_index(param)]
 
 
 @torch.no_grad()

@@ -175,3 +175,46 @@ def test_layout_refusal_through_train_py(monkeypatch, capsys):
     monkeypatch.delenv("RANK", raising=False)
     assert train.main(["--config=configs/debug_qwen3_moe.toml", "--parallel.ep=3"]) == 2
     assert "parallel.ep=3 must divide" in capsys.readouterr().err
+
+
+def _hf_load_worker(rank: int, world: int, hf_dir: str, out_path: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from trainer.hf_io import load_hf_weights
+    from trainer.loop import Trainer
+
+    argv = [
+        "--config=configs/debug_qwen3_moe.toml",
+        "--parallel.ep=2",
+        f"--model.init_from_hf={hf_dir}",
+    ]
+    trainer = Trainer(load_config(argv), ParallelDims.resolve(1, -1, 1, 2, world))
+    spec = get_model_spec("qwen3_moe")
+    reader = load_hf_weights(trainer.model, spec.hf_adapter, trainer.args, hf_dir)  # again, counted
+    full = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        for n, p in trainer.model.named_parameters()
+    }
+    gathered = [None] * world
+    dist.all_gather_object(gathered, reader.bytes_read)
+    if rank == 0:
+        torch.save({"params": full, "bytes_read": gathered}, out_path)
+
+
+def test_init_from_hf_reads_only_the_local_part_on_each_rank(tmp_path):
+    from trainer.hf_io import save_hf_checkpoint
+
+    args = load_config(["--config=configs/debug_qwen3_moe.toml"]).model.args
+    spec = get_model_spec("qwen3_moe")
+    reference = spec.model_cls(args)
+    reference.init_weights(seed=7)
+    save_hf_checkpoint(reference, spec.hf_adapter, args, str(tmp_path / "hf"))
+    total = sum(p.numel() * 4 for p in reference.parameters())
+
+    run_distributed(_hf_load_worker, 2, str(tmp_path / "hf"), str(tmp_path / "out.pt"))
+    out = torch.load(tmp_path / "out.pt")
+    for name, param in reference.named_parameters():
+        assert torch.equal(out["params"][name], param.detach()), name
+    # EP 2 splits the experts, FSDP 2 the rest: every byte is read once, by its owner.
+    assert sum(out["bytes_read"]) == total
+    assert all(b < 0.6 * total for b in out["bytes_read"])

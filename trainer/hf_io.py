@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from parallelisms.init import copy_full_
+from models import HFFormatError
+from parallelisms.init import local_index
 
 
 class SafetensorsDir:
@@ -33,46 +34,69 @@ class SafetensorsDir:
         else:
             files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
             if not files:
-                raise FileNotFoundError(f"no *.safetensors files in {model_dir!r}")
+                raise HFFormatError(f"no *.safetensors files in {model_dir!r} (model.init_from_hf)")
             self.key_to_file = {}
             for name in files:
                 path = os.path.join(model_dir, name)
                 with safe_open(path, "pt") as f:
                     self.key_to_file.update(dict.fromkeys(f.keys(), path))
         self._open: dict[str, Any] = {}
-        self.used: set[str] = set()
+        self.bytes_read = 0
 
     def has(self, key: str) -> bool:
         return key in self.key_to_file
 
-    def get(self, key: str) -> torch.Tensor:
+    def _slice(self, key: str):
         path = self.key_to_file[key]
         if path not in self._open:
             self._open[path] = safe_open(path, "pt")
-        self.used.add(key)
-        return self._open[path].get_tensor(key)
+        return self._open[path].get_slice(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._slice(key).get_shape())
+
+    def get(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Tensor `key`, or only its part `index` (read from disk without the rest)."""
+        part = self._slice(key)
+        tensor = part[index] if index is not None else part[:]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, adapter: Any, args: Any, model_dir: str) -> None:
-    """Fill every parameter of `model` (sharded or not) from an HF checkpoint directory."""
+def load_hf_weights(model: nn.Module, adapter: Any, args: Any, model_dir: str) -> SafetensorsDir:
+    """Fill every parameter of `model` (sharded or not) from an HF checkpoint directory.
+
+    Each rank reads only the part of each tensor that it holds. Returns the reader (its
+    `bytes_read` says how much this rank read).
+    """
     reader = SafetensorsDir(model_dir)
+    needed: dict[str, tuple] = {}
     for name, param in model.named_parameters():
-        full = adapter.from_hf(name, args, reader.has, reader.get)
-        if tuple(full.shape) != tuple(param.shape):
-            raise ValueError(
-                f"{model_dir}: {name} has shape {tuple(full.shape)} in the checkpoint but "
-                f"{tuple(param.shape)} in the model; does config.json match the weights?"
+        needed.update(adapter.hf_keys(name, tuple(param.shape), args, reader.has))
+    for key, shape in needed.items():  # metadata only: refuse a mismatch before reading data
+        if not reader.has(key):
+            raise HFFormatError(f"{model_dir}: the checkpoint has no tensor {key!r}")
+        if reader.shape(key) != shape:
+            raise HFFormatError(
+                f"{model_dir}: {key} has shape {reader.shape(key)} in the checkpoint but the "
+                f"model expects {shape}; does config.json match the weights?"
             )
-        copy_full_(param, full)
-    unused = set(reader.key_to_file) - reader.used
+    # Judge the file against what the whole model needs, not what this rank will read.
+    unused = set(reader.key_to_file) - set(needed)
     if getattr(args, "tie_word_embeddings", False):
         unused.discard("lm_head.weight")  # some exporters write the tied copy too
     if unused:
-        raise ValueError(
+        raise HFFormatError(
             f"{model_dir}: {len(unused)} checkpoint tensors do not belong to the model, e.g. "
             f"{sorted(unused)[:3]}; is this the right model family?"
         )
+    for name, param in model.named_parameters():
+        index = local_index(param)
+        part = adapter.from_hf(name, args, reader.has, reader.get, index)
+        local = param.to_local() if isinstance(param, DTensor) else param
+        local.copy_(part.to(local.dtype))
+    return reader
 
 
 @torch.no_grad()

@@ -85,22 +85,58 @@ def _expert_keys(prefix: str, num_experts: int, proj: str) -> list[str]:
     return [f"{prefix}.{e}.{proj}.weight" for e in range(num_experts)]
 
 
+def hf_keys(
+    name: str, shape: tuple[int, ...], args: Qwen3MoeArgs, has: Callable[[str], bool]
+) -> dict[str, tuple[int, ...]]:
+    """The checkpoint keys that make native parameter `name` of global `shape`, each with
+    the shape it must have."""
+    hf = _hf_name(name)
+    prefix, _, param = hf.rpartition(".")
+    if has(hf) or not prefix.endswith(".mlp.experts"):
+        return {hf: tuple(shape)}
+    if param == "down_proj":
+        return dict.fromkeys(_expert_keys(prefix, args.num_experts, "down_proj"), tuple(shape[1:]))
+    per_expert = (shape[1] // 2, shape[2])  # gate_up rows are gate's, then up's
+    keys = _expert_keys(prefix, args.num_experts, "gate_proj")
+    return dict.fromkeys(keys + _expert_keys(prefix, args.num_experts, "up_proj"), per_expert)
+
+
 def from_hf(
-    name: str, args: Qwen3MoeArgs, has: Callable[[str], bool], get: Callable[[str], torch.Tensor]
+    name: str,
+    args: Qwen3MoeArgs,
+    has: Callable[[str], bool],
+    get: Callable[[str, tuple[slice, ...]], torch.Tensor],
+    index: tuple[slice, ...],
 ) -> torch.Tensor:
-    """The full value of native parameter `name`, read from a checkpoint via has/get."""
+    """The part `index` (a slice per dim) of native parameter `name`, read through
+    has(key) / get(key, index), which reads only that part of a checkpoint tensor.
+
+    Reading parts lets each rank load only what it owns: its experts under expert
+    parallelism, its rows under FSDP.
+    """
     hf = _hf_name(name)
     if has(hf):
-        return get(hf)
+        return get(hf, index)
     prefix, _, param = hf.rpartition(".")  # e.g. "model.layers.0.mlp.experts", "gate_up_proj"
     if prefix.endswith(".mlp.experts") and param in ("gate_up_proj", "down_proj"):
+        experts, rows, cols = index
+        local = range(*experts.indices(args.num_experts))
         if param == "down_proj":
-            return torch.stack(
-                [get(k) for k in _expert_keys(prefix, args.num_experts, "down_proj")]
-            )
-        gate = [get(k) for k in _expert_keys(prefix, args.num_experts, "gate_proj")]
-        up = [get(k) for k in _expert_keys(prefix, args.num_experts, "up_proj")]
-        return torch.stack([torch.cat(pair) for pair in zip(gate, up)])
+            keys = _expert_keys(prefix, args.num_experts, "down_proj")
+            return torch.stack([get(keys[e], (rows, cols)) for e in local])
+        # gate_up rows [0, I) are gate_proj's, [I, 2I) up_proj's: read what `rows` covers.
+        inter = args.moe_intermediate_size
+        start, stop, _ = rows.indices(2 * inter)
+        gate_rows = slice(min(start, inter), min(stop, inter))
+        up_rows = slice(max(start, inter) - inter, max(stop, inter) - inter)
+        gate_keys = _expert_keys(prefix, args.num_experts, "gate_proj")
+        up_keys = _expert_keys(prefix, args.num_experts, "up_proj")
+        return torch.stack(
+            [
+                torch.cat([get(gate_keys[e], (gate_rows, cols)), get(up_keys[e], (up_rows, cols))])
+                for e in local
+            ]
+        )
     raise HFFormatError(f"checkpoint has no tensor {hf!r} (needed for {name!r})")
 
 
