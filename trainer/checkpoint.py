@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -27,11 +28,28 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
+# NOTE: per-parameter optimizer keys ("optim.state.<fqn>.exp_avg", "optim.param_groups.<fqn>
+# .lr"), not per-group ones: parameter groups differ between layouts (experts get groups of
+# their own under EP), and a checkpoint must load into any layout.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _fsync(path: str) -> None:
+    """Flush a file's (or a directory's entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class CheckpointError(ValueError):
@@ -39,16 +57,23 @@ class CheckpointError(ValueError):
 
 
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint under `root`, oldest first."""
+    """(step, path) of every complete checkpoint under `root`, in commit order (oldest first).
+
+    NOTE: commit order, not step order: after a rollback (resume from an older step), the
+    checkpoints of the abandoned future are older commits than the new ones, so
+    resume=auto and keep_last follow the run that is actually going on.
+    """
     if not os.path.isdir(root):
         return []
     found = []
     for name in os.listdir(root):
         match = _STEP_DIR.match(name)
-        path = os.path.join(root, name)
-        if match and os.path.isfile(os.path.join(path, COMPLETE)):
-            found.append((int(match.group(1)), path))
-    return sorted(found)
+        marker = os.path.join(root, name, COMPLETE)
+        if match and os.path.isfile(marker):
+            with open(marker) as f:
+                committed = json.load(f).get("committed_at", 0.0)
+            found.append((committed, int(match.group(1)), os.path.join(root, name)))
+    return [(step, path) for _, step, path in sorted(found)]
 
 
 def check_checkpoint(path: str) -> None:
@@ -92,10 +117,10 @@ class Checkpointer:
         if self.rank == 0:
             os.makedirs(self.root, exist_ok=True)
             for name in os.listdir(self.root):  # leftovers of saves that were killed
-                if name.startswith(".tmp-step-"):
+                if name.startswith((".tmp-step-", ".old-step-")):
                     shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._async_group)
@@ -123,21 +148,28 @@ class Checkpointer:
         them): add the trainer state, mark complete, and only then rename into place."""
         if self.rank != 0:
             return
-        torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE))
+        state_path = os.path.join(tmp, TRAINER_STATE)
+        torch.save(trainer_state, state_path)
+        _fsync(state_path)
         with open(os.path.join(tmp, COMPLETE), "w") as f:
-            json.dump({"step": trainer_state["step"]}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.isdir(final):  # the same step saved again (e.g. end of a resumed run)
-            shutil.rmtree(final)
+            json.dump({"step": trainer_state["step"], "committed_at": time.time()}, f)
+        _fsync(os.path.join(tmp, COMPLETE))
+        replaced = None
+        if os.path.isdir(final):  # the same step saved again: keep the old one until the swap
+            replaced = os.path.join(self.root, f".old-{os.path.basename(final)}")
+            os.rename(final, replaced)
         os.rename(tmp, final)  # atomic on one filesystem: a checkpoint is whole or absent
+        _fsync(self.root)
+        if replaced:
+            shutil.rmtree(replaced, ignore_errors=True)
         if self.keep_last > 0:
             for _, old in complete_checkpoints(self.root)[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
 
     # --- load ----------------------------------------------------------------------
     def resolve(self, resume: str) -> str | None:
-        """The checkpoint to resume from: auto = newest complete (or none), none, PATH."""
+        """The checkpoint to resume from: auto = the last committed complete one (or none),
+        none, PATH."""
         if resume == "none":
             return None
         if resume == "auto":
@@ -149,10 +181,14 @@ class Checkpointer:
     def load(self, path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore model and optimizer in place (any layout); returns the trainer state."""
         check_checkpoint(path)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=_OPTIONS,
         )
         return torch.load(os.path.join(path, TRAINER_STATE), weights_only=False)

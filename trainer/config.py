@@ -141,11 +141,6 @@ class MoESection:
         "expert GEMM: auto (torch._grouped_mm where supported) | grouped_mm | loop",
         choices=("auto", "grouped_mm", "loop"),
     )
-    dispatcher: str = _h(
-        "all_to_all",
-        "token dispatch over the ep ranks (all_to_all: variable-split all-to-all)",
-        choices=("all_to_all",),
-    )
 
 
 @dataclass

@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from models import get_model_spec
 from trainer.checkpoint import TRAINER_STATE, check_checkpoint
@@ -29,13 +29,15 @@ def load_checkpoint_model(path: str) -> tuple[torch.nn.Module, object]:
     model_cfg = dict(config["model"])
     spec = get_model_spec(model_cfg.pop("name"))
     model_cfg.pop("init_from_hf", None)
-    model = spec.model_cls(spec.args_cls(**model_cfg))
-    with tempfile.TemporaryDirectory() as tmp:
-        full = os.path.join(tmp, "full.pt")
-        dcp_to_torch_save(path, full)
-        state = torch.load(full, weights_only=False)["model"]
-    model.load_state_dict(state)
-    return model, spec
+    with torch.device("meta"):
+        model = spec.model_cls(spec.args_cls(**model_cfg))
+    model.to_empty(device="cpu")  # no init: every weight comes from the checkpoint
+    # Only the model's tensors are read (not the optimizer's), straight into the model.
+    state = {"model": model.state_dict()}
+    dcp.load(
+        state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True
+    )
+    return model.eval(), spec
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,6 +58,15 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
     resolve_model_args(cfg)
     if cfg.checkpoint.resume not in ("auto", "none"):
         check_checkpoint(cfg.checkpoint.resume)
+    if (
+        dims.cp > 1
+        and cfg.parallel.cp_kernel == "cpu_flash"
+        and resolve_device(cfg.train.device).type != "cpu"
+    ):
+        raise LayoutError(
+            "parallel.cp_kernel=cpu_flash runs on CPU only, but training runs on CUDA; use "
+            "parallel.cp_kernel=auto or math"
+        )
     spec = get_model_spec(cfg.model.name)
     with torch.device("meta"):
         check_layout(spec.model_cls(cfg.model.args), spec.plan, dims)
@@ -130,10 +139,18 @@ class Trainer:
         )
         self.dispatchers = self.parallel.dispatchers
         self.model.to_empty(device=self.device)
-        if cfg.model.init_from_hf:
-            load_hf_weights(self.model, spec.hf_adapter, self.args, cfg.model.init_from_hf)
-        else:
-            init_weights_global(self.model, cfg.train.seed)
+
+        ck = cfg.checkpoint
+        self.checkpointer = Checkpointer(
+            os.path.join(cfg.job.output_dir, "checkpoints"), ck.keep_last, ck.async_save
+        )
+        resume_from = [self.checkpointer.resolve(ck.resume) if self.rank == 0 else None]
+        dist.broadcast_object_list(resume_from, src=0)  # every rank loads the same one
+        if resume_from[0] is None:  # a resumed run gets every weight from its checkpoint
+            if cfg.model.init_from_hf:
+                load_hf_weights(self.model, spec.hf_adapter, self.args, cfg.model.init_from_hf)
+            else:
+                init_weights_global(self.model, cfg.train.seed)
         self.model.train()
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -148,13 +165,6 @@ class Trainer:
         self._data_iter = None
         self.history: list[dict] = []
         self._stop_requested = False
-
-        ck = cfg.checkpoint
-        self.checkpointer = Checkpointer(
-            os.path.join(cfg.job.output_dir, "checkpoints"), ck.keep_last, ck.async_save
-        )
-        resume_from = [self.checkpointer.resolve(ck.resume) if self.rank == 0 else None]
-        dist.broadcast_object_list(resume_from, src=0)  # every rank loads the same one
         if resume_from[0] is not None:
             self._restore(resume_from[0])
         self.logger = MetricsLogger(
@@ -206,7 +216,8 @@ class Trainer:
         """
         coef = getattr(self.args, "router_aux_loss_coef", 0.0)
         local_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches)
-        num_tokens = self._all_reduce(local_tokens.to(self.device, torch.float32))
+        # int64 across ranks (fp32 counts are exact only to 2^24 tokens), fp32 for division.
+        num_tokens = self._all_reduce(local_tokens.to(self.device, torch.int64)).float()
         # Order-independent checksum of the global batch's tokens: equal between runs that
         # train on the same samples at this step, whatever the layout (positions are true).
         fingerprint = sum(
@@ -361,7 +372,8 @@ class Trainer:
                 ),
             )
             self.history.append(record)
-            if self.step % cfg.metrics.log_interval == 0 or self.step == cfg.train.steps:
+            due = self.step % cfg.metrics.log_interval == 0 or self.step == cfg.train.steps
+            if due or "expert_load" in record:  # expert load is computed for logging only
                 self.logger.log(record)
             self.checkpointer.poll()
             if self._stop_agreed():

@@ -121,6 +121,8 @@ def from_hf(
     if prefix.endswith(".mlp.experts") and param in ("gate_up_proj", "down_proj"):
         experts, rows, cols = index
         local = range(*experts.indices(args.num_experts))
+        if not local:  # an FSDP shard of the expert dim can be empty (fewer experts than ranks)
+            return torch.empty(0, rows.stop - rows.start, cols.stop - cols.start)
         if param == "down_proj":
             keys = _expert_keys(prefix, args.num_experts, "down_proj")
             return torch.stack([get(keys[e], (rows, cols)) for e in local])
