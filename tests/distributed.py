@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -85,9 +86,24 @@ def launch_train(
         )
 
 
+def kill_launch(proc: subprocess.Popen) -> None:
+    """SIGKILL a launch and its workers (torchrun starts workers in sessions of their own)."""
+    found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+    for pid in [*map(int, found.stdout.split()), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
 def finish(proc: subprocess.Popen, out_dir: Path, timeout: float = 600) -> str:
-    """Wait for a launched run; returns its output (stdout and stderr)."""
-    proc.wait(timeout=timeout)
+    """Wait for a launched run (killing it if it overstays); returns its output."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_launch(proc)  # never leave a hung run behind on a shared machine
+        raise
     return Path(f"{out_dir}.log").read_text()
 
 

@@ -100,11 +100,6 @@ def init_distributed(device: torch.device) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        # NOTE: gloo connects its full mesh lazily, on first use. Eager connection raced
-        # with the re-rendezvous of workers restarted by torchrun --max-restarts (seen as
-        # "connection refused" in the new round); lazy connection did not. Overridable.
-        os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     if "RANK" in os.environ:  # launched by torchrun
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     else:  # plain `python train.py`: a world of one, so the code path stays the same
