@@ -26,7 +26,13 @@ from parallelisms.mesh import LayoutError, ParallelDims, build_meshes
 from parallelisms.parallelize import check_layout, parallelize
 from trainer.checkpoint import Checkpointer, check_checkpoint
 from trainer.config import JobConfig, config_to_dict
-from trainer.data import IGNORE_INDEX, DataError, build_dataloader, build_tokenizer
+from trainer.data import (
+    IGNORE_INDEX,
+    DataError,
+    build_dataloader,
+    build_tokenizer,
+    grad_accum_steps,
+)
 from trainer.hf_io import load_hf_weights
 from trainer.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_gib
 from trainer.optim import build_optimizer, set_lr
@@ -155,7 +161,9 @@ class Trainer:
         self.cp_group = self.meshes.world.get_group("cp")
         self.cp_rank = self.meshes.world.get_local_rank("cp")
         self.loader, _ = build_dataloader(cfg.data, cfg.train, self.dp_rank, dims.dp_size)
-        self.grad_accum = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp_size)
+        self.grad_accum = grad_accum_steps(
+            cfg.train.global_batch_size, cfg.train.micro_batch_size, dims.dp_size
+        )
         self.step = 0
         self._data_iter = None
         self.history: list[dict] = []
@@ -179,8 +187,9 @@ class Trainer:
         dist.all_reduce(t)  # over the world: every rank holds a distinct part of the batch
         return t
 
-    def _aux_loss(self, stats: RouterStats, rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(term added to this rank's loss, aux value logged) for one forward.
+    def _aux_loss(self, stats: RouterStats, rounds: int) -> torch.Tensor:
+        """This forward's share of the step's aux loss (summed over forwards and ranks, the
+        shares give the step's value).
 
         micro_batch: the statistics of one forward's sequences; global_batch: those of all
         data-parallel ranks' forwards of the same accumulation round, so the value is that
@@ -201,7 +210,7 @@ class Trainer:
             dist.all_reduce(counts, group=group)
             rows = stats.prob_sum.shape[0] * stats.num_tokens * ranks
             aux = load_balancing_loss(stats, num_experts, counts, rows)
-        return aux / forwards, aux.detach()
+        return aux / forwards
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict:
         """Accumulate the gradients of this rank's micro-batches of one global batch.
@@ -210,15 +219,19 @@ class Trainer:
         tokens routed to each expert ([L, E], this rank, summed over micro-batches).
         """
         coef = getattr(self.args, "router_aux_loss_coef", 0.0)
-        local_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches)
-        # int64 across ranks (fp32 counts are exact only to 2^24 tokens), fp32 for division.
-        num_tokens = self._all_reduce(local_tokens.to(self.device, torch.int64)).float()
-        # Order-independent checksum of the global batch's tokens: equal between runs that
-        # train on the same samples at this step, whatever the layout (positions are true).
-        fingerprint = sum(
-            (mb["input_ids"] * (mb["position_ids"] + 1)).sum() for mb in micro_batches
+        # One int64 all-reduce (fp32 counts are exact only to 2^24) of [valid label tokens,
+        # an order-independent checksum of the batch's tokens]: the checksum is equal between
+        # runs that train on the same samples at this step, whatever the layout.
+        counts = sum(
+            torch.stack(
+                [
+                    (mb["labels"] != IGNORE_INDEX).sum(),
+                    (mb["input_ids"] * (mb["position_ids"] + 1)).sum(),
+                ]
+            )
+            for mb in micro_batches
         )
-        fingerprint = self._all_reduce(fingerprint.to(self.device, torch.int64))
+        num_tokens, fingerprint = self._all_reduce(counts.to(self.device, torch.int64)).tolist()
         rounds = len(micro_batches)
 
         sums = torch.zeros(2, device=self.device)  # [sum of token losses, sum of aux values]
@@ -233,22 +246,20 @@ class Trainer:
             )
             loss = ce_sum / num_tokens
             if out.router_stats is not None:
-                aux_term, aux_value = self._aux_loss(out.router_stats, rounds)
-                loss = loss + coef * aux_term
-                sums[1] += aux_value
+                aux_share = self._aux_loss(out.router_stats, rounds)
+                loss = loss + coef * aux_share
+                sums[1] += aux_share.detach()
                 load = out.router_stats.tokens_per_expert
                 expert_load = load if expert_load is None else expert_load + load
             loss.backward()
             sums[0] += ce_sum.detach()
 
-        self._all_reduce(sums)
-        global_aux = self.cfg.moe.aux_loss_mode == "global_batch"
-        aux_div = rounds if global_aux else rounds * self.dims.dp_size
+        loss_sum, aux = self._all_reduce(sums).tolist()
         return {
-            "loss": (sums[0] / num_tokens).item(),
-            "aux_loss": (sums[1] / aux_div).item() if expert_load is not None else None,
-            "tokens": int(num_tokens.item()),
-            "data_fingerprint": int(fingerprint.item()),
+            "loss": loss_sum / num_tokens,
+            "aux_loss": aux if expert_load is not None else None,
+            "tokens": num_tokens,
+            "data_fingerprint": fingerprint,
             "expert_load": expert_load,
         }
 
