@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.common.moe import MoE, MoEOptions  # noqa: E402
+from models.common.moe import MoE, MoEOptions, TopKRouter  # noqa: E402
 from parallelisms.expert_parallel import apply_expert_parallel  # noqa: E402
 
 
@@ -46,7 +46,12 @@ def time_fwd_bwd(layer: MoE, x: torch.Tensor, iters: int) -> float:
 
 def build(args, gemm: str, device: torch.device, dtype: torch.dtype) -> MoE:
     torch.manual_seed(0)
-    layer = MoE(args.hidden, args.inter, args.experts, args.topk, True, MoEOptions(gemm=gemm))
+    layer = MoE(
+        args.hidden,
+        args.inter,
+        TopKRouter(args.hidden, args.experts, args.topk, True),
+        MoEOptions(gemm=gemm),
+    )
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.02)
     return layer.to(device, dtype)

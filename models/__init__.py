@@ -23,13 +23,12 @@ class ModelSpec:
     args_cls: type  # dataclass of hyper-parameters, its fields are the `[model]` keys
     model_cls: type  # nn.Module built as model_cls(args)
     plan: Any  # models.common.plan.ParallelPlan
-    hf_adapter: (
-        Any  # module with load_hf_config, from_hf_state_dict, to_hf_state_dict, save_hf_config
-    )
+    # Module with load_hf_config, hf_config_dict, hf_keys, from_hf, to_hf, is_redundant_key.
+    hf_adapter: Any
 
 
 # name -> module path whose `SPEC` attribute is the ModelSpec (imported on demand).
-_REGISTRY = {"qwen3_moe": "models.qwen3_moe"}
+_REGISTRY = {"deepseek_v3": "models.deepseek_v3", "qwen3_moe": "models.qwen3_moe"}
 
 
 def model_names() -> list[str]:

@@ -39,15 +39,22 @@ def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
     local.copy_(local_part(full, param).to(local.dtype))
 
 
+def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters, then buffers (e.g. a router's correction bias): what a model's
+    initialisation, HF import and export handle. Buffers stay plain, replicated tensors."""
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
 @torch.no_grad()
 def init_weights_global(model: nn.Module, seed: int) -> None:
-    """Initialise every parameter as the unsharded model would be, then keep the local part.
+    """Initialise every parameter and buffer as the unsharded model would be, then keep
+    the local part.
 
     Each rank materialises one full parameter at a time (on its device) from a per-name
     RNG stream, so the same seed gives the same global weights on any layout. Costs one
     transient full-size tensor per parameter.
     """
-    for name, param in model.named_parameters():
+    for name, param in named_weights(model):
         device = param.device
         full = torch.empty(param.shape, dtype=torch.float32, device=device)
         model.reset_parameter(name, full, param_generator(seed, name, device))

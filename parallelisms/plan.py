@@ -14,13 +14,19 @@ def _matches(pattern: str, fqn: str) -> bool:
     return len(parts) == len(names) and all(p in ("*", n) for p, n in zip(parts, names))
 
 
-def match_modules(model: nn.Module, pattern: str, what: str) -> list[tuple[str, nn.Module]]:
-    """(fqn, module) pairs matching `pattern` ("*" = one name component), in model order.
+def match_modules(
+    model: nn.Module, pattern: str | tuple[str, ...], what: str
+) -> list[tuple[str, nn.Module]]:
+    """(fqn, module) pairs matching `pattern` ("*" = one name component), in model order;
+    for a tuple of patterns, the matches of each pattern in turn.
 
-    A pattern that matches nothing is an error: a plan that silently does nothing would
-    leave the model unsharded or unparallelised without anyone noticing.
+    Matching nothing is an error: a plan that silently does nothing would leave the model
+    unsharded or unparallelised without anyone noticing. (In a tuple, a pattern may match
+    nothing when the others match: e.g. a model built without its optional MTP modules.)
     """
-    found = [(fqn, mod) for fqn, mod in model.named_modules() if fqn and _matches(pattern, fqn)]
+    patterns = (pattern,) if isinstance(pattern, str) else pattern
+    named = [(fqn, mod) for fqn, mod in model.named_modules() if fqn]
+    found = [(fqn, mod) for p in patterns for fqn, mod in named if _matches(p, fqn)]
     if not found:
         examples = [fqn for fqn, _ in model.named_modules() if fqn][:6]
         raise PlanError(

@@ -16,10 +16,21 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models import get_model_spec
-from models.common.moe import TopKRouter, load_balancing_loss
+from models.common.moe import (
+    GroupLimitedRouter,
+    TopKRouter,
+    load_balancing_loss,
+    sequence_balance_loss,
+)
 from parallelisms.mesh import ParallelDims
 from trainer.config import load_config
-from trainer.data import IGNORE_INDEX, GlobalBatchSampler, build_dataset, build_tokenizer
+from trainer.data import (
+    IGNORE_INDEX,
+    GlobalBatchSampler,
+    add_mtp_targets,
+    build_dataset,
+    build_tokenizer,
+)
 from trainer.optim import build_optimizer, lr_factor
 
 STEPS = 3
@@ -44,6 +55,32 @@ TINY = [
     "--metrics.jsonl=false",
     "--metrics.progress=false",
 ]
+# DeepSeek-V3 at the same scale: MLA with q LoRA and v_head_dim != qk_head_dim, 4 groups,
+# a shared expert, one dense layer, one MTP module, the sequence-wise aux loss, and a bias
+# update rate large enough that the bias changes routing within 3 steps.
+TINY_MODEL_ONLY = ("--model.head_dim", "--model.router_aux_loss_coef")
+TINY_DSV3 = [
+    "--config=configs/debug_deepseek_v3.toml",
+    "--model.hidden_size=64",
+    "--model.num_hidden_layers=3",
+    "--model.moe_intermediate_size=32",
+    "--model.intermediate_size=96",
+    "--model.q_lora_rank=32",
+    "--model.kv_lora_rank=16",
+    "--model.qk_nope_head_dim=12",
+    "--model.qk_rope_head_dim=4",
+    "--model.v_head_dim=8",
+    "--model.num_nextn_predict_layers=1",
+    "--model.router_aux_loss_coef=0.05",
+    "--moe.aux_loss_mode=sequence",
+    "--moe.bias_update_rate=0.01",
+    *(a for a in TINY[1:] if a.split("=")[0] not in TINY_MODEL_ONLY),
+]
+ROUTERS = (TopKRouter, GroupLimitedRouter)
+
+
+def num_experts_of(args) -> int:
+    return getattr(args, "num_experts", None) or args.n_routed_experts
 
 
 def _skew_routing(router: nn.Module, _inputs, out):
@@ -55,7 +92,7 @@ def _skew_routing(router: nn.Module, _inputs, out):
 def install_routing(model: nn.Module, routing: str | None) -> None:
     if routing == "skewed":
         for module in model.modules():
-            if isinstance(module, TopKRouter):
+            if isinstance(module, ROUTERS):
                 module.register_forward_hook(_skew_routing)
 
 
@@ -67,7 +104,7 @@ class RemoteAssignmentCounter:
         self.remote = 0
         local = num_experts // ep
         for module in model.modules():
-            if isinstance(module, TopKRouter):
+            if isinstance(module, ROUTERS):
                 module.register_forward_hook(self._hook)
         self._owner = lambda e: e // local
         self._rank = ep_rank
@@ -93,7 +130,7 @@ def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing
     if dims.ep > 1:
         ep_rank = trainer.meshes.ep.get_local_rank()
         counter = RemoteAssignmentCounter(
-            trainer.model, dims.ep, ep_rank, cfg.model.args.num_experts
+            trainer.model, dims.ep, ep_rank, num_experts_of(cfg.model.args)
         )
     # Gradients as the optimizer sees them (after clipping), captured by a pre-step hook, so
     # the step itself runs through trainer.train_step: its record is what metrics.jsonl gets.
@@ -108,6 +145,7 @@ def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing
         out = trainer.train_step(trainer.next_micro_batches())
         out["grads"] = seen["grads"]
         out["params"] = {n: _full(q) for n, q in trainer.model.named_parameters()}
+        out["buffers"] = {n: b.clone() for n, b in trainer.model.named_buffers()}
         if counter is not None:
             # Per MoE layer and step: dispatch + combine, forward + backward, fp32 rows.
             out["a2a_expected"] = 4 * counter.remote * cfg.model.args.hidden_size * 4
@@ -135,7 +173,8 @@ def reference_run(argv: list[str], dp_size: int, routing: str | None = None) -> 
     opt = build_optimizer(model, cfg.train)
     # torch's own scheduler, driven by the same formula (the trainer sets lr per step itself)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg.train))
-    t, num_experts = cfg.train, cfg.model.args.num_experts
+    t, args = cfg.train, cfg.model.args
+    num_experts, mtp_depth = num_experts_of(args), getattr(args, "num_nextn_predict_layers", 0)
     dataset = build_dataset(cfg.data, build_tokenizer(cfg.data))
     sampler = iter(
         GlobalBatchSampler(
@@ -154,17 +193,36 @@ def reference_run(argv: list[str], dp_size: int, routing: str | None = None) -> 
         else:
             forwards = micro
         forwards = [{k: torch.stack([s[k] for s in fw]) for k in fw[0]} for fw in forwards]
+        if mtp_depth:
+            forwards = [add_mtp_targets(fw, mtp_depth) for fw in forwards]
+            n_mtp = sum((fw["mtp_labels"] != IGNORE_INDEX).sum((0, 1)) for fw in forwards)  # [D]
         n_tokens = sum((fw["labels"] != IGNORE_INDEX).sum() for fw in forwards)
-        total_ce, total_aux = 0.0, 0.0
+        total_ce, total_aux, total_mtp = 0.0, 0.0, 0.0
         for fw in forwards:
-            out = model(fw["input_ids"], fw["position_ids"])
+            mtp_inputs = {"mtp_input_ids": fw["mtp_input_ids"]} if mtp_depth else {}
+            out = model(fw["input_ids"], fw["position_ids"], **mtp_inputs)
             ce = F.cross_entropy(out.logits.flatten(0, 1), fw["labels"].flatten(), reduction="sum")
-            aux = load_balancing_loss(out.router_stats, num_experts)
-            coef = cfg.model.args.router_aux_loss_coef
-            (ce / n_tokens + coef * aux / len(forwards)).backward()
+            if cfg.moe.aux_loss_mode == "sequence":  # mean over all sequences of the batch
+                aux = sequence_balance_loss(out.router_stats) * len(forwards) / t.global_batch_size
+            else:
+                aux = load_balancing_loss(out.router_stats, num_experts)
+            loss = ce / n_tokens + args.router_aux_loss_coef * aux / len(forwards)
+            for k, logits in enumerate(out.mtp_logits or []):
+                labels = fw["mtp_labels"][..., k].flatten()
+                mtp = F.cross_entropy(logits.flatten(0, 1), labels, reduction="sum") / n_mtp[k]
+                loss = loss + args.mtp_loss_weight / mtp_depth * mtp
+                total_mtp += mtp.item() / mtp_depth
+            loss.backward()
             total_ce, total_aux = total_ce + ce.item(), total_aux + aux.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
         grads = {n: q.grad.detach().clone() for n, q in model.named_parameters()}  # clipped
+        with torch.no_grad():  # aux-loss-free balancing, as the DeepSeek-V3 report writes it
+            for router in model.modules():
+                if isinstance(router, GroupLimitedRouter):
+                    load = router.tokens_per_expert.float()
+                    step = cfg.moe.bias_update_rate * torch.sign(load.mean() - load)
+                    router.e_score_correction_bias += step
+                    router.tokens_per_expert.zero_()
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -176,6 +234,8 @@ def reference_run(argv: list[str], dp_size: int, routing: str | None = None) -> 
                 "grad_norm": norm.item(),
                 "grads": grads,
                 "params": params,
+                "buffers": {n: b.clone() for n, b in model.named_buffers()},
+                "mtp_loss": total_mtp if mtp_depth else None,
             }
         )
     return records
@@ -196,3 +256,7 @@ def assert_same_training(ours: list[dict], ref: list[dict], rtol: float = 1e-5) 
         assert r["grad_norm"] > 0.5, "clipping should be active in this test"
         assert_tensors_close(o["grads"], r["grads"], f"step {step} grad", rtol)
         assert_tensors_close(o["params"], r["params"], f"step {step} param", rtol)
+        assert o.get("mtp_loss") == pytest.approx(r["mtp_loss"], rel=rtol), f"mtp at step {step}"
+        assert o["buffers"].keys() == r["buffers"].keys()
+        for name, buf in r["buffers"].items():  # routing bias and counts: exactly equal
+            assert torch.equal(o["buffers"][name], buf), f"step {step} buffer {name}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import MISSING, fields, replace
 
 import pytest
@@ -180,10 +181,11 @@ def test_help_lists_every_key_with_its_default():
             if cls is ModelSection and f.name == "args":
                 continue
             default = f.default_factory() if f.default is MISSING else f.default
-            assert f"--{section}.{f.name}={_cli_text(default)} " in text
+            key = re.escape(f"--{section}.{f.name}={_cli_text(default)}")
+            assert re.search(key + r"(\s|$)", text, re.M), key
     for name in model_names():
         assert f"[model] keys of {name}" in text
-    assert "stdlib, text, jsonl, hf_datasets" in text  # choices are shown
+    assert "[one of: stdlib, text, jsonl, hf_datasets]" in " ".join(text.split())  # choices
 
 
 # --- what is refused ----------------------------------------------------------------------

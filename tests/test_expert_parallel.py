@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from models import get_model_spec
-from models.common.moe import MoE
+from models.common.moe import MoE, TopKRouter
 from parallelisms.expert_parallel import apply_expert_parallel
 from parallelisms.mesh import LayoutError, ParallelDims
 from parallelisms.parallelize import check_layout
@@ -36,11 +36,11 @@ def _route(kind: str):
 def _moe_layer_worker(rank: int, world: int, kind: str, out_path: str) -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)  # same weights and inputs on every rank
-    reference = MoE(HIDDEN, 8, EXPERTS, TOP_K, norm_topk_prob=True)
+    reference = MoE(HIDDEN, 8, TopKRouter(HIDDEN, EXPERTS, TOP_K, norm_topk_prob=True))
     for p in reference.parameters():
         torch.nn.init.normal_(p, std=0.3)
     reference.gate.register_forward_hook(_route(kind))
-    sharded = MoE(HIDDEN, 8, EXPERTS, TOP_K, norm_topk_prob=True)
+    sharded = MoE(HIDDEN, 8, TopKRouter(HIDDEN, EXPERTS, TOP_K, norm_topk_prob=True))
     sharded.load_state_dict(reference.state_dict())
     sharded.gate.register_forward_hook(_route(kind))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))

@@ -129,9 +129,15 @@ class ParallelSection:
 class MoESection:
     aux_loss_mode: str = _h(
         "micro_batch",
-        "micro_batch (load-balancing statistics of each rank's forward) | global_batch "
-        "(statistics summed over all data-parallel ranks of the same accumulation round)",
-        choices=("micro_batch", "global_batch"),
+        "micro_batch (Switch loss on each forward's statistics) | global_batch (on the "
+        "statistics of all data-parallel ranks' forwards of one accumulation round) | "
+        "sequence (DeepSeek-V3's sequence-wise loss, mean over the batch's sequences)",
+        choices=("micro_batch", "global_batch", "sequence"),
+    )
+    bias_update_rate: float = _h(
+        0.001,
+        "aux-loss-free balancing (routers with a correction bias, e.g. DeepSeek-V3): at each "
+        "step, bias += rate * sign(mean load - load) over the global batch (0 = frozen)",
     )
     capacity_factor: float | None = _h(
         None, "GShard-style expert capacity (tokens beyond it are dropped); None = drop-less"
@@ -407,6 +413,8 @@ def validate(cfg: JobConfig) -> None:
         f"data.seq_len ({d.seq_len}) must be divisible by {pieces} to split it over "
         f"parallel.cp={p.cp} ranks ({p.cp_layout} layout); change data.seq_len or parallel.cp",
     )
+    rate = cfg.moe.bias_update_rate
+    need(rate >= 0, f"moe.bias_update_rate must be >= 0 (0 freezes the bias), got {rate}")
     cf = cfg.moe.capacity_factor
     need(cf is None or cf > 0, f"moe.capacity_factor must be > 0 or none (drop-less), got {cf}")
     need(
@@ -462,7 +470,7 @@ def format_help() -> str:
                 doc += f" [one of: {', '.join(f.metadata['choices'])}]"
             key = f"--{section}.{f.name}={_format_value(default)}"
             rows.append((key, _type_name(_hints(cls)[f.name]), doc))
-    key_w = max(len(r[0]) for r in rows if isinstance(r, tuple))
+    key_w = min(max(len(r[0]) for r in rows if isinstance(r, tuple)), 44)  # longer: own line
     type_w = max(len(r[1]) for r in rows if isinstance(r, tuple))
     lines = [
         (
@@ -478,7 +486,11 @@ def format_help() -> str:
         if isinstance(row, str):
             lines.append(row)
             continue
-        head = f"  {row[0]:<{key_w}}  {row[1]:<{type_w}}  "
+        key = row[0]
+        if len(key) > key_w:
+            lines.append(f"  {key}")
+            key = ""
+        head = f"  {key:<{key_w}}  {row[1]:<{type_w}}  "
         lines.append(
             textwrap.fill(row[2], 100, initial_indent=head, subsequent_indent=" " * len(head))
         )

@@ -541,3 +541,23 @@ def build_dataloader(
             collate_fn=collate_samples,
         )
     return loader, tokenizer
+
+
+def add_mtp_targets(batch: dict[str, torch.Tensor], depth: int) -> dict[str, torch.Tensor]:
+    """Multi-token prediction inputs and labels, [B, S, depth] each: at position i, depth k
+    (1-based) reads token i+k and predicts token i+k+1, i.e. input_ids and labels shifted
+    left by k; the last k positions have no target.
+
+    NOTE: built on whole sequences, before any context-parallel split, so that a rank
+    holding positions i gets tokens i+k that may live on another rank's part.
+    """
+    ids, labels = batch["input_ids"], batch["labels"]  # [B, S]
+    shifted_ids, shifted_labels = [], []
+    for k in range(1, depth + 1):
+        shifted_ids.append(torch.nn.functional.pad(ids[:, k:], (0, k), value=0))
+        shifted_labels.append(torch.nn.functional.pad(labels[:, k:], (0, k), value=IGNORE_INDEX))
+    return {
+        **batch,
+        "mtp_input_ids": torch.stack(shifted_ids, dim=-1),
+        "mtp_labels": torch.stack(shifted_labels, dim=-1),
+    }

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models import HFFormatError
-from parallelisms.init import local_index
+from parallelisms.init import local_index, named_weights
 
 
 class SafetensorsDir:
@@ -65,14 +65,15 @@ class SafetensorsDir:
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, adapter: Any, args: Any, model_dir: str) -> SafetensorsDir:
-    """Fill every parameter of `model` (sharded or not) from an HF checkpoint directory.
+    """Fill every parameter and buffer of `model` (sharded or not) from an HF checkpoint
+    directory.
 
     Each rank reads only the part of each tensor that it holds. Returns the reader (its
     `bytes_read` says how much this rank read).
     """
     reader = SafetensorsDir(model_dir)
     needed: dict[str, tuple] = {}
-    for name, param in model.named_parameters():
+    for name, param in named_weights(model):
         needed.update(adapter.hf_keys(name, tuple(param.shape), args, reader.has))
     for key, shape in needed.items():  # metadata only: refuse a mismatch before reading data
         if not reader.has(key):
@@ -83,15 +84,17 @@ def load_hf_weights(model: nn.Module, adapter: Any, args: Any, model_dir: str) -
                 f"model expects {shape}; does config.json match the weights?"
             )
     # Judge the file against what the whole model needs, not what this rank will read.
-    unused = set(reader.key_to_file) - set(needed)
-    if getattr(args, "tie_word_embeddings", False):
-        unused.discard("lm_head.weight")  # some exporters write the tied copy too
+    unused = {
+        k
+        for k in reader.key_to_file
+        if k not in needed and not adapter.is_redundant_key(k, args, reader.has)
+    }
     if unused:
         raise HFFormatError(
             f"{model_dir}: {len(unused)} checkpoint tensors do not belong to the model, e.g. "
             f"{sorted(unused)[:3]}; is this the right model family?"
         )
-    for name, param in model.named_parameters():
+    for name, param in named_weights(model):
         index = local_index(param)
         part = adapter.from_hf(name, args, reader.has, reader.get, index)
         local = param.to_local() if isinstance(param, DTensor) else param
@@ -115,12 +118,16 @@ def save_hf_checkpoint(
     rank = dist.get_rank() if dist.is_initialized() else 0
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
-    for name, param in model.named_parameters():
+    buffers = {name for name, _ in model.named_buffers()}
+    for name, param in named_weights(model):
         full = param.full_tensor() if isinstance(param, DTensor) else param
         if rank != 0:
             continue
+        # NOTE: buffers keep their dtype: a routing bias in bf16 would round away
+        # updates smaller than its spacing (transformers keeps it fp32 too).
+        out_dtype = full.dtype if name in buffers else dtype
         for key, tensor in adapter.to_hf(name, full.detach(), args).items():
-            tensor = tensor.to("cpu", dtype).contiguous()
+            tensor = tensor.to("cpu", out_dtype).contiguous()
             if shard_bytes and shard_bytes + tensor.nbytes > max_shard_bytes:
                 shards.append({})
                 shard_bytes = 0

@@ -18,17 +18,24 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from models import get_model_spec
-from models.common.moe import MoEOptions, RouterStats, load_balancing_loss
+from models.common.moe import (
+    MoEOptions,
+    RouterStats,
+    load_balancing_loss,
+    sequence_balance_loss,
+)
 from parallelisms.clip import clip_grad_norm_
 from parallelisms.context_parallel import split_for_cp
 from parallelisms.init import init_weights_global
 from parallelisms.mesh import LayoutError, ParallelDims, build_meshes
 from parallelisms.parallelize import check_layout, parallelize
+from trainer.balance import attach_bias_update
 from trainer.checkpoint import Checkpointer, check_checkpoint
 from trainer.config import JobConfig, config_to_dict
 from trainer.data import (
     IGNORE_INDEX,
     DataError,
+    add_mtp_targets,
     build_dataloader,
     build_tokenizer,
     grad_accum_steps,
@@ -51,6 +58,10 @@ def resolve_model_args(cfg: JobConfig) -> None:
     defaults = spec.args_cls()
     for f in fields(spec.args_cls):
         ours, theirs = getattr(cfg.model.args, f.name), getattr(hf_args, f.name)
+        if f.name in getattr(spec.args_cls, "training_fields", ()):
+            if ours != getattr(defaults, f.name):  # a training choice: the job config's wins
+                setattr(hf_args, f.name, ours)
+            continue
         if ours != getattr(defaults, f.name) and ours != theirs:
             raise LayoutError(
                 f"model.{f.name}={ours!r} disagrees with {cfg.model.init_from_hf}/config.json "
@@ -112,6 +123,13 @@ def init_distributed(device: torch.device) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of the token cross-entropies (fp32) of logits [B, S, V] against labels [B, S]."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig, dims: ParallelDims) -> None:
         self.cfg = cfg
@@ -156,6 +174,9 @@ class Trainer:
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg.train)
+        # Routers with a correction bias move it before every update (world = global batch).
+        self.bias_update = attach_bias_update(self.model, self.optimizer, cfg.moe.bias_update_rate)
+        self.mtp_depth = getattr(self.args, "num_nextn_predict_layers", 0)
 
         self.dp_rank = self.meshes.dp_rank()
         self.cp_group = self.meshes.world.get_group("cp")
@@ -191,24 +212,33 @@ class Trainer:
         """This forward's share of the step's aux loss (summed over forwards and ranks, the
         shares give the step's value).
 
-        micro_batch: the statistics of one forward's sequences; global_batch: those of all
-        data-parallel ranks' forwards of the same accumulation round, so the value is that
-        of one device running their union. Statistics spread over several ranks (the cp
-        ranks of a sequence, or the whole batch) have their assignment counts all-reduced,
-        and each rank adds its share (see load_balancing_loss), the shares summing to the
-        value. The step's loss is the mean over forwards.
+        micro_batch: the Switch loss on one forward's sequences; global_batch: on those of
+        all data-parallel ranks' forwards of the same accumulation round, as one device
+        running their union; the step's value is the mean over forwards. sequence: the
+        sequence-wise loss, mean over the global batch's sequences. Statistics spread over
+        several ranks (the cp ranks of a sequence, or the whole batch) have their
+        assignment counts all-reduced, and each rank adds its share (the losses are linear
+        in the router probabilities and the counts carry no gradient).
         """
-        num_experts = stats.prob_sum.shape[1]
-        if self.cfg.moe.aux_loss_mode == "global_batch":
+        layers, batch, num_experts = stats.prob_sum.shape  # [L, B, E]
+        mode, cp = self.cfg.moe.aux_loss_mode, self.dims.cp
+        if mode == "sequence":
+            counts = stats.tokens_per_expert
+            if cp > 1:  # a sequence's counts over the cp ranks holding its parts
+                counts = counts.clone()
+                dist.all_reduce(counts, group=self.cp_group)
+            aux = sequence_balance_loss(stats, counts, stats.seq_len * cp)
+            return aux / self.cfg.train.global_batch_size
+        if mode == "global_batch":
             group, ranks, forwards = None, self.dims.world_size, rounds  # whole batch
         else:
-            group, ranks, forwards = self.cp_group, self.dims.cp, rounds * self.dims.dp_size
+            group, ranks, forwards = self.cp_group, cp, rounds * self.dims.dp_size
         if ranks == 1:
             aux = load_balancing_loss(stats, num_experts)
         else:
-            counts = stats.tokens_per_expert.sum(0)
+            counts = stats.tokens_per_expert.sum((0, 1))
             dist.all_reduce(counts, group=group)
-            rows = stats.prob_sum.shape[0] * stats.num_tokens * ranks
+            rows = layers * batch * stats.seq_len * ranks
             aux = load_balancing_loss(stats, num_experts, counts, rows)
         return aux / forwards
 
@@ -222,46 +252,58 @@ class Trainer:
         # One int64 all-reduce (fp32 counts are exact only to 2^24) of [valid label tokens,
         # an order-independent checksum of the batch's tokens]: the checksum is equal between
         # runs that train on the same samples at this step, whatever the layout.
+        # MTP depth k has its own valid-label count (the last k positions of each sequence
+        # have no target), all-reduced in the same call.
         counts = sum(
             torch.stack(
                 [
                     (mb["labels"] != IGNORE_INDEX).sum(),
                     (mb["input_ids"] * (mb["position_ids"] + 1)).sum(),
+                    *((mb["mtp_labels"] != IGNORE_INDEX).sum((0, 1)) if self.mtp_depth else []),
                 ]
             )
             for mb in micro_batches
         )
-        num_tokens, fingerprint = self._all_reduce(counts.to(self.device, torch.int64)).tolist()
+        num_tokens, fingerprint, *mtp_tokens = self._all_reduce(
+            counts.to(self.device, torch.int64)
+        ).tolist()
         rounds = len(micro_batches)
+        mtp_weight = getattr(self.args, "mtp_loss_weight", 0.0) / max(self.mtp_depth, 1)
 
-        sums = torch.zeros(2, device=self.device)  # [sum of token losses, sum of aux values]
+        # [sum of token losses, sum of aux values, sum over depths of mean MTP token losses]
+        sums = torch.zeros(3, device=self.device)
         expert_load = None
         for mb in micro_batches:
-            out = self.model(mb["input_ids"], mb["position_ids"])
-            ce_sum = F.cross_entropy(
-                out.logits.flatten(0, 1).float(),
-                mb["labels"].flatten(),
-                ignore_index=IGNORE_INDEX,
-                reduction="sum",
-            )
+            out = self.model(mb["input_ids"], mb["position_ids"], **self._mtp_inputs(mb))
+            ce_sum = _token_loss_sum(out.logits, mb["labels"])
             loss = ce_sum / num_tokens
+            for k, logits_k in enumerate(out.mtp_logits or []):
+                mtp_mean = _token_loss_sum(logits_k, mb["mtp_labels"][..., k]) / mtp_tokens[k]
+                loss = loss + mtp_weight * mtp_mean
+                sums[2] += mtp_mean.detach()
             if out.router_stats is not None:
                 aux_share = self._aux_loss(out.router_stats, rounds)
                 loss = loss + coef * aux_share
                 sums[1] += aux_share.detach()
-                load = out.router_stats.tokens_per_expert
+                load = out.router_stats.tokens_per_expert.sum(1)  # [L, E]
                 expert_load = load if expert_load is None else expert_load + load
             loss.backward()
             sums[0] += ce_sum.detach()
 
-        loss_sum, aux = self._all_reduce(sums).tolist()
-        return {
+        loss_sum, aux, mtp_sum = self._all_reduce(sums).tolist()
+        record = {
             "loss": loss_sum / num_tokens,
             "aux_loss": aux if expert_load is not None else None,
             "tokens": num_tokens,
             "data_fingerprint": fingerprint,
             "expert_load": expert_load,
         }
+        if self.mtp_depth:
+            record["mtp_loss"] = mtp_sum / self.mtp_depth  # mean over depths
+        return record
+
+    def _mtp_inputs(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"mtp_input_ids": mb["mtp_input_ids"]} if self.mtp_depth else {}
 
     def optimizer_step(self) -> dict:
         """Clip, update, advance the schedule; returns the pre-clip grad norm and the lr used."""
@@ -295,6 +337,8 @@ class Trainer:
             batch = {
                 k: v.to(self.device, non_blocking=True) for k, v in next(self._data_iter).items()
             }
+            if self.mtp_depth:  # before the cp split: depth k reads tokens k ahead
+                batch = add_mtp_targets(batch, self.mtp_depth)
             if self.dims.cp > 1:  # this rank's part of each sequence, true positions kept
                 zigzag = self.cfg.parallel.cp_layout == "zigzag"
                 batch = {

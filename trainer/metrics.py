@@ -11,6 +11,8 @@ import time
 import torch
 from torch import nn
 
+from models.common.moe import MoE
+
 # Dense bf16 peak FLOP/s by device-name fragment, for MFU.
 _PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
 
@@ -30,7 +32,7 @@ def active_params(model: nn.Module) -> float:
     """
     total = 0.0
     for module in model.modules():
-        if hasattr(module, "num_experts") and hasattr(module, "top_k"):
+        if isinstance(module, MoE):
             n = sum(p.numel() for p in module.experts.parameters())
             total -= n * (1 - module.top_k / module.num_experts)
     total += sum(p.numel() for p in model.parameters())
@@ -41,9 +43,13 @@ def active_params(model: nn.Module) -> float:
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * active params + attention scores (fwd + bwd)."""
+    """Training FLOPs per token: 6 * active params + attention scores and their use
+    (6 * seq * heads * (qk dim + v dim) per layer, forward + backward)."""
     args = model.args
-    attn = 12 * args.num_hidden_layers * args.num_attention_heads * args.head_dim * seq_len
+    qk_dim = getattr(args, "qk_head_dim", None) or args.head_dim
+    v_dim = getattr(args, "v_head_dim", None) or args.head_dim
+    layers = args.num_hidden_layers + getattr(args, "num_nextn_predict_layers", 0)
+    attn = 6 * layers * args.num_attention_heads * (qk_dim + v_dim) * seq_len
     return 6 * active_params(model) + attn
 
 

@@ -17,14 +17,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from models.common.mlp import SwiGLU
+
 
 class RouterStats(NamedTuple):
-    """What MoE layers saw, for load balancing and logging: [E] for one layer, [L, E] for a
-    model's L MoE layers stacked."""
+    """What MoE layers saw, per sequence, for load balancing and logging: [B, E] for one
+    layer, [L, B, E] for a model's L MoE layers stacked."""
 
     tokens_per_expert: torch.Tensor  # float, top-k assignments per expert (no grad)
-    prob_sum: torch.Tensor  # fp32, router probabilities summed over tokens (has grad)
-    num_tokens: int  # tokens each layer routed
+    prob_sum: torch.Tensor  # fp32, router affinities summed over a sequence's tokens (grad)
+    seq_len: int  # tokens of each sequence this rank routed
+    top_k: int
 
 
 @dataclass(frozen=True)
@@ -35,19 +38,17 @@ class MoEOptions:
     capacity_factor: float | None = None  # None: drop-less
 
 
-def _grouped_mm_supported(x: torch.Tensor) -> bool:
+def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm"):
+        return False
+    # Rows of both operands must start on 16-byte boundaries.
+    if any(t.shape[-1] * t.element_size() % 16 for t in (x, w)):
         return False
     if x.device.type == "cpu":
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if x.device.type == "cuda":
-        # NOTE: the CUDA kernel is bf16-only on Hopper-class GPUs and needs rows aligned to
-        # 16 bytes; other cases take the loop.
-        return (
-            x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) >= (9, 0)
-            and x.shape[-1] % 8 == 0
-        )
+        # NOTE: the CUDA kernel is bf16-only on Hopper-class GPUs; other cases take the loop.
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
     return False
 
 
@@ -61,7 +62,7 @@ def grouped_mm(
     or "loop" (one matmul per expert: the reference, and the fallback).
     """
     if impl == "auto":
-        impl = "grouped_mm" if _grouped_mm_supported(x) else "loop"
+        impl = "grouped_mm" if _grouped_mm_supported(x, w) else "loop"
     if impl == "grouped_mm":
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
         return torch._grouped_mm(x, w, offs=offsets)
@@ -76,6 +77,7 @@ class TopKRouter(nn.Module):
 
     def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
         super().__init__()
+        self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
@@ -87,6 +89,59 @@ class TopKRouter(nn.Module):
         if self.norm_topk_prob:
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         return probs, top_weights, top_experts
+
+
+class GroupLimitedRouter(nn.Module):
+    """DeepSeek-V3 routing: sigmoid affinities in fp32, experts chosen by affinity plus a
+    correction bias, within the `topk_group` best of `n_group` expert groups (a group
+    scores the sum of its two best biased affinities). The bias steers selection only;
+    the weights are the unbiased affinities, optionally renormalised, times
+    `routed_scaling_factor`.
+
+    Buffers: `e_score_correction_bias` [E] (fp32) and `tokens_per_expert` [E] (int64, the
+    assignments counted in training forwards since the last bias update). The trainer's
+    optimizer pre-step hook turns the counts into the aux-loss-free bias update.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.n_group, self.topk_group = n_group, topk_group
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> normalised affinities [T, E] (for the aux losses), top_weights
+        [T, k] fp32, top_experts [T, k]."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        biased = (scores + self.e_score_correction_bias).detach()
+        grouped = biased.view(-1, self.n_group, self.num_experts // self.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
+        best_groups = group_scores.topk(self.topk_group, dim=-1).indices
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        biased = grouped.masked_fill(~allowed[..., None], float("-inf")).flatten(1)
+        top_experts = biased.topk(self.top_k, dim=-1).indices  # [T, k]
+        top_weights = scores.gather(1, top_experts)
+        if self.norm_topk_prob:
+            top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        top_weights = top_weights * self.routed_scaling_factor
+        if self.training:
+            with torch.no_grad():
+                counts = torch.bincount(top_experts.flatten(), minlength=self.num_experts)
+                self.tokens_per_expert += counts
+        return scores / scores.sum(-1, keepdim=True), top_weights, top_experts
 
 
 class GroupedExperts(nn.Module):
@@ -112,43 +167,57 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Drop-less token-choice MoE: every token reaches its top-k experts."""
+    """Drop-less token-choice MoE: every token reaches its top-k experts, plus (optionally)
+    shared experts that every token goes through.
+
+    `router` maps tokens [T, dim] to (affinities [T, E] fp32, top_weights [T, k],
+    top_experts [T, k]) and has `num_experts` and `top_k` (TopKRouter, GroupLimitedRouter).
+    """
 
     def __init__(
         self,
         dim: int,
         hidden_dim: int,
-        num_experts: int,
-        top_k: int,
-        norm_topk_prob: bool,
+        router: nn.Module,
         options: MoEOptions | None = None,
+        shared_hidden_dim: int = 0,
     ) -> None:
         super().__init__()
         options = options or MoEOptions()
-        self.num_experts = num_experts
-        self.top_k = top_k
+        self.num_experts = router.num_experts
+        self.top_k = router.top_k
         self.capacity_factor = options.capacity_factor
-        self.gate = TopKRouter(dim, num_experts, top_k, norm_topk_prob)
-        self.experts = GroupedExperts(num_experts, dim, hidden_dim, options.gemm)
+        self.gate = router
+        self.experts = GroupedExperts(self.num_experts, dim, hidden_dim, options.gemm)
+        self.shared_experts = SwiGLU(dim, shared_hidden_dim) if shared_hidden_dim else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])  # [T, dim]
-        probs, top_weights, top_experts = self.gate(x)
+        """x [B, S, dim] -> (y [B, S, dim], per-sequence routing statistics)."""
+        B, S, dim = x.shape
+        x_flat = x.reshape(-1, dim)  # [T = B*S, dim]
+        probs, top_weights, top_experts = self.gate(x_flat)
 
         # Permute the T*k (token, expert) assignments expert-major.
         flat_experts = top_experts.reshape(-1)  # [T*k]
         order = torch.argsort(flat_experts, stable=True)  # assignment ids, expert-major
         tokens_per_expert = torch.bincount(flat_experts, minlength=self.num_experts)
-        stats = RouterStats(tokens_per_expert.detach().float(), probs.sum(dim=0), x.shape[0])
+        with torch.no_grad():
+            per_seq = torch.zeros(B, self.num_experts, device=x.device)
+            per_seq.scatter_add_(
+                1, top_experts.reshape(B, -1), torch.ones(B, S * self.top_k, device=x.device)
+            )
+        stats = RouterStats(per_seq, probs.view(B, S, -1).sum(1), S, self.top_k)
         if self.capacity_factor is not None:
             order, tokens_per_expert = self._drop_over_capacity(order, tokens_per_expert)
         token_of = order // self.top_k  # source token of each sorted assignment
 
-        y_sorted = self.experts(x[token_of], tokens_per_expert)  # [assignments, dim]
+        y_sorted = self.experts(x_flat[token_of], tokens_per_expert)  # [assignments, dim]
         y_sorted = y_sorted * top_weights.reshape(-1)[order, None].to(y_sorted.dtype)
-        y = torch.zeros_like(x).index_add_(0, token_of, y_sorted)  # un-permute and sum over k
-        return y.reshape(shape), stats
+        y = torch.zeros_like(x_flat).index_add_(0, token_of, y_sorted)  # un-permute, sum over k
+        y = y.view(B, S, dim)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y, stats
 
     def _drop_over_capacity(
         self, order: torch.Tensor, tokens_per_expert: torch.Tensor
@@ -163,11 +232,12 @@ class MoE(nn.Module):
 
 
 def stack_stats(per_layer: list[RouterStats]) -> RouterStats:
-    """Per-layer stats -> one RouterStats with [L, E] tensors."""
+    """Per-layer stats -> one RouterStats with [L, B, E] tensors."""
     return RouterStats(
         torch.stack([s.tokens_per_expert for s in per_layer]),
         torch.stack([s.prob_sum for s in per_layer]),
-        per_layer[0].num_tokens,
+        per_layer[0].seq_len,
+        per_layer[0].top_k,
     )
 
 
@@ -188,7 +258,25 @@ def load_balancing_loss(
     this rank's share, and the shares of all ranks sum to the loss of the whole batch
     (the loss is linear in the probabilities, and f carries no gradient).
     """
-    layers = stats.prob_sum.shape[0]
-    rows = batch_rows if batch_rows is not None else layers * stats.num_tokens
-    counts = batch_counts if batch_counts is not None else stats.tokens_per_expert.sum(0)
-    return num_experts * torch.sum((counts / rows) * (stats.prob_sum.sum(0) / rows))
+    layers, batch = stats.prob_sum.shape[:2]
+    rows = batch_rows if batch_rows is not None else layers * batch * stats.seq_len
+    counts = batch_counts if batch_counts is not None else stats.tokens_per_expert.sum((0, 1))
+    return num_experts * torch.sum((counts / rows) * (stats.prob_sum.sum((0, 1)) / rows))
+
+
+def sequence_balance_loss(
+    stats: RouterStats, seq_counts: torch.Tensor | None = None, seq_tokens: int | None = None
+) -> torch.Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss, summed over layers and
+    sequences: sum_l sum_b sum_e f_lbe * P_lbe, with f = E / (K T) * (assignments to e in
+    the sequence) and P = the sequence's mean normalised affinity to e (T tokens, top-K).
+
+    For sequences split over context-parallel ranks pass `seq_counts` ([L, B, E] summed
+    over those ranks) and `seq_tokens` (the whole sequence's T): the result is this rank's
+    share (linear in P), and the ranks' shares sum to the value.
+    """
+    num_experts = stats.prob_sum.shape[-1]
+    counts = seq_counts if seq_counts is not None else stats.tokens_per_expert
+    tokens = seq_tokens if seq_tokens is not None else stats.seq_len
+    f = counts * (num_experts / (stats.top_k * tokens))
+    return torch.sum(f * (stats.prob_sum / tokens))

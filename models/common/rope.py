@@ -1,10 +1,67 @@
-"""Rotary position embedding, "rotate half" layout (Llama/Qwen)."""
+"""Rotary position embedding: "rotate half" (Llama/Qwen) or interleaved pairs (DeepSeek),
+with optional YaRN context extension."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
 
+@dataclass(frozen=True)
+class YaRN:
+    """YaRN scaling (Peng et al. 2023) as Hugging Face's `rope_type: yarn` computes it."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0  # 0: unset (Hugging Face's None)
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+    def attention_factor(self) -> float:
+        """Scale of cos/sin: mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return yarn_mscale(self.factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_inv_freq(head_dim: int, theta: float, yarn: YaRN | None = None) -> torch.Tensor:
+    """The head_dim/2 rotation frequencies, YaRN-blended between interpolated and
+    extrapolated ones when `yarn` is given."""
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)  # [head_dim / 2]
+    if yarn is None:
+        return 1.0 / pos_freqs
+
+    def correction_dim(rotations: float) -> float:  # dim whose wavelength fits `rotations`
+        base_len = yarn.original_max_position_embeddings
+        return head_dim * math.log(base_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(head_dim // 2).float() - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1: keep the original frequency (high-frequency dims)
+    return (1.0 / (yarn.factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+
+
 def rope_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    position_ids: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    yarn: YaRN | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [B, S, head_dim] for integer positions [B, S].
 
@@ -12,11 +69,11 @@ def rope_cos_sin(
     a sequence split across ranks (context parallelism, zigzag order) gets the right angles,
     and there is no buffer to materialise after meta-device construction.
     """
-    exponent = torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim
-    inv_freq = 1.0 / (theta**exponent)  # [head_dim / 2]
+    inv_freq = rope_inv_freq(head_dim, theta, yarn).to(position_ids.device)
     angles = position_ids.float()[..., None] * inv_freq  # [B, S, head_dim / 2]
     angles = torch.cat((angles, angles), dim=-1)  # [B, S, head_dim]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    scale = yarn.attention_factor() if yarn is not None else 1.0
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -28,3 +85,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x: [B, S, heads, head_dim]; cos/sin: [B, S, head_dim]."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return x * cos + _rotate_half(x) * sin
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x0, x1), (x2, x3), ... and return them de-interleaved (evens rotated,
+    then odds rotated), the layout DeepSeek's checkpoints expect; q and k get the same
+    permutation, so their dot products are those of the interleaved rotation."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half].unsqueeze(2), sin[..., :half].unsqueeze(2)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)

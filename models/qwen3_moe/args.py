@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
-
-def _h(default, doc: str):
-    """A dataclass field with a one-line doc that `train.py --help` prints."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": doc})
-    return field(default=default, metadata={"help": doc})
+from models.common.args import arg as _h
 
 
 @dataclass
 class Qwen3MoeArgs:
+    # Keys that steer training, not the architecture: with model.init_from_hf they are
+    # taken from the job config, never compared against config.json.
+    training_fields: ClassVar[tuple[str, ...]] = ("router_aux_loss_coef",)
+
     vocab_size: int = _h(151936, "vocabulary size (rows of the embedding and the LM head)")
     hidden_size: int = _h(2048, "model width")
     intermediate_size: int = _h(

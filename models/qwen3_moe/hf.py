@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from models import HFFormatError
+from models.common.hf_experts import is_stacked_expert, per_expert_keys, read_stacked, split_stacked
 from models.qwen3_moe.args import Qwen3MoeArgs
 
 _SAME_NAME_KEYS = (
@@ -81,8 +82,9 @@ def _hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
 
-def _expert_keys(prefix: str, num_experts: int, proj: str) -> list[str]:
-    return [f"{prefix}.{e}.{proj}.weight" for e in range(num_experts)]
+def is_redundant_key(key: str, args: Qwen3MoeArgs, has: Callable[[str], bool]) -> bool:
+    """Checkpoint keys the model does not need but a valid checkpoint may hold."""
+    return key == "lm_head.weight" and args.tie_word_embeddings  # some exporters write it
 
 
 def hf_keys(
@@ -91,14 +93,9 @@ def hf_keys(
     """The checkpoint keys that make native parameter `name` of global `shape`, each with
     the shape it must have."""
     hf = _hf_name(name)
-    prefix, _, param = hf.rpartition(".")
-    if has(hf) or not prefix.endswith(".mlp.experts"):
+    if has(hf) or not is_stacked_expert(hf):
         return {hf: tuple(shape)}
-    if param == "down_proj":
-        return dict.fromkeys(_expert_keys(prefix, args.num_experts, "down_proj"), tuple(shape[1:]))
-    per_expert = (shape[1] // 2, shape[2])  # gate_up rows are gate's, then up's
-    keys = _expert_keys(prefix, args.num_experts, "gate_proj")
-    return dict.fromkeys(keys + _expert_keys(prefix, args.num_experts, "up_proj"), per_expert)
+    return per_expert_keys(hf, shape)
 
 
 def from_hf(
@@ -117,40 +114,12 @@ def from_hf(
     hf = _hf_name(name)
     if has(hf):
         return get(hf, index)
-    prefix, _, param = hf.rpartition(".")  # e.g. "model.layers.0.mlp.experts", "gate_up_proj"
-    if prefix.endswith(".mlp.experts") and param in ("gate_up_proj", "down_proj"):
-        experts, rows, cols = index
-        local = range(*experts.indices(args.num_experts))
-        if not local:  # an FSDP shard of the expert dim can be empty (fewer experts than ranks)
-            return torch.empty(0, rows.stop - rows.start, cols.stop - cols.start)
-        if param == "down_proj":
-            keys = _expert_keys(prefix, args.num_experts, "down_proj")
-            return torch.stack([get(keys[e], (rows, cols)) for e in local])
-        # gate_up rows [0, I) are gate_proj's, [I, 2I) up_proj's: read what `rows` covers.
-        inter = args.moe_intermediate_size
-        start, stop, _ = rows.indices(2 * inter)
-        gate_rows = slice(min(start, inter), min(stop, inter))
-        up_rows = slice(max(start, inter) - inter, max(stop, inter) - inter)
-        gate_keys = _expert_keys(prefix, args.num_experts, "gate_proj")
-        up_keys = _expert_keys(prefix, args.num_experts, "up_proj")
-        return torch.stack(
-            [
-                torch.cat([get(gate_keys[e], (gate_rows, cols)), get(up_keys[e], (up_rows, cols))])
-                for e in local
-            ]
-        )
+    if is_stacked_expert(hf):
+        return read_stacked(hf, args.num_experts, args.moe_intermediate_size, get, index)
     raise HFFormatError(f"checkpoint has no tensor {hf!r} (needed for {name!r})")
 
 
 def to_hf(name: str, tensor: torch.Tensor, args: Qwen3MoeArgs) -> dict[str, torch.Tensor]:
     """HF checkpoint entries (per-expert keys) for the full value of native `name`."""
     hf = _hf_name(name)
-    prefix, _, param = hf.rpartition(".")
-    if prefix.endswith(".mlp.experts") and param == "down_proj":
-        return dict(zip(_expert_keys(prefix, args.num_experts, "down_proj"), tensor.unbind(0)))
-    if prefix.endswith(".mlp.experts") and param == "gate_up_proj":
-        gate, up = tensor.chunk(2, dim=1)
-        out = dict(zip(_expert_keys(prefix, args.num_experts, "gate_proj"), gate.unbind(0)))
-        out.update(zip(_expert_keys(prefix, args.num_experts, "up_proj"), up.unbind(0)))
-        return out
-    return {hf: tensor}
+    return split_stacked(hf, tensor) if is_stacked_expert(hf) else {hf: tensor}

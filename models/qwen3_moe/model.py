@@ -10,8 +10,6 @@ hf.py stays a thin renaming, except for the stacked expert weights.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,17 +17,11 @@ from torch import nn
 from models.common.attention import AttentionCore
 from models.common.init import param_generator
 from models.common.mlp import SwiGLU
-from models.common.moe import MoE, MoEOptions, RouterStats, stack_stats
+from models.common.moe import MoE, MoEOptions, RouterStats, TopKRouter, stack_stats
 from models.common.norm import RMSNorm
+from models.common.output import CausalLMOutput
 from models.common.rope import apply_rope, rope_cos_sin
 from models.qwen3_moe.args import Qwen3MoeArgs
-
-
-class CausalLMOutput(NamedTuple):
-    logits: torch.Tensor  # [B, S, vocab]
-    # Routing statistics of the MoE layers stacked ([L, E]); None without MoE layers. The
-    # trainer turns them into the load-balancing loss (per forward or per global batch).
-    router_stats: RouterStats | None
 
 
 class Attention(nn.Module):
@@ -61,14 +53,10 @@ class DecoderBlock(nn.Module):
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if args.is_moe_layer(layer_idx):
-            self.mlp = MoE(
-                args.hidden_size,
-                args.moe_intermediate_size,
-                args.num_experts,
-                args.num_experts_per_tok,
-                args.norm_topk_prob,
-                moe_options,
+            router = TopKRouter(
+                args.hidden_size, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob
             )
+            self.mlp = MoE(args.hidden_size, args.moe_intermediate_size, router, moe_options)
         else:
             self.mlp = SwiGLU(args.hidden_size, args.intermediate_size)
 

@@ -1,0 +1,248 @@
+"""DeepSeek-V3 (Hugging Face `DeepseekV3ForCausalLM` semantics) plus multi-token
+prediction, plain PyTorch.
+
+    h = embed(tokens)
+    for each block:  h = h + MLA(norm(h));  h = h + ffn(norm(h))  # dense for the first k
+    logits = head(norm(h))
+    MTP depth k:  h = block_k(eh_proj([enorm(embed(token i+k)); hnorm(h)]))
+                  logits_k = head(norm_k(h))        # predicts token i+k+1 at position i
+
+Parameter names mirror Hugging Face's without the leading "model."; the adapter in hf.py
+maps the stacked experts and the MTP modules (HF: `model.layers.{L + k}`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common.attention import AttentionCore
+from models.common.init import param_generator
+from models.common.mlp import SwiGLU
+from models.common.moe import GroupLimitedRouter, MoE, MoEOptions, RouterStats, stack_stats
+from models.common.norm import RMSNorm
+from models.common.output import CausalLMOutput
+from models.common.rope import YaRN, apply_rope, apply_rope_interleaved, rope_cos_sin, yarn_mscale
+from models.deepseek_v3.args import DeepseekV3Args
+
+# NOTE: transformers builds q_a_layernorm and kv_a_layernorm with its default epsilon,
+# whatever rms_norm_eps says; so do we, or the logits would differ.
+LATENT_NORM_EPS = 1e-6
+
+
+def yarn_of(args: DeepseekV3Args) -> YaRN | None:
+    if args.rope_type != "yarn":
+        return None
+    return YaRN(
+        factor=args.rope_factor,
+        original_max_position_embeddings=args.rope_original_max_position_embeddings,
+        beta_fast=args.rope_beta_fast,
+        beta_slow=args.rope_beta_slow,
+        mscale=args.rope_mscale,
+        mscale_all_dim=args.rope_mscale_all_dim,
+        truncate=args.rope_truncate,
+    )
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention: queries through an optional low-rank bottleneck, keys
+    and values expanded from one compressed latent, plus one RoPE key head shared by all
+    heads. Keys have qk_nope + qk_rope dims, values v_head_dim (they may differ)."""
+
+    def __init__(self, args: DeepseekV3Args) -> None:
+        super().__init__()
+        self.heads, self.nope, self.rope = (
+            args.num_attention_heads,
+            args.qk_nope_head_dim,
+            args.qk_rope_head_dim,
+        )
+        self.v_dim, self.kv_rank = args.v_head_dim, args.kv_lora_rank
+        self.interleave = args.rope_interleave
+        dim, qk_dim, bias = args.hidden_size, args.qk_head_dim, args.attention_bias
+        if args.q_lora_rank:
+            self.q_a_proj = nn.Linear(dim, args.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(args.q_lora_rank, self.heads * qk_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(dim, self.heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(dim, self.kv_rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.kv_rank, self.heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.heads * self.v_dim, dim, bias=bias)
+        scale = qk_dim**-0.5
+        yarn = yarn_of(args)
+        if yarn is not None and yarn.mscale_all_dim:  # YaRN also sharpens the softmax
+            scale *= yarn_mscale(yarn.factor, yarn.mscale_all_dim) ** 2
+        self.core = AttentionCore(scale=scale, causal=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(B, S, self.heads, -1).split([self.nope, self.rope], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, S, self.heads, -1)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, S, H, nope], [B, S, H, v]
+        rotate = apply_rope_interleaved if self.interleave else apply_rope
+        q_rope = rotate(q_rope, cos, sin)
+        k_rope = rotate(k_rope.view(B, S, 1, self.rope), cos, sin)  # one head, shared
+        q = torch.cat([q_nope, q_rope], dim=-1)  # [B, S, H, nope + rope]
+        k = torch.cat([k_nope, k_rope.expand(B, S, self.heads, self.rope)], dim=-1)
+        return self.o_proj(self.core(q, k, v).reshape(B, S, self.heads * self.v_dim))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, args: DeepseekV3Args, layer_idx: int, moe_options: MoEOptions) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = MLAttention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if args.is_moe_layer(layer_idx):
+            router = GroupLimitedRouter(
+                args.hidden_size,
+                args.n_routed_experts,
+                args.num_experts_per_tok,
+                args.n_group,
+                args.topk_group,
+                args.norm_topk_prob,
+                args.routed_scaling_factor,
+            )
+            shared = args.moe_intermediate_size * args.n_shared_experts
+            self.mlp = MoE(
+                args.hidden_size, args.moe_intermediate_size, router, moe_options, shared
+            )
+        else:
+            self.mlp = SwiGLU(args.hidden_size, args.intermediate_size)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, RouterStats | None]:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        ffn_out = self.mlp(self.post_attention_layernorm(h))
+        stats = None
+        if isinstance(ffn_out, tuple):
+            ffn_out, stats = ffn_out
+        return h + ffn_out, stats
+
+
+class MultiTokenPrediction(nn.Module):
+    """One MTP depth (DeepSeek-V3 report §2.2): combine the previous depth's hidden state at
+    position i with the embedding of token i+k, run one block; the output head is shared
+    with the main model, the final norm is this module's own (HF: shared_head.norm)."""
+
+    def __init__(self, args: DeepseekV3Args, layer_idx: int, moe_options: MoEOptions) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.hnorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * args.hidden_size, args.hidden_size, bias=False)
+        self.block = DecoderBlock(args, layer_idx, moe_options)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self, h: torch.Tensor, token_embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, RouterStats | None]:
+        """h [B, S, dim] (previous depth, before any final norm), token_embeds [B, S, dim]
+        (embedding of token i+k at position i) -> (this depth's h, its normed h for the
+        head, its routing stats).
+
+        NOTE: the final norm runs here, not in the caller: under FSDP this module's weights
+        are only gathered during its own forward.
+        """
+        # NOTE: [embedding; hidden] is the order of the released checkpoints' eh_proj
+        # columns (the report writes it the other way round).
+        combined = torch.cat([self.enorm(token_embeds), self.hnorm(h)], dim=-1)
+        h, stats = self.block(self.eh_proj(combined), cos, sin)
+        return h, self.norm(h), stats
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, args: DeepseekV3Args, moe_options: MoEOptions | None = None) -> None:
+        super().__init__()
+        moe_options = moe_options or MoEOptions()
+        self.args = args
+        self.yarn = yarn_of(args)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderBlock(args, i, moe_options) for i in range(args.num_hidden_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # NOTE: tied embeddings reuse embed_tokens.weight in forward instead of sharing one
+        # Parameter between two modules, which meta-device materialisation would untie.
+        self.lm_head = (
+            None
+            if args.tie_word_embeddings
+            else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        )
+        depths = range(args.num_nextn_predict_layers)
+        self.mtp = (
+            nn.ModuleList(
+                MultiTokenPrediction(args, args.num_hidden_layers + k, moe_options) for k in depths
+            )
+            if args.num_nextn_predict_layers
+            else None
+        )
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        return (
+            self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed_tokens.weight)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        mtp_input_ids: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        """input_ids [B, S]; position_ids [B, S] (the true positions when the sequence is
+        split or reordered); mtp_input_ids [B, S, D]: at position i, depth k's input token
+        i+k (see trainer.data.mtp_targets), needed for the MTP logits."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+            position_ids = position_ids.expand_as(input_ids)
+        h = self.embed_tokens(input_ids)  # [B, S, hidden]
+        cos, sin = rope_cos_sin(
+            position_ids, self.args.qk_rope_head_dim, self.args.rope_theta, h.dtype, self.yarn
+        )
+        all_stats: list[RouterStats] = []
+        for block in self.layers:
+            h, stats = block(h, cos, sin)
+            if stats is not None:
+                all_stats.append(stats)
+        logits = self._head(self.norm(h))
+
+        mtp_logits = None
+        if self.mtp is not None and mtp_input_ids is not None:
+            mtp_logits = []
+            for k, module in enumerate(self.mtp):
+                h, normed, stats = module(h, self.embed_tokens(mtp_input_ids[..., k]), cos, sin)
+                if stats is not None:
+                    all_stats.append(stats)
+                mtp_logits.append(self._head(normed))
+        return CausalLMOutput(logits, stack_stats(all_stats) if all_stats else None, mtp_logits)
+
+    # ---- initialisation -------------------------------------------------------------
+    def reset_parameter(
+        self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None
+    ) -> None:
+        """Fill `tensor` (the full, unsharded value of parameter or buffer `name`).
+
+        Norm weights 1; biases, the routing correction bias and its token counts 0; every
+        other weight N(0, initializer_range), as Hugging Face initialises DeepSeek-V3.
+        """
+        owner = self.get_submodule(name.rpartition(".")[0])
+        leaf = name.rpartition(".")[2]
+        if isinstance(owner, RMSNorm):
+            tensor.fill_(1.0)
+        elif leaf in ("bias", "e_score_correction_bias", "tokens_per_expert"):
+            tensor.zero_()
+        else:
+            tensor.normal_(0.0, self.args.initializer_range, generator=generator)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every (unsharded) parameter and buffer from `seed`."""
+        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            self.reset_parameter(name, tensor, param_generator(seed, name, tensor.device))

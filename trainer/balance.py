@@ -1,0 +1,55 @@
+"""Aux-loss-free load balancing (DeepSeek-V3 report, §2.1.2).
+
+Each router with a correction bias (`models.common.moe.GroupLimitedRouter`) counts the
+assignments of its training forwards in its `tokens_per_expert` buffer. Just before each
+optimizer update, an optimizer pre-step hook sums those counts over every rank (the whole
+global batch: all data, context and expert-parallel ranks, all micro-batches) and moves
+each bias by a fixed step against the load:
+
+    bias_e += rate * sign(mean_e(load) - load_e)
+
+then clears the counts. The counts are integers summed exactly, so every layout and every
+gradient-accumulation split gives the same bias.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.common.moe import GroupLimitedRouter
+
+
+class BiasUpdate:
+    """The optimizer pre-step hook; `last_load` ([L, E] int64) is the load it last used."""
+
+    def __init__(self, routers: list[GroupLimitedRouter], rate: float, group=None) -> None:
+        self.routers = routers
+        self.rate = rate
+        self.group = group
+        self.last_load: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def __call__(self, _optimizer=None, _args=None, _kwargs=None) -> None:
+        load = torch.stack([r.tokens_per_expert for r in self.routers])  # [L, E] int64
+        if dist.is_initialized():
+            dist.all_reduce(load, group=self.group)  # the global batch's assignments
+        step = self.rate * torch.sign(load.double().mean(-1, keepdim=True) - load.double())
+        for router, delta in zip(self.routers, step):
+            router.e_score_correction_bias.add_(delta.to(router.e_score_correction_bias.dtype))
+            router.tokens_per_expert.zero_()
+        self.last_load = load
+
+
+def attach_bias_update(
+    model: nn.Module, optimizer: torch.optim.Optimizer, rate: float, group=None
+) -> BiasUpdate | None:
+    """Register the bias update on `optimizer` for every bias router of `model`; None when
+    the model has none."""
+    routers = [m for m in model.modules() if isinstance(m, GroupLimitedRouter)]
+    if not routers:
+        return None
+    update = BiasUpdate(routers, rate, group)
+    optimizer.register_step_pre_hook(update)
+    return update
