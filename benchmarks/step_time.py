@@ -1,4 +1,4 @@
-"""Training-step speed and memory of a config, and our model vs transformers' Qwen3-MoE.
+"""Training-step speed and memory of a config, and our model vs its transformers counterpart.
 
     python benchmarks/step_time.py --config configs/debug_qwen3_moe.toml [--section.key=value ...]
     torchrun --nproc_per_node=N benchmarks/step_time.py --config ...   (the step part, any layout)
@@ -10,6 +10,7 @@ Prints one JSON object, then a one-line summary. Flags of this script (not confi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -76,6 +77,8 @@ def compare_with_transformers(cfg, iters: int) -> dict:
 
     spec = get_model_spec(cfg.model.name)
     args = cfg.model.args
+    if getattr(args, "num_nextn_predict_layers", 0):  # transformers trains no MTP modules
+        args = dataclasses.replace(args, num_nextn_predict_layers=0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     hf_cfg = transformers.AutoConfig.for_model(**spec.hf_adapter.hf_config_dict(args))
     hf_model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")

@@ -107,6 +107,8 @@ class MetricsLogger:
             eta = elapsed / max(step - self.first_step, 1) * (total - step)
             parts.append(f"[{'#' * filled}{'.' * (20 - filled)}] eta {_hms(eta)}")
         parts.append(f"loss {r['loss']:.4f}")
+        if r.get("mtp_loss") is not None:
+            parts.append(f"mtp {r['mtp_loss']:.4f}")
         if r.get("aux_loss") is not None:
             parts.append(f"aux {r['aux_loss']:.4f}")
         parts += [
