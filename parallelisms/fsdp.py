@@ -36,7 +36,7 @@ def apply_fsdp(
         # Routers decide discrete top-k choices: keep their weights in fp32 so that bf16
         # rounding does not flip routing decisions between layouts.
         fp32 = mixed_precision_policy(torch.float32)
-        for _, module in match_modules(model, plan.fp32_modules, "fp32_modules"):
+        for _, module in match_modules(model, plan.fp32_modules, "fp32_modules", required=False):
             fully_shard(module, mesh=meshes.dense, mp_policy=fp32)
     expert_units: dict[str, nn.Module] = {}
     if meshes.ep is not None:

@@ -15,7 +15,7 @@ def _matches(pattern: str, fqn: str) -> bool:
 
 
 def match_modules(
-    model: nn.Module, pattern: str | tuple[str, ...], what: str
+    model: nn.Module, pattern: str | tuple[str, ...], what: str, required: bool = True
 ) -> list[tuple[str, nn.Module]]:
     """(fqn, module) pairs matching `pattern` ("*" = one name component), in model order;
     for a tuple of patterns, the matches of each pattern in turn.
@@ -23,11 +23,12 @@ def match_modules(
     Matching nothing is an error: a plan that silently does nothing would leave the model
     unsharded or unparallelised without anyone noticing. (In a tuple, a pattern may match
     nothing when the others match: e.g. a model built without its optional MTP modules.)
+    `required=False` allows an empty result (e.g. fp32 routers of a model with no MoE layer).
     """
     patterns = (pattern,) if isinstance(pattern, str) else pattern
     named = [(fqn, mod) for fqn, mod in model.named_modules() if fqn]
     found = [(fqn, mod) for p in patterns for fqn, mod in named if _matches(p, fqn)]
-    if not found:
+    if not found and required:
         examples = [fqn for fqn, _ in model.named_modules() if fqn][:6]
         raise PlanError(
             f"parallel plan: {what} pattern {pattern!r} matches no module of "

@@ -4,6 +4,7 @@ configs of the published models."""
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,107 +79,12 @@ CASES = {
 }
 
 # The published config.json files without `auto_map`, the token ids and the version keys
-# (extra keys such as DeepSeek-V3's quantization_config are kept: the reader ignores them).
+# (DeepSeek-V3's fp8 quantization_config is kept: the reader refuses it, and a checkpoint
+# converted to bf16 has the rest unchanged; other extra keys are ignored).
 # Moonlight's has no rope_scaling; `q_lora_rank: null` means a plain q_proj.
-DEEPSEEK_V3_CONFIG = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "aux_loss_alpha": 0.001,
-    "ep_size": 1,
-    "first_k_dense_replace": 3,
-    "hidden_act": "silu",
-    "hidden_size": 7168,
-    "initializer_range": 0.02,
-    "intermediate_size": 18432,
-    "kv_lora_rank": 512,
-    "max_position_embeddings": 163840,
-    "model_type": "deepseek_v3",
-    "moe_intermediate_size": 2048,
-    "moe_layer_freq": 1,
-    "n_group": 8,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "norm_topk_prob": True,
-    "num_attention_heads": 128,
-    "num_experts_per_tok": 8,
-    "num_hidden_layers": 61,
-    "num_key_value_heads": 128,
-    "num_nextn_predict_layers": 1,
-    "pretraining_tp": 1,
-    "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "quantization_config": {
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "quant_method": "fp8",
-        "weight_block_size": [128, 128],
-    },
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": {
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "factor": 40,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "original_max_position_embeddings": 4096,
-        "type": "yarn",
-    },
-    "rope_theta": 10000,
-    "routed_scaling_factor": 2.5,
-    "scoring_func": "sigmoid",
-    "seq_aux": True,
-    "tie_word_embeddings": False,
-    "topk_group": 4,
-    "topk_method": "noaux_tc",
-    "torch_dtype": "bfloat16",
-    "use_cache": True,
-    "v_head_dim": 128,
-    "vocab_size": 129280,
-}
-MOONLIGHT_CONFIG = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "aux_loss_alpha": 0.001,
-    "ep_size": 1,
-    "first_k_dense_replace": 1,
-    "hidden_act": "silu",
-    "hidden_size": 2048,
-    "initializer_range": 0.02,
-    "intermediate_size": 11264,
-    "kv_lora_rank": 512,
-    "max_position_embeddings": 8192,
-    "model_type": "deepseek_v3",
-    "moe_intermediate_size": 1408,
-    "moe_layer_freq": 1,
-    "n_group": 1,
-    "n_routed_experts": 64,
-    "n_shared_experts": 2,
-    "norm_topk_prob": True,
-    "num_attention_heads": 16,
-    "num_experts_per_tok": 6,
-    "num_hidden_layers": 27,
-    "num_key_value_heads": 16,
-    "num_nextn_predict_layers": 0,
-    "pretraining_tp": 1,
-    "q_lora_rank": None,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "rms_norm_eps": 1e-05,
-    "rope_theta": 50000.0,
-    "routed_scaling_factor": 2.446,
-    "scoring_func": "sigmoid",
-    "seq_aux": True,
-    "tie_word_embeddings": False,
-    "topk_group": 1,
-    "topk_method": "noaux_tc",
-    "torch_dtype": "bfloat16",
-    "use_cache": True,
-    "v_head_dim": 128,
-    "vocab_size": 163840,
-}
+DATA = Path(__file__).parent / "data"
+DEEPSEEK_V3_CONFIG = json.loads((DATA / "deepseek_v3_config.json").read_text())
+MOONLIGHT_CONFIG = json.loads((DATA / "moonlight_16b_a3b_config.json").read_text())
 # config file, its published config.json, and the published parameter counts in billions:
 # total (DeepSeek-V3: the HF checkpoint, 671B main model + 14B MTP module; Moonlight: its
 # "16B"), and without the embedding matrices (DeepSeek-V3: the weight README's 36.6B
@@ -336,6 +242,7 @@ def test_published_config_json_matches_the_shipped_config(model):
     """The repo's TOML equals the published config.json read by the adapter, also after
     transformers has rewritten it in its own dialect (rope_scaling -> rope_parameters)."""
     toml_path, published, _ = PUBLISHED[model]
+    published = {k: v for k, v in published.items() if k != "quantization_config"}  # as bf16
     ours = load_config(["--config", toml_path]).model.args
     training = {k: getattr(ours, k) for k in DeepseekV3Args.training_fields}
     from_published = dataclasses.replace(args_from_hf_config(published), **training)
@@ -428,16 +335,19 @@ def test_mtp_export_and_reimport_reproduce_every_tensor(case, tmp_path):
 
 
 def test_refuses_what_it_cannot_read(tmp_path):
+    bf16 = {k: v for k, v in DEEPSEEK_V3_CONFIG.items() if k != "quantization_config"}
     with pytest.raises(HFFormatError, match="scoring_func='softmax'"):
-        args_from_hf_config(dict(DEEPSEEK_V3_CONFIG, scoring_func="softmax"))
+        args_from_hf_config(dict(bf16, scoring_func="softmax"))
     with pytest.raises(HFFormatError, match="num_key_value_heads=16"):
-        args_from_hf_config(dict(DEEPSEEK_V3_CONFIG, num_key_value_heads=16))
+        args_from_hf_config(dict(bf16, num_key_value_heads=16))
     with pytest.raises(HFFormatError, match="model_type"):
-        args_from_hf_config(dict(DEEPSEEK_V3_CONFIG, model_type="qwen3_moe"))
+        args_from_hf_config(dict(bf16, model_type="qwen3_moe"))
+    with pytest.raises(HFFormatError, match="dequantize them to bf16"):
+        args_from_hf_config(DEEPSEEK_V3_CONFIG)  # the fp8 release as published
 
     _hf_model(CASES["qlora_group4"]).save_pretrained(tmp_path)  # no MTP weights saved
     L = BASE["num_hidden_layers"]
-    with pytest.raises(HFFormatError, match=rf"no tensor 'model\.layers\.{L}\.enorm\.weight'"):
+    with pytest.raises(HFFormatError, match=rf"no MTP layer model\.layers\.{L} .*=0"):
         _ours_from_dir(str(tmp_path), num_nextn_predict_layers=1)
 
 

@@ -166,6 +166,13 @@ def test_plan_pattern_matching_nothing_is_refused():
     model, _ = _meta_model()
     with pytest.raises(PlanError, match="'blocks.\\*' matches no module"):
         match_modules(model, "blocks.*", "blocks")
+    # A tuple matches in order and is refused only when no pattern matches at all.
+    found = match_modules(model, ("layers.*", "mtp.*"), "blocks")
+    assert [fqn for fqn, _ in found] == [f"layers.{i}" for i in range(len(found))]
+    with pytest.raises(PlanError, match="matches no module"):
+        match_modules(model, ("mtp.*", "blocks.*"), "blocks")
+    # Optional entries (fp32 routers of a model without MoE layers) may match nothing.
+    assert match_modules(model, ("mtp.*.gate",), "fp32_modules", required=False) == []
 
 
 def test_layout_refusal_through_train_py(monkeypatch, capsys):

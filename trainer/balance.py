@@ -14,6 +14,8 @@ gradient-accumulation split gives the same bias.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,15 +26,25 @@ from models.common.moe import GroupLimitedRouter
 class BiasUpdate:
     """The optimizer pre-step hook; `last_load` ([L, E] int64) is the load it last used."""
 
-    def __init__(self, routers: list[GroupLimitedRouter], rate: float, group=None) -> None:
+    def __init__(
+        self, routers: list[GroupLimitedRouter], rate: float, group: dist.ProcessGroup | None = None
+    ) -> None:
+        for router in routers:
+            if router.e_score_correction_bias.dtype != torch.float32:
+                # NOTE: in bf16 a 1e-3 step vanishes next to biases of order 0.1-1.
+                raise ValueError("the routing bias must stay fp32 (do not cast buffers to bf16)")
         self.routers = routers
         self.rate = rate
         self.group = group
         self.last_load: torch.Tensor | None = None
 
     @torch.no_grad()
-    def __call__(self, _optimizer=None, _args=None, _kwargs=None) -> None:
+    def __call__(self, _optimizer: Any = None, _args: Any = None, _kwargs: Any = None) -> None:
         load = torch.stack([r.tokens_per_expert for r in self.routers])  # [L, E] int64
+        if self.rate == 0:  # frozen bias: only clear the counts
+            for router in self.routers:
+                router.tokens_per_expert.zero_()
+            return
         if dist.is_initialized():
             dist.all_reduce(load, group=self.group)  # the global batch's assignments
         step = self.rate * torch.sign(load.double().mean(-1, keepdim=True) - load.double())
@@ -43,7 +55,10 @@ class BiasUpdate:
 
 
 def attach_bias_update(
-    model: nn.Module, optimizer: torch.optim.Optimizer, rate: float, group=None
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rate: float,
+    group: dist.ProcessGroup | None = None,
 ) -> BiasUpdate | None:
     """Register the bias update on `optimizer` for every bias router of `model`; None when
     the model has none."""

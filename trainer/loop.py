@@ -15,15 +15,9 @@ from dataclasses import fields
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from models import get_model_spec
-from models.common.moe import (
-    MoEOptions,
-    RouterStats,
-    load_balancing_loss,
-    sequence_balance_loss,
-)
+from models.common.moe import MoEOptions
 from parallelisms.clip import clip_grad_norm_
 from parallelisms.context_parallel import split_for_cp
 from parallelisms.init import init_weights_global
@@ -41,6 +35,7 @@ from trainer.data import (
     grad_accum_steps,
 )
 from trainer.hf_io import load_hf_weights
+from trainer.losses import aux_loss_share, token_loss_sum
 from trainer.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_gib
 from trainer.optim import build_optimizer, set_lr
 
@@ -59,8 +54,7 @@ def resolve_model_args(cfg: JobConfig) -> None:
     for f in fields(spec.args_cls):
         ours, theirs = getattr(cfg.model.args, f.name), getattr(hf_args, f.name)
         if f.name in getattr(spec.args_cls, "training_fields", ()):
-            if ours != getattr(defaults, f.name):  # a training choice: the job config's wins
-                setattr(hf_args, f.name, ours)
+            setattr(hf_args, f.name, ours)  # a training choice: the job config's
             continue
         if ours != getattr(defaults, f.name) and ours != theirs:
             raise LayoutError(
@@ -121,13 +115,6 @@ def init_distributed(device: torch.device) -> None:
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     else:  # plain `python train.py`: a world of one, so the code path stays the same
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-
-
-def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of the token cross-entropies (fp32) of logits [B, S, V] against labels [B, S]."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
 
 
 class Trainer:
@@ -208,40 +195,6 @@ class Trainer:
         dist.all_reduce(t)  # over the world: every rank holds a distinct part of the batch
         return t
 
-    def _aux_loss(self, stats: RouterStats, rounds: int) -> torch.Tensor:
-        """This forward's share of the step's aux loss (summed over forwards and ranks, the
-        shares give the step's value).
-
-        micro_batch: the Switch loss on one forward's sequences; global_batch: on those of
-        all data-parallel ranks' forwards of the same accumulation round, as one device
-        running their union; the step's value is the mean over forwards. sequence: the
-        sequence-wise loss, mean over the global batch's sequences. Statistics spread over
-        several ranks (the cp ranks of a sequence, or the whole batch) have their
-        assignment counts all-reduced, and each rank adds its share (the losses are linear
-        in the router probabilities and the counts carry no gradient).
-        """
-        layers, batch, num_experts = stats.prob_sum.shape  # [L, B, E]
-        mode, cp = self.cfg.moe.aux_loss_mode, self.dims.cp
-        if mode == "sequence":
-            counts = stats.tokens_per_expert
-            if cp > 1:  # a sequence's counts over the cp ranks holding its parts
-                counts = counts.clone()
-                dist.all_reduce(counts, group=self.cp_group)
-            aux = sequence_balance_loss(stats, counts, stats.seq_len * cp)
-            return aux / self.cfg.train.global_batch_size
-        if mode == "global_batch":
-            group, ranks, forwards = None, self.dims.world_size, rounds  # whole batch
-        else:
-            group, ranks, forwards = self.cp_group, cp, rounds * self.dims.dp_size
-        if ranks == 1:
-            aux = load_balancing_loss(stats, num_experts)
-        else:
-            counts = stats.tokens_per_expert.sum((0, 1))
-            dist.all_reduce(counts, group=group)
-            rows = layers * batch * stats.seq_len * ranks
-            aux = load_balancing_loss(stats, num_experts, counts, rows)
-        return aux / forwards
-
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict:
         """Accumulate the gradients of this rank's micro-batches of one global batch.
 
@@ -267,6 +220,7 @@ class Trainer:
         num_tokens, fingerprint, *mtp_tokens = self._all_reduce(
             counts.to(self.device, torch.int64)
         ).tolist()
+        mtp_tokens = [max(n, 1) for n in mtp_tokens]  # sequences shorter than a depth: no NaN
         rounds = len(micro_batches)
         mtp_weight = getattr(self.args, "mtp_loss_weight", 0.0) / max(self.mtp_depth, 1)
 
@@ -275,14 +229,21 @@ class Trainer:
         expert_load = None
         for mb in micro_batches:
             out = self.model(mb["input_ids"], mb["position_ids"], **self._mtp_inputs(mb))
-            ce_sum = _token_loss_sum(out.logits, mb["labels"])
+            ce_sum = token_loss_sum(out.logits, mb["labels"])
             loss = ce_sum / num_tokens
             for k, logits_k in enumerate(out.mtp_logits or []):
-                mtp_mean = _token_loss_sum(logits_k, mb["mtp_labels"][..., k]) / mtp_tokens[k]
+                mtp_mean = token_loss_sum(logits_k, mb["mtp_labels"][..., k]) / mtp_tokens[k]
                 loss = loss + mtp_weight * mtp_mean
                 sums[2] += mtp_mean.detach()
             if out.router_stats is not None:
-                aux_share = self._aux_loss(out.router_stats, rounds)
+                aux_share = aux_loss_share(
+                    out.router_stats,
+                    self.cfg.moe.aux_loss_mode,
+                    self.dims,
+                    self.cp_group,
+                    self.cfg.train.global_batch_size,
+                    rounds,
+                )
                 loss = loss + coef * aux_share
                 sums[1] += aux_share.detach()
                 load = out.router_stats.tokens_per_expert.sum(1)  # [L, E]

@@ -137,7 +137,7 @@ class GroupLimitedRouter(nn.Module):
         if self.norm_topk_prob:
             top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
         top_weights = top_weights * self.routed_scaling_factor
-        if self.training:
+        if self.training and torch.is_grad_enabled():  # a training forward, not an eval probe
             with torch.no_grad():
                 counts = torch.bincount(top_experts.flatten(), minlength=self.num_experts)
                 self.tokens_per_expert += counts

@@ -1,3 +1,5 @@
+"""What a causal LM of this repo returns to the trainer."""
+
 from __future__ import annotations
 
 from typing import NamedTuple

@@ -44,6 +44,11 @@ def args_from_hf_config(cfg: dict) -> DeepseekV3Args:
     for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         if cfg.get(key, want) != want:
             raise HFFormatError(f"config.json has {key}={cfg[key]!r}; DeepSeek-V3 uses {want!r}")
+    if cfg.get("quantization_config"):
+        raise HFFormatError(
+            "config.json has a quantization_config (the released DeepSeek-V3 weights are fp8 "
+            "with *.weight_scale_inv tensors); dequantize them to bf16 first"
+        )
     if cfg.get("hidden_act", "silu") != "silu":
         raise HFFormatError(f"hidden_act {cfg['hidden_act']!r} is not supported, only 'silu'")
     heads = cfg.get("num_attention_heads")
@@ -53,6 +58,7 @@ def args_from_hf_config(cfg: dict) -> DeepseekV3Args:
             f"values have num_attention_heads={heads} heads; set them equal"
         )
     kwargs = {k: cfg[k] for k in _SAME_NAME_KEYS if k in cfg}
+    kwargs.setdefault("max_position_embeddings", 4096)  # transformers' default
     kwargs["q_lora_rank"] = cfg.get("q_lora_rank") or 0
     # NOTE: num_nextn_predict_layers is not read: transformers writes num_mtp_layers=1
     # without saving MTP weights, and MTP training is opt-in (a job config key).
@@ -70,10 +76,11 @@ def args_from_hf_config(cfg: dict) -> DeepseekV3Args:
                 kwargs[f"rope_{key}"] = rope[key]
         # Missing keys mean what they mean to transformers: the original length defaults
         # to max_position_embeddings, and the factor to their ratio.
-        original = rope.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
+        max_len = kwargs["max_position_embeddings"]
+        original = rope.get("original_max_position_embeddings") or max_len
         kwargs["rope_original_max_position_embeddings"] = original
         if rope.get("factor") is None:
-            kwargs["rope_factor"] = cfg["max_position_embeddings"] / original
+            kwargs["rope_factor"] = max_len / original
     return DeepseekV3Args(**kwargs)
 
 
@@ -86,10 +93,16 @@ def load_hf_config(model_dir: str) -> DeepseekV3Args:
 
 
 def hf_config_dict(args: DeepseekV3Args, dtype: torch.dtype = torch.float32) -> dict:
-    """config.json in the transformers-5 dialect, plus the published keys older readers use."""
+    """config.json in the transformers-5 dialect, plus the published keys older readers use
+    (`rope_theta`, and `rope_scaling` for YaRN)."""
     rope = {"rope_type": args.rope_type, "rope_theta": args.rope_theta}
+    scaling = None
     if args.rope_type == "yarn":
-        rope.update({k: getattr(args, f"rope_{k}") for k in _YARN_KEYS})
+        yarn = {k: getattr(args, f"rope_{k}") for k in _YARN_KEYS}
+        if not args.rope_mscale:  # unset: written as absent, as transformers reads None
+            del yarn["mscale"]
+        rope.update(yarn)
+        scaling = {"type": "yarn", "rope_type": "yarn", **yarn}
     cfg = {k: getattr(args, k) for k in _SAME_NAME_KEYS}
     cfg.update(
         architectures=["DeepseekV3ForCausalLM"],
@@ -99,6 +112,7 @@ def hf_config_dict(args: DeepseekV3Args, dtype: torch.dtype = torch.float32) -> 
         num_nextn_predict_layers=args.num_nextn_predict_layers,
         rope_theta=args.rope_theta,
         rope_parameters=rope,
+        rope_scaling=scaling,
         scoring_func="sigmoid",
         topk_method="noaux_tc",
         hidden_act="silu",
@@ -149,6 +163,13 @@ def hf_keys(
     if name.endswith(_NO_HF):
         return {}
     hf = _hf_name(name, args)
+    mtp = _MTP.fullmatch(name)
+    if mtp and not has(f"model.layers.{args.num_hidden_layers + int(mtp[1])}.eh_proj.weight"):
+        raise HFFormatError(
+            f"model.num_nextn_predict_layers={args.num_nextn_predict_layers}, but the checkpoint "
+            f"has no MTP layer model.layers.{args.num_hidden_layers + int(mtp[1])} (no eh_proj; "
+            "transformers does not save MTP weights); set model.num_nextn_predict_layers=0"
+        )
     if has(hf) or not is_stacked_expert(hf):
         return {hf: tuple(shape)}
     return per_expert_keys(hf, shape)

@@ -4,8 +4,9 @@ prediction, plain PyTorch.
     h = embed(tokens)
     for each block:  h = h + MLA(norm(h));  h = h + ffn(norm(h))  # dense for the first k
     logits = head(norm(h))
-    MTP depth k:  h = block_k(eh_proj([enorm(embed(token i+k)); hnorm(h)]))
-                  logits_k = head(norm_k(h))        # predicts token i+k+1 at position i
+    MTP depth k:  h = norm_k(block_k(eh_proj([enorm(embed(token i+k)); hnorm(h)])))
+                  logits_k = head(h)                # predicts token i+k+1 at position i
+                  (h at depth 1: the main model's normed output)
 
 Parameter names mirror Hugging Face's without the leading "model."; the adapter in hf.py
 maps the stacked experts and the MTP modules (HF: `model.layers.{L + k}`).
@@ -143,19 +144,21 @@ class MultiTokenPrediction(nn.Module):
 
     def forward(
         self, h: torch.Tensor, token_embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, RouterStats | None]:
-        """h [B, S, dim] (previous depth, before any final norm), token_embeds [B, S, dim]
-        (embedding of token i+k at position i) -> (this depth's h, its normed h for the
-        head, its routing stats).
+    ) -> tuple[torch.Tensor, RouterStats | None]:
+        """h [B, S, dim] (the previous depth's normed output), token_embeds [B, S, dim]
+        (embedding of token i+k at position i) -> (this depth's normed output, which feeds
+        the shared head and the next depth; its routing stats).
 
-        NOTE: the final norm runs here, not in the caller: under FSDP this module's weights
-        are only gathered during its own forward.
+        NOTE: the chain passes normed states (the main model's output after its final norm)
+        as Megatron-LM's and vLLM's MTP do; the released weights were trained that way. The
+        norm runs here, not in the caller: under FSDP this module's weights are only
+        gathered during its own forward.
         """
         # NOTE: [embedding; hidden] is the order of the released checkpoints' eh_proj
         # columns (the report writes it the other way round).
         combined = torch.cat([self.enorm(token_embeds), self.hnorm(h)], dim=-1)
         h, stats = self.block(self.eh_proj(combined), cos, sin)
-        return h, self.norm(h), stats
+        return self.norm(h), stats
 
 
 class DeepseekV3ForCausalLM(nn.Module):
@@ -211,16 +214,17 @@ class DeepseekV3ForCausalLM(nn.Module):
             h, stats = block(h, cos, sin)
             if stats is not None:
                 all_stats.append(stats)
-        logits = self._head(self.norm(h))
+        h = self.norm(h)
+        logits = self._head(h)
 
         mtp_logits = None
         if self.mtp is not None and mtp_input_ids is not None:
             mtp_logits = []
             for k, module in enumerate(self.mtp):
-                h, normed, stats = module(h, self.embed_tokens(mtp_input_ids[..., k]), cos, sin)
+                h, stats = module(h, self.embed_tokens(mtp_input_ids[..., k]), cos, sin)
                 if stats is not None:
                     all_stats.append(stats)
-                mtp_logits.append(self._head(normed))
+                mtp_logits.append(self._head(h))
         return CausalLMOutput(logits, stack_stats(all_stats) if all_stats else None, mtp_logits)
 
     # ---- initialisation -------------------------------------------------------------
