@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.attention import AttentionCore
+from models.common.block import DecoderBlock
 from models.common.init import param_generator
 from models.common.mlp import SwiGLU
 from models.common.moe import GroupLimitedRouter, MoE, MoEOptions, RouterStats, stack_stats
@@ -95,38 +96,23 @@ class MLAttention(nn.Module):
         return self.o_proj(self.core(q, k, v).reshape(B, S, self.heads * self.v_dim))
 
 
-class DecoderBlock(nn.Module):
-    def __init__(self, args: DeepseekV3Args, layer_idx: int, moe_options: MoEOptions) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = MLAttention(args)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        if args.is_moe_layer(layer_idx):
-            router = GroupLimitedRouter(
-                args.hidden_size,
-                args.n_routed_experts,
-                args.num_experts_per_tok,
-                args.n_group,
-                args.topk_group,
-                args.norm_topk_prob,
-                args.routed_scaling_factor,
-            )
-            shared = args.moe_intermediate_size * args.n_shared_experts
-            self.mlp = MoE(
-                args.hidden_size, args.moe_intermediate_size, router, moe_options, shared
-            )
-        else:
-            self.mlp = SwiGLU(args.hidden_size, args.intermediate_size)
-
-    def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, RouterStats | None]:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        ffn_out = self.mlp(self.post_attention_layernorm(h))
-        stats = None
-        if isinstance(ffn_out, tuple):
-            ffn_out, stats = ffn_out
-        return h + ffn_out, stats
+def decoder_block(args: DeepseekV3Args, layer_idx: int, moe_options: MoEOptions) -> DecoderBlock:
+    """MLA, then an MoE with shared experts (a dense SwiGLU in the first layers)."""
+    if args.is_moe_layer(layer_idx):
+        router = GroupLimitedRouter(
+            args.hidden_size,
+            args.n_routed_experts,
+            args.num_experts_per_tok,
+            args.n_group,
+            args.topk_group,
+            args.norm_topk_prob,
+            args.routed_scaling_factor,
+        )
+        shared = args.moe_intermediate_size * args.n_shared_experts
+        mlp = MoE(args.hidden_size, args.moe_intermediate_size, router, moe_options, shared)
+    else:
+        mlp = SwiGLU(args.hidden_size, args.intermediate_size)
+    return DecoderBlock(args.hidden_size, args.rms_norm_eps, MLAttention(args), mlp)
 
 
 class MultiTokenPrediction(nn.Module):
@@ -139,7 +125,7 @@ class MultiTokenPrediction(nn.Module):
         self.enorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.hnorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * args.hidden_size, args.hidden_size, bias=False)
-        self.block = DecoderBlock(args, layer_idx, moe_options)
+        self.block = decoder_block(args, layer_idx, moe_options)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(
@@ -169,7 +155,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.yarn = yarn_of(args)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderBlock(args, i, moe_options) for i in range(args.num_hidden_layers)
+            decoder_block(args, i, moe_options) for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         # NOTE: tied embeddings reuse embed_tokens.weight in forward instead of sharing one

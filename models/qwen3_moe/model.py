@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.attention import AttentionCore
+from models.common.block import DecoderBlock
 from models.common.init import param_generator
 from models.common.mlp import SwiGLU
 from models.common.moe import MoE, MoEOptions, RouterStats, TopKRouter, stack_stats
@@ -46,29 +47,15 @@ class Attention(nn.Module):
         return self.o_proj(self.core(q, k, v).reshape(B, S, -1))
 
 
-class DecoderBlock(nn.Module):
-    def __init__(self, args: Qwen3MoeArgs, layer_idx: int, moe_options: MoEOptions) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        if args.is_moe_layer(layer_idx):
-            router = TopKRouter(
-                args.hidden_size, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob
-            )
-            self.mlp = MoE(args.hidden_size, args.moe_intermediate_size, router, moe_options)
-        else:
-            self.mlp = SwiGLU(args.hidden_size, args.intermediate_size)
-
-    def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, RouterStats | None]:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        ffn_out = self.mlp(self.post_attention_layernorm(h))
-        stats = None
-        if isinstance(ffn_out, tuple):
-            ffn_out, stats = ffn_out
-        return h + ffn_out, stats
+def decoder_block(args: Qwen3MoeArgs, layer_idx: int, moe_options: MoEOptions) -> DecoderBlock:
+    if args.is_moe_layer(layer_idx):
+        router = TopKRouter(
+            args.hidden_size, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob
+        )
+        mlp = MoE(args.hidden_size, args.moe_intermediate_size, router, moe_options)
+    else:
+        mlp = SwiGLU(args.hidden_size, args.intermediate_size)
+    return DecoderBlock(args.hidden_size, args.rms_norm_eps, Attention(args), mlp)
 
 
 class Qwen3MoeForCausalLM(nn.Module):
@@ -78,7 +65,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderBlock(args, i, moe_options) for i in range(args.num_hidden_layers)
+            decoder_block(args, i, moe_options) for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         # NOTE: tied embeddings reuse embed_tokens.weight in forward instead of sharing one
