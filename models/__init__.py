@@ -9,12 +9,23 @@ parallelism code do not change.
 from __future__ import annotations
 
 import importlib
+import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
 
 class HFFormatError(ValueError):
     """A Hugging Face checkpoint directory this model cannot read; names what and why."""
+
+
+def read_config_json(model_dir: str) -> dict:
+    """The config.json of a Hugging Face model directory (for the adapters' load_hf_config)."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise HFFormatError(f"no config.json in {model_dir!r} (model.init_from_hf)")
+    with open(path) as f:
+        return json.load(f)
 
 
 @dataclass(frozen=True)

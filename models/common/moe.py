@@ -200,13 +200,11 @@ class MoE(nn.Module):
         # Permute the T*k (token, expert) assignments expert-major.
         flat_experts = top_experts.reshape(-1)  # [T*k]
         order = torch.argsort(flat_experts, stable=True)  # assignment ids, expert-major
-        tokens_per_expert = torch.bincount(flat_experts, minlength=self.num_experts)
-        with torch.no_grad():
-            per_seq = torch.zeros(B, self.num_experts, device=x.device)
-            per_seq.scatter_add_(
-                1, top_experts.reshape(B, -1), torch.ones(B, S * self.top_k, device=x.device)
-            )
-        stats = RouterStats(per_seq, probs.view(B, S, -1).sum(1), S, self.top_k)
+        per_seq = torch.zeros(B, self.num_experts, dtype=torch.int64, device=x.device)
+        ones = torch.ones(B, S * self.top_k, dtype=torch.int64, device=x.device)
+        per_seq.scatter_add_(1, top_experts.reshape(B, -1), ones)  # [B, E] assignments
+        tokens_per_expert = per_seq.sum(0)  # [E]
+        stats = RouterStats(per_seq.float(), probs.view(B, S, -1).sum(1), S, self.top_k)
         if self.capacity_factor is not None:
             order, tokens_per_expert = self._drop_over_capacity(order, tokens_per_expert)
         token_of = order // self.top_k  # source token of each sorted assignment

@@ -34,10 +34,13 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def rope_inv_freq(head_dim: int, theta: float, yarn: YaRN | None = None) -> torch.Tensor:
+def rope_inv_freq(
+    head_dim: int, theta: float, yarn: YaRN | None = None, device: torch.device | None = None
+) -> torch.Tensor:
     """The head_dim/2 rotation frequencies, YaRN-blended between interpolated and
     extrapolated ones when `yarn` is given."""
-    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)  # [head_dim / 2]
+    arange = torch.arange(0, head_dim, 2, device=device).float()
+    pos_freqs = theta ** (arange / head_dim)  # [head_dim / 2]
     if yarn is None:
         return 1.0 / pos_freqs
 
@@ -51,7 +54,7 @@ def rope_inv_freq(head_dim: int, theta: float, yarn: YaRN | None = None) -> torc
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(head_dim // 2).float() - low) / (high - low)).clamp(0, 1)
+    ramp = ((arange / 2 - low) / (high - low)).clamp(0, 1)  # dim index 0 .. head_dim/2 - 1
     extrapolate = 1 - ramp  # 1: keep the original frequency (high-frequency dims)
     return (1.0 / (yarn.factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
 
@@ -69,7 +72,8 @@ def rope_cos_sin(
     a sequence split across ranks (context parallelism, zigzag order) gets the right angles,
     and there is no buffer to materialise after meta-device construction.
     """
-    inv_freq = rope_inv_freq(head_dim, theta, yarn).to(position_ids.device)
+    # Built on the positions' device: no host-to-device copy in every forward.
+    inv_freq = rope_inv_freq(head_dim, theta, yarn, position_ids.device)
     angles = position_ids.float()[..., None] * inv_freq  # [B, S, head_dim / 2]
     angles = torch.cat((angles, angles), dim=-1)  # [B, S, head_dim]
     scale = yarn.attention_factor() if yarn is not None else 1.0

@@ -11,14 +11,12 @@ Native names are HF's without the leading "model.", except:
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from collections.abc import Callable
 
 import torch
 
-from models import HFFormatError
+from models import HFFormatError, read_config_json
 from models.common.hf_experts import is_stacked_expert, per_expert_keys, read_stacked, split_stacked
 from models.deepseek_v3.args import DeepseekV3Args
 
@@ -85,11 +83,7 @@ def args_from_hf_config(cfg: dict) -> DeepseekV3Args:
 
 
 def load_hf_config(model_dir: str) -> DeepseekV3Args:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise HFFormatError(f"no config.json in {model_dir!r} (model.init_from_hf)")
-    with open(path) as f:
-        return args_from_hf_config(json.load(f))
+    return args_from_hf_config(read_config_json(model_dir))
 
 
 def hf_config_dict(args: DeepseekV3Args, dtype: torch.dtype = torch.float32) -> dict:

@@ -9,13 +9,11 @@ store stacked: `mlp.experts.gate_up_proj [E, 2I, H]` (gate rows, then up rows) a
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 
 import torch
 
-from models import HFFormatError
+from models import HFFormatError, read_config_json
 from models.common.hf_experts import is_stacked_expert, per_expert_keys, read_stacked, split_stacked
 from models.qwen3_moe.args import Qwen3MoeArgs
 
@@ -51,11 +49,7 @@ def args_from_hf_config(cfg: dict) -> Qwen3MoeArgs:
 
 
 def load_hf_config(model_dir: str) -> Qwen3MoeArgs:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise HFFormatError(f"no config.json in {model_dir!r} (model.init_from_hf)")
-    with open(path) as f:
-        return args_from_hf_config(json.load(f))
+    return args_from_hf_config(read_config_json(model_dir))
 
 
 def hf_config_dict(args: Qwen3MoeArgs, dtype: torch.dtype = torch.float32) -> dict:
