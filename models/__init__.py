@@ -1,8 +1,8 @@
-"""Model registry: a name in `[model] name = ...` -> what the trainer needs to build it.
+"""Model registry: a name in `[model] name = ...` -> the model's `ModelSpec`.
 
-A model is plain PyTorch. Its folder provides the `nn.Module`, a hyper-parameter
-dataclass, a declarative parallel plan (`models.common.plan.ParallelPlan`) and a
-Hugging Face adapter. Adding a model means adding one entry here; trainer and
+A model is plain PyTorch. Its folder exports `SPEC`, a `models.spec.ModelSpec`: the
+typed contract (constructor, parallel plan, loss terms, FLOPs, HF adapter) through which
+the trainer reads it. Adding a model means adding one entry to `_REGISTRY`; trainer and
 parallelism code do not change.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 import json
 import os
-from dataclasses import dataclass
-from typing import Any
+
+from models.spec import HFAdapter, LossTerms, ModelSpec
 
 
 class HFFormatError(ValueError):
@@ -28,15 +28,7 @@ def read_config_json(model_dir: str) -> dict:
         return json.load(f)
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    args_cls: type  # dataclass of hyper-parameters, its fields are the `[model]` keys
-    model_cls: type  # nn.Module built as model_cls(args)
-    plan: Any  # models.common.plan.ParallelPlan
-    # Module with load_hf_config, hf_config_dict, hf_keys, from_hf, to_hf, is_redundant_key.
-    hf_adapter: Any
-
+__all__ = ["HFAdapter", "HFFormatError", "LossTerms", "ModelSpec", "get_model_spec", "model_names"]
 
 # name -> module path whose `SPEC` attribute is the ModelSpec (imported on demand).
 _REGISTRY = {"deepseek_v3": "models.deepseek_v3", "qwen3_moe": "models.qwen3_moe"}

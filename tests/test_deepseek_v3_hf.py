@@ -244,7 +244,7 @@ def test_published_config_json_matches_the_shipped_config(model):
     toml_path, published, _ = PUBLISHED[model]
     published = {k: v for k, v in published.items() if k != "quantization_config"}  # as bf16
     ours = load_config(["--config", toml_path]).model.args
-    training = {k: getattr(ours, k) for k in DeepseekV3Args.training_fields}
+    training = {k: getattr(ours, k) for k in SPEC.training_fields}
     from_published = dataclasses.replace(args_from_hf_config(published), **training)
     assert from_published == ours
     rewritten = transformers.DeepseekV3Config.from_dict(published).to_dict()

@@ -30,7 +30,7 @@ def load_checkpoint_model(path: str) -> tuple[torch.nn.Module, object]:
     spec = get_model_spec(model_cfg.pop("name"))
     model_cfg.pop("init_from_hf", None)
     with torch.device("meta"):
-        model = spec.model_cls(spec.args_cls(**model_cfg))
+        model = spec.build(spec.args_cls(**model_cfg))
     model.to_empty(device="cpu")  # no init: every weight comes from the checkpoint
     # Only the model's tensors are read (not the optimizer's), straight into the model.
     state = {"model": model.state_dict()}

@@ -36,7 +36,7 @@ from trainer.data import (
 )
 from trainer.hf_io import load_hf_weights
 from trainer.losses import aux_loss_share, token_loss_sum
-from trainer.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_gib
+from trainer.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from trainer.optim import build_optimizer, set_lr
 
 
@@ -53,7 +53,7 @@ def resolve_model_args(cfg: JobConfig) -> None:
     defaults = spec.args_cls()
     for f in fields(spec.args_cls):
         ours, theirs = getattr(cfg.model.args, f.name), getattr(hf_args, f.name)
-        if f.name in getattr(spec.args_cls, "training_fields", ()):
+        if f.name in spec.training_fields:
             setattr(hf_args, f.name, ours)  # a training choice: the job config's
             continue
         if ours != getattr(defaults, f.name) and ours != theirs:
@@ -80,7 +80,7 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
         )
     spec = get_model_spec(cfg.model.name)
     with torch.device("meta"):
-        check_layout(spec.model_cls(cfg.model.args), spec.plan, dims)
+        check_layout(spec.build(cfg.model.args), spec.plan, dims)
     t = cfg.train
     if t.global_batch_size % (t.micro_batch_size * dims.dp_size):
         raise LayoutError(
@@ -134,7 +134,7 @@ class Trainer:
         )
         moe_options = MoEOptions(gemm=cfg.moe.gemm, capacity_factor=cfg.moe.capacity_factor)
         with torch.device("meta"):
-            self.model = spec.model_cls(self.args, moe_options)
+            self.model = spec.build(self.args, moe_options)
         self.parallel = parallelize(
             self.model,
             spec.plan,
@@ -188,7 +188,7 @@ class Trainer:
         )
         if resume_from[0] is not None:
             self.logger.info(f"resumed from {resume_from[0]} at step {self.step}")
-        self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
+        self.flops_per_token = spec.flops_per_token(self.model, cfg.data.seq_len)
         self.peak_flops = peak_flops(self.device)
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:

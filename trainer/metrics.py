@@ -9,9 +9,6 @@ import sys
 import time
 
 import torch
-from torch import nn
-
-from models.common.moe import MoE
 
 # Dense bf16 peak FLOP/s by device-name fragment, for MFU.
 _PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -22,35 +19,6 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in _PEAK_BF16_FLOPS.items() if k in name), None)
-
-
-def active_params(model: nn.Module) -> float:
-    """Parameters one token uses: routed experts count top_k / num_experts of their size.
-
-    Input embeddings are excluded (a lookup, not a matmul); a tied head is counted once as
-    the head, which is what its matmul costs.
-    """
-    total = 0.0
-    for module in model.modules():
-        if isinstance(module, MoE):
-            n = sum(p.numel() for p in module.experts.parameters())
-            total -= n * (1 - module.top_k / module.num_experts)
-    total += sum(p.numel() for p in model.parameters())
-    embed = getattr(model, "embed_tokens", None)
-    if embed is not None and getattr(model, "lm_head", None) is not None:
-        total -= embed.weight.numel()
-    return total
-
-
-def flops_per_token(model: nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * active params + attention scores and their use
-    (6 * seq * heads * (qk dim + v dim) per layer, forward + backward)."""
-    args = model.args
-    qk_dim = getattr(args, "qk_head_dim", None) or args.head_dim
-    v_dim = getattr(args, "v_head_dim", None) or args.head_dim
-    layers = args.num_hidden_layers + getattr(args, "num_nextn_predict_layers", 0)
-    attn = 6 * layers * args.num_attention_heads * (qk_dim + v_dim) * seq_len
-    return 6 * active_params(model) + attn
 
 
 def peak_memory_gib(device: torch.device) -> float:

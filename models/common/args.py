@@ -1,10 +1,83 @@
-"""Helpers for the hyper-parameter dataclasses of the models."""
+"""Fields of the hyper-parameter dataclasses (models' args and the job config sections).
 
-from dataclasses import field
+Each field carries a one-line doc (`train.py --help` prints it) and, optionally, the
+range of values a run can use; `field_problems` checks every bounded field of an
+instance in one generic pass, so no dataclass writes its own loop of range checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field, fields
+from typing import Any
 
 
-def arg(default, doc: str):
-    """A dataclass field with a one-line doc that `train.py --help` prints."""
+def arg(
+    default: Any,
+    doc: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    choices: tuple | None = None,
+    note: str | None = None,
+) -> Any:
+    """A dataclass field with a doc and optional bounds (ge: >=, gt: >, le: <=, lt: <) or
+    choices. `note` is appended to a bound's error, e.g. "0 = off". None values (optional
+    keys left unset) are never checked."""
+    meta: dict[str, Any] = {"help": doc}
+    for key, value in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt), ("choices", choices)):
+        if value is not None:
+            meta[key] = value
+    if note is not None:
+        meta["note"] = note
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": doc})
-    return field(default=default, metadata={"help": doc})
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def bound_text(meta: dict[str, Any]) -> str | None:
+    """The allowed range of a field as words ('>= 1', 'in [0, 1)'), None when unbounded."""
+    low = ("[", meta["ge"]) if "ge" in meta else ("(", meta["gt"]) if "gt" in meta else None
+    high = ("]", meta["le"]) if "le" in meta else (")", meta["lt"]) if "lt" in meta else None
+    if low and high:
+        return f"in {low[0]}{_fmt(low[1])}, {_fmt(high[1])}{high[0]}"
+    if low:
+        return f"{'>=' if low[0] == '[' else '>'} {_fmt(low[1])}"
+    if high:
+        return f"{'<=' if high[0] == ']' else '<'} {_fmt(high[1])}"
+    return None
+
+
+def _in_range(value: float, meta: dict[str, Any]) -> bool:
+    return (
+        ("ge" not in meta or value >= meta["ge"])
+        and ("gt" not in meta or value > meta["gt"])
+        and ("le" not in meta or value <= meta["le"])
+        and ("lt" not in meta or value < meta["lt"])
+    )
+
+
+def field_problems(obj: Any, section: str) -> list[str]:
+    """'<section>.<key> must be ..., got ...' for every field of dataclass `obj` whose value
+    is outside its bounds or choices (list fields: each element is checked)."""
+    problems = []
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if value is None:
+            continue
+        meta, key = f.metadata, f"{section}.{f.name}"
+        values = value if isinstance(value, list) else [value]
+        choices = meta.get("choices")
+        if choices is not None and any(v not in choices for v in values):
+            allowed = ", ".join(map(str, choices))
+            problems.append(f"{key} must be one of {allowed}, got {value!r}")
+        text = bound_text(meta)
+        if text is not None and not all(_in_range(v, meta) for v in values):
+            note = f" ({meta['note']})" if "note" in meta else ""
+            problems.append(f"{key} must be {text}{note}, got {value}")
+    return problems

@@ -8,21 +8,12 @@ so `q_lora_rank = 0` stands for Hugging Face's `q_lora_rank: null` (a plain q_pr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from models.common.args import arg as _h
 
 
 @dataclass
 class DeepseekV3Args:
-    # Keys that steer training, not the architecture: with model.init_from_hf they are
-    # taken from the job config, never compared against config.json.
-    training_fields: ClassVar[tuple[str, ...]] = (
-        "router_aux_loss_coef",
-        "mtp_loss_weight",
-        "num_nextn_predict_layers",  # MTP is opt-in; HF configs say 1 with or without weights
-    )
-
     vocab_size: int = _h(129280, "vocabulary size (rows of the embedding and the LM head)")
     hidden_size: int = _h(7168, "model width")
     intermediate_size: int = _h(18432, "hidden width of the dense SwiGLU of the first layers")

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from models.common.args import arg as _h
 
 
 @dataclass
 class Qwen3MoeArgs:
-    # Keys that steer training, not the architecture: with model.init_from_hf they are
-    # taken from the job config, never compared against config.json.
-    training_fields: ClassVar[tuple[str, ...]] = ("router_aux_loss_coef",)
-
     vocab_size: int = _h(151936, "vocabulary size (rows of the embedding and the LM head)")
     hidden_size: int = _h(2048, "model width")
     intermediate_size: int = _h(

@@ -1,0 +1,41 @@
+"""Training FLOPs per token (for MFU): 6 x the parameters a token uses, plus attention.
+
+A model's spec calls `training_flops_per_token` with the facts only it knows (its
+attention shape, whether its input embedding is a separate matrix from its head).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from models.common.moe import MoE
+
+
+def active_params(model: nn.Module, input_embedding: nn.Module | None) -> float:
+    """Parameters one token multiplies with: routed experts count top_k / num_experts of
+    their size; `input_embedding` (a lookup, not a matmul) is left out. Pass None for an
+    embedding tied to the head: its one matrix is counted once, as the head's matmul."""
+    total = float(sum(p.numel() for p in model.parameters()))
+    for module in model.modules():
+        if isinstance(module, MoE):
+            n = sum(p.numel() for p in module.experts.parameters())
+            total -= n * (1 - module.top_k / module.num_experts)
+    if input_embedding is not None:
+        total -= sum(p.numel() for p in input_embedding.parameters())
+    return total
+
+
+def training_flops_per_token(
+    model: nn.Module,
+    seq_len: int,
+    *,
+    attention_layers: int,
+    heads: int,
+    qk_dim: int,
+    v_dim: int,
+    input_embedding: nn.Module | None,
+) -> float:
+    """6 * active params + 6 * seq * heads * (qk dim + v dim) per attention layer (the
+    scores and their use, forward + backward; causal masking not discounted, as usual)."""
+    attention = 6 * attention_layers * heads * (qk_dim + v_dim) * seq_len
+    return 6 * active_params(model, input_embedding) + attention

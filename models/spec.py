@@ -1,0 +1,131 @@
+"""The model contract: everything the trainer, export and tests may ask of a model.
+
+A model folder exports one `SPEC = ModelSpec(...)`. The trainer reads a model only
+through it: it never looks up a hyper-parameter or a submodule by name. The pieces:
+
+- `args_cls`: a dataclass of hyper-parameters; its fields are the `[model]` keys, each
+  made with `models.common.args.arg` (doc, bounds). An optional `validate() -> list[str]`
+  method reports cross-field problems (one message per problem, naming `model.<key>`).
+- `build(args, moe_options)`: the one constructor signature, `model_cls(args,
+  moe_options)`, used by the trainer (on the meta device), export and the tests.
+- the built module (`CausalLM`): `forward(input_ids, position_ids, **inputs) ->
+  CausalLMOutput` and `reset_parameter(name, tensor, generator)`, which fills the full,
+  unsharded value of one parameter or buffer, so that init is the same on every layout.
+- `plan`: the declarative `ParallelPlan` (blocks, routed experts, attention cores).
+- `loss_terms(args)`: what the loss adds to the token cross-entropy (`LossTerms`).
+- `flops_per_token(model, seq_len)`: training FLOPs per token, for MFU.
+- `training_fields`: `[model]` keys that steer training, not the architecture; with
+  `model.init_from_hf` they come from the job config, never from config.json.
+- `hf_adapter`: the Hugging Face checkpoint mapping (`HFAdapter`), or None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from models.common.moe import MoEOptions
+from models.common.output import CausalLMOutput
+from models.common.plan import ParallelPlan
+
+# has(key): whether the checkpoint holds tensor `key`.
+HasKey = Callable[[str], bool]
+# get(key, index): the part `index` (a slice per dim) of checkpoint tensor `key`, read from
+# disk without the rest; index None reads all of it.
+GetSlice = Callable[[str, "tuple[slice, ...] | None"], torch.Tensor]
+
+
+class CausalLM(Protocol):
+    """What the trainer calls on a built model (an `nn.Module`)."""
+
+    def __call__(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, **inputs: Any
+    ) -> CausalLMOutput:
+        """input_ids [B, S] -> logits [B, S, V] and routing statistics. position_ids [B, S]
+        are the true positions (a context-parallel rank holds a reordered part). A model
+        with `LossTerms.mtp_depth = D > 0` takes `mtp_input_ids` [B, S, D] (depth k's
+        input at position i is token i+k) and returns D MTP logits."""
+        ...
+
+    def reset_parameter(
+        self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None
+    ) -> None:
+        """Fill `tensor`, the full unsharded value of parameter or buffer `name`, with its
+        initial value, drawing random numbers only from `generator`."""
+        ...
+
+
+class HFAdapter(Protocol):
+    """Hugging Face checkpoint <-> native model, by parameter name (a module or object).
+
+    Native names are those of `model.named_parameters()` and `named_buffers()`. Every
+    function is pure: file I/O and sharding are `trainer.hf_io`'s business.
+    """
+
+    def load_hf_config(self, model_dir: str) -> Any:
+        """The model's args from `<model_dir>/config.json`; raises `models.HFFormatError`
+        (naming the key and the fix) for a config this model cannot represent."""
+        ...
+
+    def hf_config_dict(self, args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        """config.json content that transformers reads back into the same architecture."""
+        ...
+
+    def hf_keys(
+        self, name: str, shape: tuple[int, ...], args: Any, has: HasKey
+    ) -> dict[str, tuple[int, ...]]:
+        """The checkpoint keys that make native tensor `name` (global `shape`), each with
+        the shape it must have: checked against the file before any data is read."""
+        ...
+
+    def from_hf(
+        self, name: str, args: Any, has: HasKey, get: GetSlice, index: tuple[slice, ...]
+    ) -> torch.Tensor:
+        """The part `index` of native tensor `name`, read through `get` so that each rank
+        reads only what it holds."""
+        ...
+
+    def to_hf(self, name: str, tensor: torch.Tensor, args: Any) -> dict[str, torch.Tensor]:
+        """Checkpoint entries for the full value of native tensor `name` (may be several,
+        e.g. one per expert; may be none, for state with no HF counterpart)."""
+        ...
+
+    def is_redundant_key(self, key: str, args: Any, has: HasKey) -> bool:
+        """Whether checkpoint key `key`, which no native tensor reads, may be ignored (e.g.
+        a tied head written anyway); any other unread key is refused."""
+        ...
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """What a model's training loss adds to the mean token cross-entropy."""
+
+    # Weight of the load-balancing loss of the routers' statistics (moe.aux_loss_mode
+    # picks which loss); 0 = off.
+    aux_loss_coef: float = 0.0
+    # Multi-token prediction depths D: the model takes `mtp_input_ids` and returns D logits.
+    mtp_depth: int = 0
+    # Weight of the mean over the D depths of each depth's mean token cross-entropy.
+    mtp_loss_weight: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    args_cls: type  # dataclass of hyper-parameters: its fields are the `[model]` keys
+    # The constructor: model_cls(args, moe_options) -> an nn.Module that is a CausalLM.
+    model_cls: Callable[[Any, MoEOptions], nn.Module]
+    plan: ParallelPlan
+    loss_terms: Callable[[Any], LossTerms]
+    flops_per_token: Callable[[nn.Module, int], float]
+    hf_adapter: HFAdapter | None = None
+    training_fields: tuple[str, ...] = ()
+
+    def build(self, args: Any, moe_options: MoEOptions | None = None) -> nn.Module:
+        """The model of `args` (on the current default device; use `torch.device("meta")`
+        to build without memory)."""
+        return self.model_cls(args, moe_options or MoEOptions())
