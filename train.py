@@ -34,13 +34,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv)
         p = cfg.parallel
         dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size_from_env())
-        from trainer.loop import Trainer, preflight  # torch-heavy: only once the config is good
+        from trainer.setup import preflight  # torch-heavy: only once the config is good
 
         preflight(cfg, dims)
     except USER_ERRORS as err:
         return _fail(err)
 
     import torch.distributed as dist
+
+    from trainer.loop import Trainer
 
     try:
         Trainer(cfg, dims).fit()

@@ -28,7 +28,8 @@ from trainer.config import load_config  # noqa: E402
 
 def main() -> None:
     from trainer.checkpoint import Checkpointer, complete_checkpoints
-    from trainer.loop import Trainer, preflight
+    from trainer.loop import Trainer
+    from trainer.setup import preflight
 
     cfg = load_config(sys.argv[1:])
     cfg.train.steps, cfg.train.warmup_steps = 2, 1

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallelisms.context_parallel import RingStats, ring_attention, split_for_cp  # noqa: E402
+from parallelisms.context_parallel import RingStats, ring_attention  # noqa: E402
+from parallelisms.cp_schedule import split_for_cp  # noqa: E402
 
 
 def _timed(fn, iters: int, device: torch.device) -> float:

@@ -35,8 +35,9 @@ def _pop_flag(argv: list[str], name: str, default: str) -> str:
 
 
 def measure_steps(cfg, warmup: int, measure: int) -> dict:
-    from trainer.loop import Trainer, preflight
+    from trainer.loop import Trainer
     from trainer.metrics import peak_memory_gib
+    from trainer.setup import preflight
 
     p = cfg.parallel
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size_from_env())
@@ -84,7 +85,7 @@ def compare_with_transformers(cfg, iters: int) -> dict:
     hf_model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")
     with tempfile.TemporaryDirectory() as tmp:
         hf_model.save_pretrained(tmp)
-        ours = spec.model_cls(args)
+        ours = spec.build(args)
         load_hf_weights(ours, spec.hf_adapter, args, tmp)
     hf_model.to(device).train()
     ours.to(device).train()

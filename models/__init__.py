@@ -31,7 +31,11 @@ def read_config_json(model_dir: str) -> dict:
 __all__ = ["HFAdapter", "HFFormatError", "LossTerms", "ModelSpec", "get_model_spec", "model_names"]
 
 # name -> module path whose `SPEC` attribute is the ModelSpec (imported on demand).
-_REGISTRY = {"deepseek_v3": "models.deepseek_v3", "qwen3_moe": "models.qwen3_moe"}
+_REGISTRY = {
+    "deepseek_v3": "models.deepseek_v3",
+    "olmoe": "models.olmoe",
+    "qwen3_moe": "models.qwen3_moe",
+}
 
 
 def model_names() -> list[str]:

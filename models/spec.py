@@ -3,17 +3,26 @@
 A model folder exports one `SPEC = ModelSpec(...)`. The trainer reads a model only
 through it: it never looks up a hyper-parameter or a submodule by name. The pieces:
 
-- `args_cls`: a dataclass of hyper-parameters; its fields are the `[model]` keys, each
-  made with `models.common.args.arg` (doc, bounds). An optional `validate() -> list[str]`
-  method reports cross-field problems (one message per problem, naming `model.<key>`).
+- `args_cls`: a dataclass of hyper-parameters; its fields are the `[model]` keys. Make
+  each with `models.common.args.arg(default, doc, ge=/gt=/le=/lt=/choices=)`: the bounds
+  are checked generically (`field_problems`) and shown by `--help`. A field typed
+  `X | None` is optional (TOML: leave it out; command line: `none`). An optional
+  `validate() -> list[str]` reports cross-field problems, one message each naming
+  `model.<key>`; it runs only when every field is within its bounds. Every args class
+  has `vocab_size` (the tokenizer's ids must fit). Defaults should be the published
+  model's, and a key that config.json may omit should default as transformers does:
+  with `model.init_from_hf`, a job-config value that differs from the default must equal
+  config.json's.
 - `build(args, moe_options)`: the one constructor signature, `model_cls(args,
   moe_options)`, used by the trainer (on the meta device), export and the tests.
-- the built module (`CausalLM`): `forward(input_ids, position_ids, **inputs) ->
-  CausalLMOutput` and `reset_parameter(name, tensor, generator)`, which fills the full,
-  unsharded value of one parameter or buffer, so that init is the same on every layout.
+- the built module (`CausalLM` below): plain PyTorch, mesh-agnostic. Share a tied
+  embedding by using `embed_tokens.weight` in the head's matmul, not by sharing one
+  Parameter between two modules (meta-device materialisation would untie them).
 - `plan`: the declarative `ParallelPlan` (blocks, routed experts, attention cores).
 - `loss_terms(args)`: what the loss adds to the token cross-entropy (`LossTerms`).
-- `flops_per_token(model, seq_len)`: training FLOPs per token, for MFU.
+- `flops_per_token(model, seq_len)`: training FLOPs per token, for MFU; usually
+  `models.common.flops.training_flops_per_token`, which discounts the routed experts of
+  `models.common.moe.MoE` layers (a model with an MoE layer of its own discounts its own).
 - `training_fields`: `[model]` keys that steer training, not the architecture; with
   `model.init_from_hf` they come from the job config, never from config.json.
 - `hf_adapter`: the Hugging Face checkpoint mapping (`HFAdapter`), or None.
@@ -48,14 +57,21 @@ class CausalLM(Protocol):
         """input_ids [B, S] -> logits [B, S, V] and routing statistics. position_ids [B, S]
         are the true positions (a context-parallel rank holds a reordered part). A model
         with `LossTerms.mtp_depth = D > 0` takes `mtp_input_ids` [B, S, D] (depth k's
-        input at position i is token i+k) and returns D MTP logits."""
+        input at position i is token i+k) and returns D MTP logits; the trainer passes no
+        other keyword."""
         ...
 
     def reset_parameter(
         self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None
     ) -> None:
         """Fill `tensor`, the full unsharded value of parameter or buffer `name`, with its
-        initial value, drawing random numbers only from `generator`."""
+        initial value, drawing random numbers only from `generator`. The trainer calls
+        it once per tensor with a layout-independent generator."""
+        ...
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise the whole (unsharded) model from `seed`, as the trainer would: for
+        single-process use (tests, references)."""
         ...
 
 
@@ -72,7 +88,9 @@ class HFAdapter(Protocol):
         ...
 
     def hf_config_dict(self, args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-        """config.json content that transformers reads back into the same architecture."""
+        """config.json content that transformers reads back into the same architecture;
+        raises `models.HFFormatError` for args transformers cannot represent (export is
+        refused before any weight is written)."""
         ...
 
     def hf_keys(
@@ -110,7 +128,7 @@ class LossTerms:
     # Multi-token prediction depths D: the model takes `mtp_input_ids` and returns D logits.
     mtp_depth: int = 0
     # Weight of the mean over the D depths of each depth's mean token cross-entropy.
-    mtp_loss_weight: float = 0.0
+    mtp_weight: float = 0.0
 
 
 @dataclass(frozen=True)

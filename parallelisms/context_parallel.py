@@ -20,52 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from parallelisms.attention_kernels import BlockKernel, resolve_kernel
-
-Block = tuple[slice, slice, bool]  # (query rows, key rows, causal within the block)
-
-
-# --- schedule ------------------------------------------------------------------------
-
-
-def ring_blocks(
-    rank: int, src: int, cp: int, seq_local: int, causal: bool, zigzag: bool
-) -> list[Block]:
-    """Which (query rows x key rows) of this rank meet the K/V block owned by `src`."""
-    full = slice(0, seq_local)
-    if not causal:
-        return [(full, full, False)]
-    if src == rank:  # own block: causal over the local rows (they are in position order)
-        return [(full, full, True)]
-    if not zigzag:  # contiguous split: earlier ranks are fully visible, later ones not at all
-        return [(full, full, False)] if src < rank else []
-    half = seq_local // 2
-    if src < rank:  # both my chunks come after src's first chunk, before its second
-        return [(full, slice(0, half), False)]
-    return [(slice(half, seq_local), full, False)]  # my second chunk sees all of src's
-
-
-def attention_work(cp: int, seq_len: int, causal: bool, zigzag: bool) -> list[int]:
-    """Query-key pairs each rank computes over a whole ring pass (the load-balance measure)."""
-    seq_local = seq_len // cp
-    work = []
-    for rank in range(cp):
-        pairs = 0
-        for src in range(cp):
-            for q, k, block_causal in ring_blocks(rank, src, cp, seq_local, causal, zigzag):
-                n_q, n_k = q.stop - q.start, k.stop - k.start
-                pairs += n_q * (n_q + 1) // 2 if block_causal else n_q * n_k
-        work.append(pairs)
-    return work
-
-
-def split_for_cp(x: torch.Tensor, cp_rank: int, cp: int, zigzag: bool) -> torch.Tensor:
-    """This rank's part of [B, S, ...] along the sequence: chunks r and 2cp-1-r (zigzag) or
-    chunk r. Applied once to tokens, labels and positions in the data path."""
-    if not zigzag:
-        return x.chunk(cp, dim=1)[cp_rank]
-    chunks = x.chunk(2 * cp, dim=1)
-    return torch.cat([chunks[cp_rank], chunks[2 * cp - 1 - cp_rank]], dim=1)
-
+from parallelisms.cp_schedule import ring_blocks
 
 # --- ring communication ----------------------------------------------------------------
 
@@ -125,7 +80,7 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < cp:  # overlap: the next block is on its way while this one computes
                 next_kv, works = _pass_to_next(kv, group, 0, stats)
             k_blk, v_blk = _unpack(kv, k.shape, v.shape)
-            for rows, cols, blk_causal in ring_blocks(rank, src, cp, seq, causal, zigzag):
+            for rows, cols, blk_causal in ring_blocks(rank, src, seq, causal, zigzag):
                 blk_out, blk_lse = kernel.forward(
                     q[:, rows], k_blk[:, cols], v_blk[:, cols], scale, blk_causal
                 )
@@ -154,7 +109,7 @@ class _RingAttention(torch.autograd.Function):
             k_blk, v_blk = _unpack(kv, k.shape, v.shape)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             dk_blk, dv_blk = _unpack(dkv, k.shape, v.shape)
-            for rows, cols, blk_causal in ring_blocks(rank, src, cp, seq, causal, zigzag):
+            for rows, cols, blk_causal in ring_blocks(rank, src, seq, causal, zigzag):
                 dq_b, dk_b, dv_b = kernel.backward(
                     grad_out[:, rows], q[:, rows], k_blk[:, cols], v_blk[:, cols],
                     out[:, rows], lse[:, :, rows], scale, blk_causal,
@@ -204,6 +159,10 @@ def ring_attention(
     block_kernel = resolve_kernel(kernel, q.device, q.shape[-1], v.shape[-1])
     stats = stats or RingStats()
     if not isinstance(q, DTensor):
+        if group is None:
+            raise ValueError(
+                "ring_attention on plain tensors needs group=, the ring's process group"
+            )
         return _RingAttention.apply(q, k, v, group, scale, causal, zigzag, block_kernel, stats)
     mesh, placements = q.device_mesh, q.placements
     cp_index = mesh.mesh_dim_names.index(cp_dim)
@@ -227,27 +186,25 @@ def ring_attention(
 class ContextParallelAttention(nn.Module):
     """Drop-in for `models.common.attention.AttentionCore` under context parallelism.
 
-    The model hands it local [B, s, H, D] tensors as usual; it views them as DTensors on the
-    batch mesh (batch Shard(0) over the data-parallel dims, sequence Shard(1) over `cp`),
-    runs the ring, and hands back the local output.
+    The model hands it its local [B, s, H, D] tensors as usual (this rank's part of each
+    sequence, s = S / cp); it runs the ring over the `cp` process group and hands back the
+    local output. The model never learns that the sequence is split.
     """
 
-    def __init__(self, scale: float, causal: bool, mesh: DeviceMesh, zigzag: bool, kernel: str):
+    def __init__(
+        self, scale: float, causal: bool, group: dist.ProcessGroup, zigzag: bool, kernel: str
+    ):
         super().__init__()
         self.scale, self.causal, self.zigzag, self.kernel = scale, causal, zigzag, kernel
-        self.mesh = mesh
-        self.placements = [Shard(1) if n == "cp" else Shard(0) for n in mesh.mesh_dim_names]
+        self.group = group
         self.stats = RingStats()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q, k, v = (
-            DTensor.from_local(t, self.mesh, self.placements, run_check=False) for t in (q, k, v)
-        )
         out, _ = ring_attention(
             q, k, v, scale=self.scale, causal=self.causal, zigzag=self.zigzag,
-            kernel=self.kernel, stats=self.stats,
+            kernel=self.kernel, group=self.group, stats=self.stats,
         )  # fmt: skip
-        return out.to_local()
+        return out
 
     def extra_repr(self) -> str:
         return f"scale={self.scale:.4g}, causal={self.causal}, zigzag={self.zigzag}, kernel={self.kernel}"
@@ -260,11 +217,13 @@ def apply_context_parallel(
     zigzag: bool,
     kernel: str,
 ) -> list[ContextParallelAttention]:
-    """Replace each attention core (from the plan) by its ring version; returns them."""
+    """Replace each attention core (from the plan) by its ring over `mesh`'s `cp` dim;
+    returns them."""
+    group = mesh.get_group("cp")
     installed = []
     for fqn, core in cores:
         parent_name, _, child = fqn.rpartition(".")
-        ring = ContextParallelAttention(core.scale, core.causal, mesh, zigzag, kernel)
+        ring = ContextParallelAttention(core.scale, core.causal, group, zigzag, kernel)
         setattr(model.get_submodule(parent_name), child, ring)
         installed.append(ring)
     return installed

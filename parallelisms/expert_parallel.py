@@ -24,7 +24,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 class TokenDispatcher(Protocol):
     """Moves expert-major tokens to the ranks that own their experts, and back.
 
-    `all_to_all` is the default implementation; a DeepEP one plugs in behind the same two
+    `all_to_all` is the default implementation; a DeepEP one plugs in behind the same
     calls. `bytes_sent` counts what this rank sent (forward and backward) since the last reset.
     """
 
@@ -35,6 +35,10 @@ class TokenDispatcher(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def combine(self, y_local: torch.Tensor) -> torch.Tensor: ...
+
+    def reset_bytes(self) -> int:
+        """The bytes sent since the last reset (the trainer logs them per step); resets."""
+        ...
 
 
 class _AllToAll(torch.autograd.Function):

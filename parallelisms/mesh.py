@@ -2,7 +2,9 @@
 
 Degrees (DESIGN §3): world = dp_replicate * dp_shard * cp; expert parallelism borrows
 its ranks from dp_shard * cp. Every check here is arithmetic on the config and the world
-size, so a bad layout is refused before any process group exists.
+size, so a bad layout is refused before any process group exists. This file is the one
+owner of layout arithmetic, the split of the global batch into per-rank micro-batches
+included: config, data and trainer call it rather than checking again.
 """
 
 from __future__ import annotations
@@ -20,6 +22,32 @@ class LayoutError(ValueError):
 def world_size_from_env() -> int:
     """The world size torchrun will give us (1 for a plain `python train.py`)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def grad_accum_steps(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
+    """Micro-batches each data-parallel rank runs per optimizer step: G / (micro * dp)."""
+    for key, value in (
+        ("train.global_batch_size", global_batch_size),
+        ("train.micro_batch_size", micro_batch_size),
+        ("the data-parallel size", dp_size),
+    ):
+        if value < 1:
+            raise LayoutError(f"{key} must be >= 1, got {value}")
+    if global_batch_size % micro_batch_size:
+        raise LayoutError(
+            f"train.global_batch_size ({global_batch_size}) must be a multiple of "
+            f"train.micro_batch_size ({micro_batch_size})"
+        )
+    per_step = micro_batch_size * dp_size
+    if global_batch_size % per_step:
+        fit = max(per_step, global_batch_size // per_step * per_step)
+        raise LayoutError(
+            f"train.global_batch_size={global_batch_size} must be divisible by "
+            f"train.micro_batch_size ({micro_batch_size}) x data-parallel ranks ({dp_size}) = "
+            f"{per_step}, so each rank runs a whole number of micro-batches per step; e.g. use "
+            f"train.global_batch_size={fit}, or change train.micro_batch_size or the degrees"
+        )
+    return global_batch_size // per_step
 
 
 @dataclass(frozen=True)
@@ -57,6 +85,10 @@ class ParallelDims:
             )
         return cls(dp_replicate, dp_shard, cp, ep, world_size)
 
+    def grad_accum(self, global_batch_size: int, micro_batch_size: int) -> int:
+        """Micro-batches per rank per step; refuses a global batch this layout cannot split."""
+        return grad_accum_steps(global_batch_size, micro_batch_size, self.dp_size)
+
     @property
     def dp_size(self) -> int:
         """Data-parallel ranks: each reads a different slice of the global batch."""
@@ -86,7 +118,11 @@ class Meshes:
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (dp_replicate-major)."""
         rep = self.world.get_local_rank("dp_replicate")
-        return rep * self.world.size(1) + self.world.get_local_rank("dp_shard")
+        return rep * self.world["dp_shard"].size() + self.world.get_local_rank("dp_shard")
+
+    @property
+    def cp(self) -> int:
+        return self.world["cp"].size()
 
 
 def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:

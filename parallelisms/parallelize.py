@@ -35,7 +35,7 @@ def parallelize(
     cores for ring attention, expert parallelism shards and wraps the routed experts, FSDP2
     shards the rest."""
     out = Parallelized()
-    if meshes.world.size(2) > 1:  # cp
+    if meshes.cp > 1:
         cores = match_modules(model, plan.attention_core, "attention_core")
         out.ring_attention = apply_context_parallel(
             model, cores, meshes.world, cp_zigzag, cp_kernel

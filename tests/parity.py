@@ -24,13 +24,8 @@ from models.common.moe import (
 )
 from parallelisms.mesh import ParallelDims
 from trainer.config import load_config
-from trainer.data import (
-    IGNORE_INDEX,
-    GlobalBatchSampler,
-    add_mtp_targets,
-    build_dataset,
-    build_tokenizer,
-)
+from trainer.data import IGNORE_INDEX, Batch, GlobalBatchSampler, build_dataset, build_tokenizer
+from trainer.losses import with_mtp_targets
 from trainer.optim import build_optimizer, lr_factor
 
 STEPS = 3
@@ -118,7 +113,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing: str | None):
-    from trainer.loop import Trainer, preflight
+    from trainer.loop import Trainer
+    from trainer.setup import preflight
 
     cfg = load_config(argv)
     p = cfg.parallel
@@ -167,7 +163,7 @@ def reference_run(argv: list[str], dp_size: int, routing: str | None = None) -> 
     """
     cfg = load_config(argv)
     spec = get_model_spec(cfg.model.name)
-    model = spec.model_cls(cfg.model.args)
+    model = spec.build(cfg.model.args)
     model.init_weights(cfg.train.seed)
     install_routing(model, routing)
     opt = build_optimizer(model, cfg.train)
@@ -192,23 +188,23 @@ def reference_run(argv: list[str], dp_size: int, routing: str | None = None) -> 
             ]
         else:
             forwards = micro
-        forwards = [{k: torch.stack([s[k] for s in fw]) for k in fw[0]} for fw in forwards]
+        forwards = [Batch.stack(fw) for fw in forwards]
         if mtp_depth:
-            forwards = [add_mtp_targets(fw, mtp_depth) for fw in forwards]
-            n_mtp = sum((fw["mtp_labels"] != IGNORE_INDEX).sum((0, 1)) for fw in forwards)  # [D]
-        n_tokens = sum((fw["labels"] != IGNORE_INDEX).sum() for fw in forwards)
+            forwards = [with_mtp_targets(fw, mtp_depth) for fw in forwards]
+            n_mtp = sum((fw.mtp_labels != IGNORE_INDEX).sum((0, 1)) for fw in forwards)  # [D]
+        n_tokens = sum((fw.labels != IGNORE_INDEX).sum() for fw in forwards)
         total_ce, total_aux, total_mtp = 0.0, 0.0, 0.0
         for fw in forwards:
-            mtp_inputs = {"mtp_input_ids": fw["mtp_input_ids"]} if mtp_depth else {}
-            out = model(fw["input_ids"], fw["position_ids"], **mtp_inputs)
-            ce = F.cross_entropy(out.logits.flatten(0, 1), fw["labels"].flatten(), reduction="sum")
+            mtp_inputs = {"mtp_input_ids": fw.mtp_input_ids} if mtp_depth else {}
+            out = model(fw.input_ids, fw.position_ids, **mtp_inputs)
+            ce = F.cross_entropy(out.logits.flatten(0, 1), fw.labels.flatten(), reduction="sum")
             if cfg.moe.aux_loss_mode == "sequence":  # mean over all sequences of the batch
                 aux = sequence_balance_loss(out.router_stats) * len(forwards) / t.global_batch_size
             else:
                 aux = load_balancing_loss(out.router_stats, num_experts)
             loss = ce / n_tokens + args.router_aux_loss_coef * aux / len(forwards)
             for k, logits in enumerate(out.mtp_logits or []):
-                labels = fw["mtp_labels"][..., k].flatten()
+                labels = fw.mtp_labels[..., k].flatten()
                 mtp = F.cross_entropy(logits.flatten(0, 1), labels, reduction="sum") / n_mtp[k]
                 loss = loss + args.mtp_loss_weight / mtp_depth * mtp
                 total_mtp += mtp.item() / mtp_depth

@@ -82,7 +82,7 @@ def test_export_reproduces_our_logits_in_transformers(ep_run, tmp_path):
         text=True,
     )
     assert proc.returncode == 0, proc.stderr
-    ours, _ = load_checkpoint_model(str(step_dir))
+    ours, _, _ = load_checkpoint_model(str(step_dir))
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "hf", attn_implementation="eager"
     )

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import MISSING, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 
 import pytest
 
 from models import get_model_spec, model_names
+from models.common.args import arg, field_problems
+from models.deepseek_v3.args import DeepseekV3Args
 from models.qwen3_moe.args import Qwen3MoeArgs
 from trainer.config import (
     ConfigError,
@@ -348,3 +350,57 @@ def test_validate_accepts_defaults_and_checks_a_built_config():
     bad = replace(cfg, data=replace(DataSection(), source="jsonl"))
     with pytest.raises(ConfigError, match="data.path is required"):
         validate(bad)
+
+
+# --- field bounds: one generic check for the job sections and the model args ------------
+
+
+@dataclass
+class _Bounded:
+    sizes: list[int] = arg([1, 2], "each >= 1", ge=1)
+    limit: float | None = arg(None, "optional, > 0 when set", gt=0, note="none = no limit")
+    mode: str = arg("a", "a or b", choices=("a", "b"))
+
+
+def test_field_problems_checks_each_list_element_and_skips_none():
+    assert field_problems(_Bounded(), "toy") == []  # limit = None is not checked
+    assert field_problems(_Bounded(sizes=[1, 0], limit=0.0, mode="c"), "toy") == [
+        "toy.sizes must be >= 1, got [1, 0]",
+        "toy.limit must be > 0 (none = no limit), got 0.0",
+        "toy.mode must be one of a, b, got 'c'",
+    ]
+
+
+def test_bounds_of_job_sections_and_model_args():
+    assert field_problems(replace(TrainSection(), beta1=1.0), "train") == [
+        "train.beta1 must be in [0, 1), got 1.0"
+    ]
+    assert field_problems(DataSection(), "data") == []  # max_tokens = None: not checked
+    assert field_problems(DeepseekV3Args(q_lora_rank=-1), "model") == [
+        "model.q_lora_rank must be >= 0, got -1"
+    ]
+    # validate() is left with the cross-field checks: a bound is reported once, not twice
+    assert Qwen3MoeArgs(hidden_size=0).validate() == []
+    assert "checkpoint.interval must be >= 0 (0 = off), got -1" in config_error(
+        ["--checkpoint.interval=-1"]
+    )
+    assert config_error(["--model.hidden_size=0"]) == "model.hidden_size must be > 0, got 0"
+
+
+def test_deepseek_args_bounds_and_choices_from_the_command_line():
+    load_config(["--model.name=deepseek_v3"])  # its defaults pass
+    message = config_error(
+        ["--model.name=deepseek_v3", "--model.kv_lora_rank=0", "--model.n_routed_experts=-4"]
+    )
+    assert message.startswith("2 problems:")
+    assert "model.kv_lora_rank must be > 0, got 0" in message
+    assert "model.n_routed_experts must be >= 0, got -4" in message
+    message = config_error(["--model.name=deepseek_v3", "--model.rope_type=ntk"])
+    assert "model.rope_type" in message and "'default', 'yarn'" in message
+
+
+def test_help_shows_bounds():
+    text = " ".join(format_help().split())
+    assert "optimizer steps to run [value >= 1]" in text
+    assert "AdamW beta2 [value in [0, 1)]" in text
+    assert "per-head value width [value > 0]" in text  # a model arg (DeepSeek-V3)

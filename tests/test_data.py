@@ -1,4 +1,4 @@
-"""Tests of trainer/data.py: tokenizers, sources, packing, global sample order and resume."""
+"""Tests of trainer/data/: tokenizers, sources, packing, global sample order and resume."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from parallelisms.mesh import LayoutError, grad_accum_steps
 from trainer.config import DataSection, TrainSection
 from trainer.data import (
     IGNORE_INDEX,
+    Batch,
     ByteTokenizer,
     DataError,
     GlobalBatchSampler,
@@ -21,7 +23,6 @@ from trainer.data import (
     build_dataloader,
     build_dataset,
     build_tokenizer,
-    grad_accum_steps,
     iter_documents,
     pack_documents,
     stdlib_files,
@@ -37,16 +38,17 @@ def stdlib_cfg(**kw) -> DataSection:
     return DataSection(source="stdlib", **kw)
 
 
-def take(it, n: int) -> list[dict[str, torch.Tensor]]:
+def take(it, n: int) -> list[Batch]:
     return [next(it) for _ in range(n)]
 
 
-def assert_same_batches(a: list[dict], b: list[dict]) -> None:
+def assert_same_batches(a: list[Batch], b: list[Batch]) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
+        x, y = vars(x), vars(y)  # field name -> tensor (None where absent)
         assert x.keys() == y.keys()
         for key in x:
-            assert torch.equal(x[key], y[key]), key
+            assert (x[key] is None and y[key] is None) or torch.equal(x[key], y[key]), key
 
 
 def global_steps(num_samples, G, micro, dp, steps, seed=0, shuffle=True) -> list[list[int]]:
@@ -197,14 +199,14 @@ def test_packing_separators_labels_and_document_ids():
     for i in range(len(ds)):
         s = ds[i]
         for key in ("input_ids", "labels", "position_ids", "document_ids"):
-            assert s[key].shape == (4,) and s[key].dtype == torch.int64
+            assert getattr(s, key).shape == (4,) and getattr(s, key).dtype == torch.int64
         chunk = tokens[i * 4 : i * 4 + 5].long()
-        assert torch.equal(s["input_ids"], chunk[:-1]) and torch.equal(s["labels"], chunk[1:])
-        assert s["position_ids"].tolist() == [0, 1, 2, 3]
+        assert torch.equal(s.input_ids, chunk[:-1]) and torch.equal(s.labels, chunk[1:])
+        assert s.position_ids.tolist() == [0, 1, 2, 3]
     # Sample 1 holds tokens 4..7 = "e", EOS, "f", "g": the document changes after the EOS.
-    assert ds[1]["input_ids"].tolist() == [ord("e"), EOS, ord("f"), ord("g")]
-    assert ds[1]["document_ids"].tolist() == [0, 0, 1, 1]
-    assert ds[0]["document_ids"].tolist() == [0, 0, 0, 0]
+    assert ds[1].input_ids.tolist() == [ord("e"), EOS, ord("f"), ord("g")]
+    assert ds[1].document_ids.tolist() == [0, 0, 1, 1]
+    assert ds[0].document_ids.tolist() == [0, 0, 0, 0]
 
 
 def test_max_tokens_and_too_few_tokens():
@@ -257,11 +259,11 @@ def test_sharding_is_layout_independent():
 
 def test_batch_size_validation():
     assert grad_accum_steps(8, 2, 2) == 2
-    with pytest.raises(DataError, match="divisible"):
+    with pytest.raises(LayoutError, match="multiple of train.micro_batch_size"):
         grad_accum_steps(8, 3, 1)
-    with pytest.raises(DataError, match="divisible"):
+    with pytest.raises(LayoutError, match="divisible"):
         GlobalBatchSampler(100, 8, 1, 0, 3, seed=0)
-    with pytest.raises(DataError, match="global_batch_size=6"):
+    with pytest.raises(LayoutError, match="global_batch_size=6"):
         build_dataloader(stdlib_cfg(), TrainSection(global_batch_size=6), dp_rank=0, dp_size=4)
 
 
@@ -298,7 +300,7 @@ def test_loader_resume_mid_epoch(num_workers):
     loader, tok = build_dataloader(data, train, dp_rank=0, dp_size=1)
     it = iter(loader)
     first = take(it, 7)  # 1 step + 3 micro-batches: mid-step
-    assert first[0]["input_ids"].shape == (2, 16)
+    assert first[0].input_ids.shape == (2, 16)
     saved = loader.state_dict()
     expected = take(it, 140)  # runs past the end of epoch 0 (249 samples = 124.5 batches)
     del it
@@ -329,7 +331,7 @@ def test_loader_resume_on_another_dp_size_at_step_boundary():
     saved = loader.state_dict()
     reference = take(it, 2 * 4)  # the next two steps on one rank
     reference_state = loader.state_dict()[SAMPLER_KEY]
-    ref_steps = [torch.cat([b["input_ids"] for b in reference[s * 4 : s * 4 + 4]]) for s in (0, 1)]
+    ref_steps = [torch.cat([b.input_ids for b in reference[s * 4 : s * 4 + 4]]) for s in (0, 1)]
 
     for dp in (2, 4):
         micro = 2 if dp == 2 else 1
@@ -345,7 +347,7 @@ def test_loader_resume_on_another_dp_size_at_step_boundary():
             rank_states.append(rank_loader.state_dict()[SAMPLER_KEY])
         assert all(st == reference_state for st in rank_states)
         for s in (0, 1):
-            step = [b["input_ids"] for rb in rank_batches for b in rb[s * accum : (s + 1) * accum]]
+            step = [b.input_ids for rb in rank_batches for b in rb[s * accum : (s + 1) * accum]]
             assert torch.equal(torch.cat(step), ref_steps[s])
 
 
@@ -353,3 +355,21 @@ def test_hf_datasets_missing_package_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(DataError, match="pip install datasets"):
         iter_documents(DataSection(source="hf_datasets", path="anything"))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_state_at_a_step_boundary_resumes_with_any_workers(num_workers):
+    """What a checkpoint saves (`state_at(steps * G)`, not the loader's own state, which
+    workers' prefetch has moved on) continues the stream exactly, even into a loader with
+    another number of workers."""
+    train = TrainSection(global_batch_size=8, micro_batch_size=2, seed=3)  # 4 micro per step
+    loader, tok = build_dataloader(stdlib_cfg(num_workers=num_workers), train)
+    it = iter(loader)
+    take(it, 3 * 4)  # three steps; with workers the sampler has run ahead by now
+    state = loader.batch_sampler.state_at(3 * 8)
+    expected = take(it, 2 * 4)
+    del it
+    for workers in (0, 2):
+        fresh, _ = build_dataloader(stdlib_cfg(num_workers=workers), train, tokenizer=tok)
+        fresh.batch_sampler.load_state_dict(state)
+        assert_same_batches(take(iter(fresh), 2 * 4), expected)

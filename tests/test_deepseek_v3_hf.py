@@ -129,7 +129,7 @@ def _hf_model(overrides: dict, seed: int = 0):
 
 
 def _ours(args: DeepseekV3Args, seed: int | None = None):
-    model = SPEC.model_cls(args, MoEOptions(gemm="loop"))
+    model = SPEC.build(args, MoEOptions(gemm="loop"))
     if seed is not None:
         model.init_weights(seed)
         _randomize_correction_bias(model, seed)
@@ -369,7 +369,7 @@ def test_shipped_config_has_the_published_parameter_count(model):
     args = cfg.model.args
     spec = get_model_spec(cfg.model.name)
     with torch.device("meta"):
-        net = spec.model_cls(args)
+        net = spec.build(args)
     sizes = {name: p.numel() for name, p in net.named_parameters()}
     total = sum(sizes.values())
     mtp = sum(n for name, n in sizes.items() if name.startswith("mtp."))

@@ -1,6 +1,6 @@
-"""DeepSeek-V3 training: layout equivalence (EP x FSDP, CP x EP) against one plain process,
-the aux-loss-free bias update, the sequence-wise aux loss, multi-token prediction, and
-checkpoints through the front door."""
+"""DeepSeek-V3 training: the aux-loss-free bias update, the sequence-wise aux loss,
+multi-token prediction, and checkpoints through the front door. (Its layouts against one
+plain process are rows of tests/test_layout_parity.py.)"""
 
 import math
 import shutil
@@ -12,29 +12,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from models.common.moe import GroupLimitedRouter, MoE, sequence_balance_loss
 from models.deepseek_v3.args import DeepseekV3Args
 from models.deepseek_v3.model import DeepseekV3ForCausalLM
-from tests.distributed import run_distributed, run_train
-from tests.parity import TINY_DSV3, assert_same_training, layout_worker, reference_run
+from tests.distributed import run_train
 from trainer.balance import BiasUpdate
-from trainer.data import IGNORE_INDEX, add_mtp_targets
-
-# --- layouts against one process ----------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "layout,dp_size",
-    [(["--parallel.ep=2"], 4), (["--parallel.cp=2", "--parallel.ep=2"], 2)],
-    ids=["ep2_efsdp2", "cp2_ep2"],
-)
-def test_layout_matches_single_process(layout, dp_size, tmp_path):
-    argv = TINY_DSV3 + layout
-    run_distributed(layout_worker, 4, argv, str(tmp_path / "out.pt"), None)
-    ours = torch.load(tmp_path / "out.pt")["records"]
-    ref = reference_run(argv, dp_size=dp_size)
-    assert_same_training(ours, ref)  # losses, MTP loss, grads, params; biases bit-equal
-    bias = {n: b for n, b in ref[-1]["buffers"].items() if n.endswith("correction_bias")}
-    assert len(bias) == 3 and all(b.abs().max() > 0 for b in bias.values())  # 2 MoE + MTP
-
+from trainer.data import IGNORE_INDEX, Batch
+from trainer.losses import with_mtp_targets
 
 # --- load balancing -----------------------------------------------------------------------
 
@@ -106,12 +87,16 @@ def test_bias_update_moves_load_toward_balance():
 # --- multi-token prediction ---------------------------------------------------------------
 
 
+def _batch(input_ids: torch.Tensor, labels: torch.Tensor) -> Batch:
+    zeros = torch.zeros_like(input_ids)
+    return Batch(input_ids=input_ids, labels=labels, position_ids=zeros, document_ids=zeros)
+
+
 def test_mtp_targets_shift_inputs_and_labels_by_each_depth():
-    batch = {"input_ids": torch.arange(6)[None], "labels": torch.arange(1, 7)[None]}
-    out = add_mtp_targets(batch, depth=2)
-    assert out["mtp_input_ids"][0].T.tolist() == [[1, 2, 3, 4, 5, 0], [2, 3, 4, 5, 0, 0]]
+    out = with_mtp_targets(_batch(torch.arange(6)[None], torch.arange(1, 7)[None]), depth=2)
+    assert out.mtp_input_ids[0].T.tolist() == [[1, 2, 3, 4, 5, 0], [2, 3, 4, 5, 0, 0]]
     ignore = IGNORE_INDEX
-    assert out["mtp_labels"][0].T.tolist() == [
+    assert out.mtp_labels[0].T.tolist() == [
         [2, 3, 4, 5, 6, ignore],
         [3, 4, 5, 6, ignore, ignore],
     ]
@@ -136,8 +121,8 @@ def test_mtp_logits_at_position_i_see_tokens_up_to_i_plus_depth():
     outs = []
     with torch.no_grad():
         for tokens in (ids, changed):
-            batch = add_mtp_targets({"input_ids": tokens, "labels": tokens}, depth=2)
-            outs.append(model(tokens, mtp_input_ids=batch["mtp_input_ids"]))
+            batch = with_mtp_targets(_batch(tokens, tokens), depth=2)
+            outs.append(model(tokens, mtp_input_ids=batch.mtp_input_ids))
     for depth, (a, b) in enumerate(
         [(outs[0].logits, outs[1].logits)] + list(zip(outs[0].mtp_logits, outs[1].mtp_logits))
     ):

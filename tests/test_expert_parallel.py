@@ -147,7 +147,7 @@ def _meta_model(*overrides):
     cfg = load_config(["--config=configs/debug_qwen3_moe.toml", *overrides])
     spec = get_model_spec("qwen3_moe")
     with torch.device("meta"):
-        return spec.model_cls(cfg.model.args), spec.plan
+        return spec.build(cfg.model.args), spec.plan
 
 
 def test_experts_not_divisible_by_ep_is_refused():
@@ -213,7 +213,7 @@ def test_init_from_hf_reads_only_the_local_part_on_each_rank(tmp_path):
 
     args = load_config(["--config=configs/debug_qwen3_moe.toml"]).model.args
     spec = get_model_spec("qwen3_moe")
-    reference = spec.model_cls(args)
+    reference = spec.build(args)
     reference.init_weights(seed=7)
     save_hf_checkpoint(reference, spec.hf_adapter, args, str(tmp_path / "hf"))
     total = sum(p.numel() * 4 for p in reference.parameters())

@@ -51,7 +51,7 @@ def _hf_model(overrides: dict, seed: int = 0):
 
 def _ours_from_dir(model_dir: str):
     args = load_hf_config(model_dir)
-    model = SPEC.model_cls(args, MoEOptions(gemm="loop"))
+    model = SPEC.build(args, MoEOptions(gemm="loop"))
     load_hf_weights(model, SPEC.hf_adapter, args, model_dir)
     return model.eval()
 
@@ -127,4 +127,4 @@ def test_refuses_other_model_types_and_mismatched_weights(tmp_path):
     args = load_hf_config(str(tmp_path))
     args.moe_intermediate_size = 8  # the weights were saved with 16
     with pytest.raises(ValueError, match="shape"):
-        load_hf_weights(SPEC.model_cls(args), SPEC.hf_adapter, args, str(tmp_path))
+        load_hf_weights(SPEC.build(args), SPEC.hf_adapter, args, str(tmp_path))

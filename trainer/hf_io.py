@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models import HFFormatError
+from models import HFAdapter, HFFormatError
 from parallelisms.init import local_index, named_weights
 
 
@@ -64,7 +64,9 @@ class SafetensorsDir:
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, adapter: Any, args: Any, model_dir: str) -> SafetensorsDir:
+def load_hf_weights(
+    model: nn.Module, adapter: HFAdapter, args: Any, model_dir: str
+) -> SafetensorsDir:
     """Fill every parameter and buffer of `model` (sharded or not) from an HF checkpoint
     directory.
 
@@ -105,7 +107,7 @@ def load_hf_weights(model: nn.Module, adapter: Any, args: Any, model_dir: str) -
 @torch.no_grad()
 def save_hf_checkpoint(
     model: nn.Module,
-    adapter: Any,
+    adapter: HFAdapter,
     args: Any,
     out_dir: str,
     dtype: torch.dtype = torch.float32,
@@ -116,6 +118,7 @@ def save_hf_checkpoint(
     Each parameter is gathered to full size on every rank (`full_tensor`) one at a time.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
+    config = adapter.hf_config_dict(args, dtype)  # may refuse: before any work is done
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
     buffers = {name for name, _ in model.named_buffers()}
@@ -136,7 +139,7 @@ def save_hf_checkpoint(
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(adapter.hf_config_dict(args, dtype), f, indent=2)
+            json.dump(config, f, indent=2)
         if len(shards) == 1:
             save_file(shards[0], os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
         else:

@@ -1,16 +1,28 @@
-"""Loss pieces of a training step: token cross-entropy sums and load-balancing loss shares
-(DESIGN §6: every piece is a share, so that summed over forwards and ranks it is the value
-one device would compute on the whole global batch)."""
+"""The training loss of one step, composed from the model's outputs and global counts.
+
+DESIGN §6: every piece is a share, so that summed over forwards and ranks it is the value
+one device would compute on the whole global batch. Token cross-entropy sums are divided
+by the number of valid labels in the global batch (all ranks, all micro-batches); each MTP
+depth by its own count; the load-balancing loss is split by `moe.aux_loss_mode`. Gradients
+are then those of one device, for any layout and any accumulation count.
+
+What the loss contains is the model's to say (`models.LossTerms`: aux coefficient, MTP
+depth and weight); nothing here knows a hyper-parameter name.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from models import LossTerms
 from models.common.moe import RouterStats, load_balancing_loss, sequence_balance_loss
+from models.common.output import CausalLMOutput
 from parallelisms.mesh import ParallelDims
-from trainer.data import IGNORE_INDEX
+from trainer.data import IGNORE_INDEX, Batch
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -18,6 +30,32 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+def with_mtp_targets(batch: Batch, depth: int) -> Batch:
+    """Multi-token prediction inputs and labels, [B, S, depth] each: at position i, depth k
+    (1-based) reads token i+k and predicts token i+k+1, i.e. input_ids and labels shifted
+    left by k; the last k positions have no target.
+
+    NOTE: built on whole sequences, before any context-parallel split, so that a rank
+    holding positions i gets tokens i+k that may live on another rank's part.
+    """
+    ids, labels = batch.input_ids, batch.labels  # [B, S]
+    shifted_ids = [F.pad(ids[:, k:], (0, k), value=0) for k in range(1, depth + 1)]
+    shifted_labels = [F.pad(labels[:, k:], (0, k), value=IGNORE_INDEX) for k in range(1, depth + 1)]
+    return Batch(
+        input_ids=ids,
+        labels=labels,
+        position_ids=batch.position_ids,
+        document_ids=batch.document_ids,
+        mtp_input_ids=torch.stack(shifted_ids, dim=-1),
+        mtp_labels=torch.stack(shifted_labels, dim=-1),
+    )
+
+
+def model_inputs(batch: Batch, terms: LossTerms) -> dict[str, torch.Tensor]:
+    """Keyword inputs beyond (input_ids, position_ids) that the model's loss terms need."""
+    return {"mtp_input_ids": batch.mtp_input_ids} if terms.mtp_depth else {}
 
 
 def aux_loss_share(
@@ -58,3 +96,100 @@ def aux_loss_share(
         rows = layers * batch * stats.seq_len * ranks
         aux = load_balancing_loss(stats, num_experts, counts, rows)
     return aux / forwards
+
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """Counts over the whole global batch (every rank, every micro-batch) of one step."""
+
+    tokens: int  # valid labels: the divisor of the mean token loss
+    # An order-independent checksum of the batch's tokens: equal between runs that train on
+    # the same samples at this step, whatever the layout (logged as data_fingerprint).
+    fingerprint: int
+    mtp_tokens: list[int]  # valid labels of each MTP depth (its last k positions have none)
+
+
+def global_counts(micro_batches: list[Batch], mtp_depth: int, device: torch.device) -> GlobalCounts:
+    """One int64 all-reduce over the world (fp32 counts are exact only to 2^24)."""
+    local = sum(
+        torch.stack(
+            [
+                (mb.labels != IGNORE_INDEX).sum(),
+                (mb.input_ids * (mb.position_ids + 1)).sum(),
+                *((mb.mtp_labels != IGNORE_INDEX).sum((0, 1)) if mtp_depth else []),
+            ]
+        )
+        for mb in micro_batches
+    )
+    counts = local.to(device, torch.int64)
+    dist.all_reduce(counts)
+    tokens, fingerprint, *mtp_tokens = counts.tolist()
+    # Sequences shorter than a depth leave it no label: no division by zero.
+    return GlobalCounts(tokens, fingerprint, [max(n, 1) for n in mtp_tokens])
+
+
+class StepLoss:
+    """Composes the loss of each forward of one step and tallies what the step reports.
+
+    Per step: `begin(micro_batches)` (the global counts), then for each forward
+    `loss = step_loss(out, batch)` and its backward, then `end()` for the record: the
+    global mean token loss, aux and MTP losses (all ranks agree) and this rank's expert
+    load ([L, E], summed over its forwards).
+    """
+
+    def __init__(
+        self,
+        terms: LossTerms,
+        aux_mode: str,
+        dims: ParallelDims,
+        cp_group: dist.ProcessGroup,
+        global_batch_size: int,
+        rounds: int,
+        device: torch.device,
+    ) -> None:
+        self.terms, self.aux_mode, self.dims, self.cp_group = terms, aux_mode, dims, cp_group
+        self.global_batch_size, self.rounds, self.device = global_batch_size, rounds, device
+        self.counts: GlobalCounts | None = None
+
+    def begin(self, micro_batches: list[Batch]) -> None:
+        if len(micro_batches) != self.rounds:  # the aux-loss shares are scaled by it
+            raise ValueError(f"expected {self.rounds} micro-batches, got {len(micro_batches)}")
+        self.counts = global_counts(micro_batches, self.terms.mtp_depth, self.device)
+        # [sum of token losses, sum of aux shares, sum over depths of mean MTP losses]
+        self._sums = torch.zeros(3, device=self.device)
+        self._expert_load: torch.Tensor | None = None
+
+    def __call__(self, out: CausalLMOutput, batch: Batch) -> torch.Tensor:
+        counts, terms = self.counts, self.terms
+        ce_sum = token_loss_sum(out.logits, batch.labels)
+        loss = ce_sum / counts.tokens
+        self._sums[0] += ce_sum.detach()
+        for k, logits_k in enumerate(out.mtp_logits or []):
+            mtp_mean = token_loss_sum(logits_k, batch.mtp_labels[..., k]) / counts.mtp_tokens[k]
+            loss = loss + terms.mtp_weight / terms.mtp_depth * mtp_mean
+            self._sums[2] += mtp_mean.detach()
+        stats = out.router_stats
+        if stats is not None:
+            aux = aux_loss_share(
+                stats, self.aux_mode, self.dims, self.cp_group, self.global_batch_size, self.rounds
+            )
+            loss = loss + terms.aux_loss_coef * aux
+            self._sums[1] += aux.detach()
+            load = stats.tokens_per_expert.sum(1)  # [L, E]
+            self._expert_load = load if self._expert_load is None else self._expert_load + load
+        return loss
+
+    def end(self) -> dict:
+        sums = self._sums
+        dist.all_reduce(sums)  # over the world: every rank holds a distinct part of the batch
+        loss_sum, aux, mtp_sum = sums.tolist()
+        record = {
+            "loss": loss_sum / self.counts.tokens,
+            "aux_loss": aux if self._expert_load is not None else None,
+            "tokens": self.counts.tokens,
+            "data_fingerprint": self.counts.fingerprint,
+            "expert_load": self._expert_load,
+        }
+        if self.terms.mtp_depth:
+            record["mtp_loss"] = mtp_sum / self.terms.mtp_depth  # mean over depths
+        return record

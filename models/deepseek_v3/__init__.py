@@ -19,7 +19,7 @@ def loss_terms(args: DeepseekV3Args) -> LossTerms:
     return LossTerms(
         aux_loss_coef=args.router_aux_loss_coef,
         mtp_depth=args.num_nextn_predict_layers,
-        mtp_loss_weight=args.mtp_loss_weight,
+        mtp_weight=args.mtp_loss_weight,
     )
 
 

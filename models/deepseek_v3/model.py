@@ -20,7 +20,7 @@ from torch import nn
 
 from models.common.attention import AttentionCore
 from models.common.block import DecoderBlock
-from models.common.init import param_generator
+from models.common.init import init_all_, normal_init_
 from models.common.mlp import SwiGLU
 from models.common.moe import GroupLimitedRouter, MoE, MoEOptions, RouterStats, stack_stats
 from models.common.norm import RMSNorm
@@ -222,17 +222,15 @@ class DeepseekV3ForCausalLM(nn.Module):
         Norm weights 1; biases, the routing correction bias and its token counts 0; every
         other weight N(0, initializer_range), as Hugging Face initialises DeepSeek-V3.
         """
-        owner = self.get_submodule(name.rpartition(".")[0])
-        leaf = name.rpartition(".")[2]
-        if isinstance(owner, RMSNorm):
-            tensor.fill_(1.0)
-        elif leaf in ("bias", "e_score_correction_bias", "tokens_per_expert"):
-            tensor.zero_()
-        else:
-            tensor.normal_(0.0, self.args.initializer_range, generator=generator)
+        normal_init_(
+            self,
+            name,
+            tensor,
+            self.args.initializer_range,
+            generator,
+            ("bias", "e_score_correction_bias", "tokens_per_expert"),
+        )
 
-    @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Initialise every (unsharded) parameter and buffer from `seed`."""
-        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
-            self.reset_parameter(name, tensor, param_generator(seed, name, tensor.device))
+        init_all_(self, seed)

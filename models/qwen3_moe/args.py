@@ -9,27 +9,31 @@ from models.common.args import arg as _h
 
 @dataclass
 class Qwen3MoeArgs:
-    vocab_size: int = _h(151936, "vocabulary size (rows of the embedding and the LM head)")
-    hidden_size: int = _h(2048, "model width")
+    vocab_size: int = _h(151936, "vocabulary size (rows of the embedding and the LM head)", gt=0)
+    hidden_size: int = _h(2048, "model width", gt=0)
     intermediate_size: int = _h(
-        6144, "hidden width of the dense SwiGLU MLP (mlp_only/non-sparse layers)"
+        6144, "hidden width of the dense SwiGLU MLP (mlp_only/non-sparse layers)", gt=0
     )
-    moe_intermediate_size: int = _h(768, "hidden width of each routed expert")
-    num_hidden_layers: int = _h(48, "number of decoder blocks")
-    num_attention_heads: int = _h(32, "query heads")
-    num_key_value_heads: int = _h(4, "key/value heads (GQA); must divide num_attention_heads")
-    head_dim: int = _h(128, "per-head width (explicit, need not be hidden_size / heads)")
-    rms_norm_eps: float = _h(1e-6, "epsilon of every RMSNorm")
-    rope_theta: float = _h(1_000_000.0, "RoPE base frequency")
+    moe_intermediate_size: int = _h(768, "hidden width of each routed expert", gt=0)
+    num_hidden_layers: int = _h(48, "number of decoder blocks", gt=0)
+    num_attention_heads: int = _h(32, "query heads", gt=0)
+    num_key_value_heads: int = _h(4, "key/value heads (GQA); must divide num_attention_heads", gt=0)
+    head_dim: int = _h(128, "per-head width (explicit, need not be hidden_size / heads)", gt=0)
+    rms_norm_eps: float = _h(1e-6, "epsilon of every RMSNorm", gt=0)
+    rope_theta: float = _h(1_000_000.0, "RoPE base frequency", gt=0)
     max_position_embeddings: int = _h(40960, "longest position the model is meant for")
-    num_experts: int = _h(128, "routed experts per MoE layer")
+    num_experts: int = _h(128, "routed experts per MoE layer", ge=0)
     num_experts_per_tok: int = _h(8, "experts each token is routed to (top-k)")
     norm_topk_prob: bool = _h(True, "renormalise the top-k router probabilities to sum to 1")
-    decoder_sparse_step: int = _h(1, "layer i is MoE when (i + 1) % decoder_sparse_step == 0")
+    decoder_sparse_step: int = _h(1, "layer i is MoE when (i + 1) % decoder_sparse_step == 0", gt=0)
     mlp_only_layers: list[int] = _h([], "layer indices that use the dense MLP instead of MoE")
     tie_word_embeddings: bool = _h(False, "share the embedding matrix with the LM head")
-    router_aux_loss_coef: float = _h(0.001, "weight of the load-balancing auxiliary loss (0 = off)")
-    initializer_range: float = _h(0.02, "std of the normal init of linear and embedding weights")
+    router_aux_loss_coef: float = _h(
+        0.001, "weight of the load-balancing auxiliary loss (0 = off)", ge=0
+    )
+    initializer_range: float = _h(
+        0.02, "std of the normal init of linear and embedding weights", ge=0
+    )
     attention_bias: bool = _h(False, "bias in the q/k/v/o projections")
 
     def is_moe_layer(self, layer_idx: int) -> bool:
@@ -40,15 +44,9 @@ class Qwen3MoeArgs:
         )
 
     def validate(self) -> list[str]:
-        """Problems with these values, each naming the key and the fix (empty when fine)."""
+        """Problems between fields, each naming the keys and the fix (empty when fine); the
+        fields' own bounds are in their metadata, checked by `field_problems`."""
         errors = []
-        positive = (
-            "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers "
-            "num_attention_heads num_key_value_heads head_dim decoder_sparse_step"
-        )
-        for name in positive.split():
-            if getattr(self, name) <= 0:
-                errors.append(f"model.{name} must be > 0, got {getattr(self, name)}")
         if self.num_key_value_heads > 0 and self.num_attention_heads % self.num_key_value_heads:
             errors.append(
                 f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -56,8 +54,6 @@ class Qwen3MoeArgs:
             )
         if self.head_dim % 2:
             errors.append(f"model.head_dim must be even for RoPE, got {self.head_dim}")
-        if self.num_experts < 0:
-            errors.append(f"model.num_experts must be >= 0, got {self.num_experts}")
         if self.num_experts > 0 and not 0 < self.num_experts_per_tok <= self.num_experts:
             errors.append(
                 f"model.num_experts_per_tok must be in [1, num_experts={self.num_experts}], "

@@ -9,12 +9,10 @@ store stacked: `mlp.experts.gate_up_proj [E, 2I, H]` (gate rows, then up rows) a
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from models import HFFormatError, read_config_json
-from models.common.hf_experts import is_stacked_expert, per_expert_keys, read_stacked, split_stacked
+from models.common.hf_names import PrefixedStackedNames
 from models.qwen3_moe.args import Qwen3MoeArgs
 
 _SAME_NAME_KEYS = (
@@ -72,48 +70,11 @@ def hf_config_dict(args: Qwen3MoeArgs, dtype: torch.dtype = torch.float32) -> di
     return cfg
 
 
-def _hf_name(name: str) -> str:
-    return name if name.startswith("lm_head.") else "model." + name
-
-
-def is_redundant_key(key: str, args: Qwen3MoeArgs, has: Callable[[str], bool]) -> bool:
-    """Checkpoint keys the model does not need but a valid checkpoint may hold."""
-    return key == "lm_head.weight" and args.tie_word_embeddings  # some exporters write it
-
-
-def hf_keys(
-    name: str, shape: tuple[int, ...], args: Qwen3MoeArgs, has: Callable[[str], bool]
-) -> dict[str, tuple[int, ...]]:
-    """The checkpoint keys that make native parameter `name` of global `shape`, each with
-    the shape it must have."""
-    hf = _hf_name(name)
-    if has(hf) or not is_stacked_expert(hf):
-        return {hf: tuple(shape)}
-    return per_expert_keys(hf, shape)
-
-
-def from_hf(
-    name: str,
-    args: Qwen3MoeArgs,
-    has: Callable[[str], bool],
-    get: Callable[[str, tuple[slice, ...]], torch.Tensor],
-    index: tuple[slice, ...],
-) -> torch.Tensor:
-    """The part `index` (a slice per dim) of native parameter `name`, read through
-    has(key) / get(key, index), which reads only that part of a checkpoint tensor.
-
-    Reading parts lets each rank load only what it owns: its experts under expert
-    parallelism, its rows under FSDP.
-    """
-    hf = _hf_name(name)
-    if has(hf):
-        return get(hf, index)
-    if is_stacked_expert(hf):
-        return read_stacked(hf, args.num_experts, args.moe_intermediate_size, get, index)
-    raise HFFormatError(f"checkpoint has no tensor {hf!r} (needed for {name!r})")
-
-
-def to_hf(name: str, tensor: torch.Tensor, args: Qwen3MoeArgs) -> dict[str, torch.Tensor]:
-    """HF checkpoint entries (per-expert keys) for the full value of native `name`."""
-    hf = _hf_name(name)
-    return split_stacked(hf, tensor) if is_stacked_expert(hf) else {hf: tensor}
+_NAMES = PrefixedStackedNames(
+    expert_width=lambda args: (args.num_experts, args.moe_intermediate_size),
+    tied=lambda args: args.tie_word_embeddings,
+)
+is_redundant_key = _NAMES.is_redundant_key
+hf_keys = _NAMES.hf_keys
+from_hf = _NAMES.from_hf
+to_hf = _NAMES.to_hf

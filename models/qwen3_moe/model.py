@@ -16,7 +16,7 @@ from torch import nn
 
 from models.common.attention import AttentionCore
 from models.common.block import DecoderBlock
-from models.common.init import param_generator
+from models.common.init import init_all_, normal_init_
 from models.common.mlp import SwiGLU
 from models.common.moe import MoE, MoEOptions, RouterStats, TopKRouter, stack_stats
 from models.common.norm import RMSNorm
@@ -109,16 +109,8 @@ class Qwen3MoeForCausalLM(nn.Module):
         Hugging Face initialises Qwen3-MoE. Taking the tensor as an argument lets the
         trainer initialise each global parameter identically on any parallel layout.
         """
-        owner = self.get_submodule(name.rpartition(".")[0])
-        if isinstance(owner, RMSNorm):
-            tensor.fill_(1.0)
-        elif name.endswith(".bias"):
-            tensor.zero_()
-        else:
-            tensor.normal_(0.0, self.args.initializer_range, generator=generator)
+        normal_init_(self, name, tensor, self.args.initializer_range, generator)
 
-    @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Initialise every (unsharded) parameter from `seed`; see `param_generator`."""
-        for name, param in self.named_parameters():
-            self.reset_parameter(name, param, param_generator(seed, name, param.device))
+        init_all_(self, seed)

@@ -1,0 +1,130 @@
+"""OLMoE (Hugging Face `OlmoeForCausalLM` semantics), plain PyTorch.
+
+    h = embed(tokens)
+    for each block:  h = h + attn(norm(h));  h = h + moe(norm(h))   # every block is MoE
+    logits = head(norm(h))
+
+What sets it apart from Qwen3-MoE: q_norm / k_norm normalise the whole projected q / k of
+a token (all heads at once, before the split into heads and RoPE), an optional clamp of
+q, k and v (`clip_qkv`), and no dense layers. Parameter names mirror Hugging Face's
+without the leading "model." so the adapter in hf.py stays a thin renaming, except for the
+stacked expert weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common.attention import AttentionCore
+from models.common.block import DecoderBlock
+from models.common.init import init_all_, normal_init_
+from models.common.moe import MoE, MoEOptions, RouterStats, TopKRouter, stack_stats
+from models.common.norm import RMSNorm
+from models.common.output import CausalLMOutput
+from models.common.rope import apply_rope, rope_cos_sin
+from models.olmoe.args import OlmoeArgs
+
+
+class Attention(nn.Module):
+    def __init__(self, args: OlmoeArgs) -> None:
+        super().__init__()
+        d, bias = args.resolved_head_dim, args.attention_bias
+        q_width, kv_width = args.num_attention_heads * d, args.num_key_value_heads * d
+        self.head_dim = d
+        self.clip_qkv = args.clip_qkv
+        self.q_proj = nn.Linear(args.hidden_size, q_width, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, kv_width, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, kv_width, bias=bias)
+        self.o_proj = nn.Linear(q_width, args.hidden_size, bias=bias)
+        # One RMS over all heads of a token (not per head): the norms see the full width.
+        self.q_norm = RMSNorm(q_width, args.rms_norm_eps)
+        self.k_norm = RMSNorm(kv_width, args.rms_norm_eps)
+        self.core = AttentionCore(scale=d**-0.5, causal=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.q_norm(self.q_proj(x))  # [B, S, Hq * D]
+        k = self.k_norm(self.k_proj(x))  # [B, S, Hkv * D]
+        v = self.v_proj(x)  # [B, S, Hkv * D]
+        if self.clip_qkv is not None:
+            # The clamp acts on the normed q and k, where transformers applies it.
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        q = q.view(B, S, -1, self.head_dim)  # [B, S, Hq, D]
+        k = k.view(B, S, -1, self.head_dim)  # [B, S, Hkv, D]
+        v = v.view(B, S, -1, self.head_dim)  # [B, S, Hkv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o_proj(self.core(q, k, v).reshape(B, S, -1))  # [B, S, Hq * D] -> hidden
+
+    def extra_repr(self) -> str:
+        return f"clip_qkv={self.clip_qkv}"
+
+
+def decoder_block(args: OlmoeArgs, moe_options: MoEOptions) -> DecoderBlock:
+    router = TopKRouter(
+        args.hidden_size, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob
+    )
+    mlp = MoE(args.hidden_size, args.intermediate_size, router, moe_options)
+    return DecoderBlock(args.hidden_size, args.rms_norm_eps, Attention(args), mlp)
+
+
+class OlmoeForCausalLM(nn.Module):
+    def __init__(self, args: OlmoeArgs, moe_options: MoEOptions | None = None) -> None:
+        super().__init__()
+        moe_options = moe_options or MoEOptions()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(
+            decoder_block(args, moe_options) for _ in range(args.num_hidden_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # NOTE: tied embeddings reuse embed_tokens.weight in forward instead of sharing one
+        # Parameter between two modules, which meta-device materialisation would untie.
+        self.lm_head = (
+            None
+            if args.tie_word_embeddings
+            else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> CausalLMOutput:
+        """input_ids [B, S]; position_ids [B, S] (default 0..S-1, the true positions when the
+        sequence is split or reordered, as under context parallelism)."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+            position_ids = position_ids.expand_as(input_ids)
+        h = self.embed_tokens(input_ids)  # [B, S, hidden]
+        cos, sin = rope_cos_sin(
+            position_ids, self.args.resolved_head_dim, self.args.rope_theta, h.dtype
+        )
+
+        all_stats: list[RouterStats] = []
+        for block in self.layers:
+            h, stats = block(h, cos, sin)
+            all_stats.append(stats)
+
+        h = self.norm(h)
+        logits = (
+            self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed_tokens.weight)
+        )  # [B, S, vocab]
+        return CausalLMOutput(logits, stack_stats(all_stats))
+
+    # ---- initialisation -------------------------------------------------------------
+    def reset_parameter(
+        self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None
+    ) -> None:
+        """Fill `tensor` (the full, unsharded value of parameter `name`) with its init.
+
+        Norm weights are 1, biases 0, every other weight (projections, embedding, router,
+        stacked experts) N(0, initializer_range), as Hugging Face initialises OLMoE. Taking
+        the tensor as an argument lets the trainer initialise each global parameter
+        identically on any parallel layout.
+        """
+        normal_init_(self, name, tensor, self.args.initializer_range, generator)
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every (unsharded) parameter from `seed`; see `param_generator`."""
+        init_all_(self, seed)

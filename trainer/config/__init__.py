@@ -1,0 +1,38 @@
+"""Typed job configuration: `train.py`'s TOML sections and `--section.key=value` overrides.
+
+- `schema`: one dataclass per section, each field with its doc and allowed values;
+- `load`: defaults < TOML < command line, typed conversion, `validate`, `ConfigError`;
+- `checks`: the value checks `validate` runs (field bounds, then cross-field rules);
+- `help`: `format_help` for `--help`, `config_to_dict` for the run's logged config.
+"""
+
+from trainer.config.help import config_to_dict, format_help
+from trainer.config.load import ConfigError, load_config, validate
+from trainer.config.schema import (
+    CheckpointSection,
+    DataSection,
+    JobConfig,
+    JobSection,
+    MetricsSection,
+    ModelSection,
+    MoESection,
+    ParallelSection,
+    TrainSection,
+)
+
+__all__ = [
+    "CheckpointSection",
+    "ConfigError",
+    "DataSection",
+    "JobConfig",
+    "JobSection",
+    "MetricsSection",
+    "MoESection",
+    "ModelSection",
+    "ParallelSection",
+    "TrainSection",
+    "config_to_dict",
+    "format_help",
+    "load_config",
+    "validate",
+]

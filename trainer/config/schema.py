@@ -1,0 +1,212 @@
+"""The job configuration's schema: one dataclass per TOML section.
+
+Every field is made with `models.common.args.arg`, like the models' hyper-parameters:
+a one-line doc that `train.py --help` prints, and the bounds or choices that
+`trainer.config.checks` enforces generically. Checks that relate two fields live in
+`checks.py`. The `[model]` section holds `name`, `init_from_hf` and the chosen model's
+own hyper-parameters (its `args_cls` from `models.get_model_spec`).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import Field, dataclass, field, fields
+from functools import cache
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from models.common.args import arg
+
+
+@dataclass
+class JobSection:
+    name: str = arg("run", "run name, shown in logs")
+    output_dir: str = arg("outputs/run", "where metrics.jsonl (and later checkpoints) are written")
+
+
+@dataclass
+class ModelSection:
+    name: str = arg("qwen3_moe", "model family (see models/__init__.py)")
+    init_from_hf: str | None = arg(
+        None, "Hugging Face model directory (config.json + safetensors) to start from"
+    )
+    # The chosen model's hyper-parameters (e.g. models.qwen3_moe.args.Qwen3MoeArgs),
+    # filled from the other keys of [model]; not a key itself, hence no `arg`.
+    args: Any = None
+
+
+@dataclass
+class DataSection:
+    source: str = arg(
+        "stdlib",
+        "stdlib (Python's own source files, no download) | text (glob of files) | "
+        "jsonl (glob of JSON-lines files) | hf_datasets (datasets.load_dataset or load_from_disk)",
+        choices=("stdlib", "text", "jsonl", "hf_datasets"),
+    )
+    path: str | None = arg(None, "glob (text/jsonl), or dataset name/directory (hf_datasets)")
+    text_field: str = arg("text", "field that holds the document text (jsonl, hf_datasets)")
+    hf_split: str = arg("train", "split to read (hf_datasets)")
+    tokenizer: str = arg(
+        "byte", "byte (256 byte ids + EOS, vocab 257) or a path to a tokenizer.json"
+    )
+    eos_token: str | None = arg(
+        None, "EOS token string of a tokenizer.json tokenizer (default: a common one it contains)"
+    )
+    seq_len: int = arg(
+        256, "tokens per training sample (documents are packed with EOS separators)", ge=1
+    )
+    max_tokens: int | None = arg(
+        None, "stop reading the source after this many tokens (None = read all of it)", gt=0
+    )
+    shuffle: bool = arg(True, "shuffle the sample order each epoch (seeded by train.seed)")
+    num_workers: int = arg(0, "dataloader worker processes", ge=0)
+
+
+@dataclass
+class TrainSection:
+    steps: int = arg(100, "optimizer steps to run", ge=1)
+    seed: int = arg(0, "seed of weight init and data order (same seed -> same run on any layout)")
+    global_batch_size: int = arg(
+        8, "sequences per optimizer step, whatever the number of ranks", ge=1
+    )
+    micro_batch_size: int = arg(
+        1, "sequences per rank per forward; grad accumulation = global / (micro * dp ranks)", ge=1
+    )
+    lr: float = arg(3e-4, "peak learning rate", gt=0)
+    min_lr_ratio: float = arg(
+        0.1, "final learning rate as a fraction of lr (cosine, wsd)", ge=0, le=1
+    )
+    schedule: str = arg(
+        "cosine",
+        "cosine (warmup then cosine decay) | wsd (warmup, stable, decay) | constant (after warmup)",
+        choices=("cosine", "wsd", "constant"),
+    )
+    warmup_steps: int = arg(10, "linear warmup steps from 0 to lr", ge=0)
+    decay_ratio: float = arg(
+        0.2, "wsd: fraction of steps spent in the final linear decay", ge=0, le=1
+    )
+    weight_decay: float = arg(0.1, "AdamW decoupled weight decay (not applied to norms)", ge=0)
+    beta1: float = arg(0.9, "AdamW beta1", ge=0, lt=1)
+    beta2: float = arg(0.95, "AdamW beta2", ge=0, lt=1)
+    eps: float = arg(1e-8, "AdamW epsilon", gt=0)
+    max_grad_norm: float = arg(
+        1.0, "clip the global gradient L2 norm to this (0 = no clipping)", ge=0, note="0 = off"
+    )
+    mixed_precision: str = arg(
+        "auto",
+        "auto (bf16 params/compute with fp32 reduce on CUDA, fp32 on CPU) | bf16 | fp32",
+        choices=("auto", "bf16", "fp32"),
+    )
+    device: str = arg(
+        "auto", "auto (cuda if available) | cuda | cpu", choices=("auto", "cuda", "cpu")
+    )
+
+
+@dataclass
+class ParallelSection:
+    dp_replicate: int = arg(1, "replicas of the sharded model (HSDP when > 1)", ge=1)
+    # -1 or >= 1: a hole in the range that bounds cannot say, so checks.py tests it.
+    dp_shard: int = arg(-1, "FSDP shard degree; -1 = the rest of the world size")
+    cp: int = arg(1, "context-parallel degree (sequence split across ranks)", ge=1)
+    ep: int = arg(1, "expert-parallel degree (borrows ranks from dp_shard * cp)", ge=1)
+    cp_layout: str = arg(
+        "zigzag",
+        "how the sequence is split over cp ranks: zigzag (rank r holds chunks r and 2cp-1-r: "
+        "equal causal work) | contiguous (chunk r)",
+        choices=("zigzag", "contiguous"),
+    )
+    cp_kernel: str = arg(
+        "auto",
+        "block kernel of ring attention: auto | cpu_flash (CPU, equal head dims) | math",
+        choices=("auto", "cpu_flash", "math"),
+    )
+
+
+@dataclass
+class MoESection:
+    aux_loss_mode: str = arg(
+        "micro_batch",
+        "micro_batch (Switch loss on each forward's statistics) | global_batch (on the "
+        "statistics of all data-parallel ranks' forwards of one accumulation round) | "
+        "sequence (DeepSeek-V3's sequence-wise loss, mean over the batch's sequences)",
+        choices=("micro_batch", "global_batch", "sequence"),
+    )
+    bias_update_rate: float = arg(
+        0.001,
+        "aux-loss-free balancing (routers with a correction bias, e.g. DeepSeek-V3): at each "
+        "step, bias += rate * sign(mean load - load) over the global batch (0 = frozen)",
+        ge=0,
+        note="0 freezes the bias",
+    )
+    capacity_factor: float | None = arg(
+        None,
+        "GShard-style expert capacity (tokens beyond it are dropped); None = drop-less",
+        gt=0,
+        note="none = drop-less",
+    )
+    gemm: str = arg(
+        "auto",
+        "expert GEMM: auto (torch._grouped_mm where supported) | grouped_mm | loop",
+        choices=("auto", "grouped_mm", "loop"),
+    )
+
+
+@dataclass
+class CheckpointSection:
+    interval: int = arg(0, "save every N steps (0 = no checkpoints)", ge=0, note="0 = off")
+    resume: str = arg("auto", "auto (newest complete checkpoint) | none | PATH")
+    keep_last: int = arg(
+        0, "keep only the newest K checkpoints (0 = keep all)", ge=0, note="0 = keep all"
+    )
+    async_save: bool = arg(False, "overlap the checkpoint write with training")
+
+
+@dataclass
+class MetricsSection:
+    log_interval: int = arg(1, "log every N steps to the console and metrics.jsonl", ge=1)
+    jsonl: bool = arg(True, "append each logged step to <job.output_dir>/metrics.jsonl")
+    expert_load_interval: int = arg(
+        10,
+        "every N steps, log tokens per expert of each MoE layer to metrics.jsonl (0 = never)",
+        ge=0,
+        note="0 = never",
+    )
+    progress: bool = arg(True, "show a progress bar with ETA on rank 0")
+
+
+@dataclass
+class JobConfig:
+    job: JobSection = field(default_factory=JobSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    moe: MoESection = field(default_factory=MoESection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+
+
+# --- What loading and the help text need to know about the schema ----------------------
+
+SECTIONS: dict[str, type] = get_type_hints(JobConfig)
+# [model] keys that belong to ModelSection itself; every other key is a model hyper-parameter.
+MODEL_OWN_KEYS = tuple(f.name for f in fields(ModelSection) if f.name != "args")
+
+
+def key_fields(cls: type) -> list[Field]:
+    """The fields of `cls` that are keys of its section (ModelSection.args is not one)."""
+    return [f for f in fields(cls) if not (cls is ModelSection and f.name == "args")]
+
+
+@cache
+def field_types(cls: type) -> dict[str, Any]:
+    # Annotations are strings (`from __future__ import annotations`); resolve them once.
+    return get_type_hints(cls)
+
+
+def type_name(tp: Any) -> str:
+    """A field type as the help text and the error messages write it: `int | None`."""
+    if get_origin(tp) in (Union, types.UnionType):
+        return " | ".join(type_name(a) for a in get_args(tp))
+    if get_origin(tp) is list:
+        return f"list[{type_name(get_args(tp)[0])}]"
+    return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))

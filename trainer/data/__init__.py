@@ -1,0 +1,34 @@
+"""Training data: tokenizers, document sources, sequence packing and the global sample order.
+
+    source (documents as str) -> tokenizer -> one flat token tensor, EOS after each document
+    -> PackedDataset (sample i = tokens[i * seq_len : i * seq_len + seq_len + 1], a `Batch`)
+    -> GlobalBatchSampler (which samples each rank reads at each step) -> StatefulDataLoader
+
+The sample order depends only on (seed, num_samples, global_batch_size), never on the number
+of data-parallel ranks or the micro-batch size, so a run can resume on another layout at a
+step boundary and still see exactly the samples it would have seen.
+"""
+
+from trainer.data.batch import IGNORE_INDEX, Batch, DataError
+from trainer.data.loader import build_dataloader
+from trainer.data.packing import PackedDataset, build_dataset, pack_documents
+from trainer.data.sampler import GlobalBatchSampler
+from trainer.data.sources import iter_documents, stdlib_files
+from trainer.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Batch",
+    "ByteTokenizer",
+    "DataError",
+    "GlobalBatchSampler",
+    "HFTokenizer",
+    "PackedDataset",
+    "Tokenizer",
+    "build_dataloader",
+    "build_dataset",
+    "build_tokenizer",
+    "iter_documents",
+    "pack_documents",
+    "stdlib_files",
+]

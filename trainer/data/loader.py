@@ -1,0 +1,55 @@
+"""This rank's resumable loader of micro-batches."""
+
+from __future__ import annotations
+
+import warnings
+
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from parallelisms.mesh import grad_accum_steps
+from trainer.config import DataSection, TrainSection
+from trainer.data.batch import Batch
+from trainer.data.packing import build_dataset
+from trainer.data.sampler import GlobalBatchSampler
+from trainer.data.tokenizers import Tokenizer, build_tokenizer
+
+
+def build_dataloader(
+    data_cfg: DataSection,
+    train_cfg: TrainSection,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    tokenizer: Tokenizer | None = None,
+) -> tuple[StatefulDataLoader, Tokenizer]:
+    """This rank's infinite loader of micro-batches (`Batch`, [micro_batch_size, seq_len]
+    tensors), and the tokenizer it used.
+
+    Call iter() once and keep the iterator (the stream is infinite): with workers, a new
+    iterator drops the micro-batches the old one had prefetched. The position in the
+    sample stream lives on `loader.batch_sampler` (a `GlobalBatchSampler`), whose
+    `state_at`/`load_state_dict` save and restore it on any layout.
+    """
+    # Cheap layout arithmetic first, before spending time reading and tokenizing.
+    grad_accum_steps(train_cfg.global_batch_size, train_cfg.micro_batch_size, dp_size)
+    if tokenizer is None:
+        tokenizer = build_tokenizer(data_cfg)
+    dataset = build_dataset(data_cfg, tokenizer)
+    sampler = GlobalBatchSampler(
+        num_samples=len(dataset),
+        global_batch_size=train_cfg.global_batch_size,
+        micro_batch_size=train_cfg.micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=train_cfg.seed,
+        shuffle=data_cfg.shuffle,
+    )
+    with warnings.catch_warnings():
+        # torchdata 0.11 calls an API that recent torch deprecated; nothing we can act on.
+        warnings.filterwarnings("ignore", message=".*set_vital.*deprecated")
+        loader = StatefulDataLoader(
+            dataset,
+            batch_sampler=sampler,
+            num_workers=data_cfg.num_workers,
+            collate_fn=Batch.stack,
+        )
+    return loader, tokenizer

@@ -1,0 +1,159 @@
+"""Packing: documents -> one flat token stream (EOS after each) -> fixed-length samples."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from trainer.config import DataSection
+from trainer.data.batch import Batch, DataError
+from trainer.data.sources import iter_documents
+from trainer.data.tokenizers import Tokenizer
+
+
+def _encoded(documents: Iterable[str], tokenizer: Tokenizer) -> Iterator[np.ndarray]:
+    """Token ids of each non-empty document, tokenizing in small batches where supported."""
+    encode_batch = getattr(tokenizer, "encode_batch", None)
+    batch: list[str] = []
+    chars = 0
+    for doc in documents:
+        if not doc:
+            continue  # would only add a lone EOS
+        batch.append(doc)
+        chars += len(doc)
+        # Small batches keep the early stop for max_tokens from reading far ahead.
+        if encode_batch is None or len(batch) >= 64 or chars >= 1 << 20:
+            yield from _encode_all(tokenizer, batch)
+            batch, chars = [], 0
+    if batch:
+        yield from _encode_all(tokenizer, batch)
+
+
+def _encode_all(tokenizer: Tokenizer, texts: list[str]) -> Iterator[np.ndarray]:
+    encode_batch = getattr(tokenizer, "encode_batch", None)
+    encoded = encode_batch(texts) if encode_batch is not None else map(tokenizer.encode, texts)
+    for ids in encoded:
+        yield np.asarray(ids)
+
+
+@dataclass(frozen=True)
+class CorpusSummary:
+    """What a run trains on, for the console line at start-up."""
+
+    source: str  # e.g. "jsonl (3 files)" or "tokens (prepared, 12 shards)"
+    documents: int
+    tokens: int
+    corpus_tokens: int | None  # the whole corpus' tokens, when known; None when not read
+    truncated: bool  # data.max_tokens cut the corpus
+
+    def describe(self, seq_len: int, samples: int) -> str:
+        line = (
+            f"data: {self.source}: {self.documents:,} documents, {self.tokens:,} tokens, "
+            f"{samples:,} samples of {seq_len} tokens per epoch"
+        )
+        if self.truncated:
+            whole = f" of {self.corpus_tokens:,}" if self.corpus_tokens else ""
+            line += f"; data.max_tokens cut the corpus (training on {self.tokens:,}{whole} tokens)"
+        return line
+
+
+def pack_corpus(
+    documents: Iterable[str], tokenizer: Tokenizer, max_tokens: int | None = None
+) -> tuple[np.ndarray, int, bool]:
+    """All documents' tokens, each followed by EOS, as one flat int32 array; with the number
+    of documents read and whether `max_tokens` cut the corpus.
+
+    Reading stops as soon as `max_tokens` tokens are available (the last document is cut).
+    int32 halves the memory of int64 and holds any real vocabulary.
+    """
+    pieces: list[np.ndarray] = []
+    total, truncated = 0, False
+    encoded = _encoded(documents, tokenizer)
+    for ids in encoded:
+        pieces.append(ids)
+        total += len(ids) + 1
+        if max_tokens is not None and total >= max_tokens:
+            truncated = total > max_tokens or next(encoded, None) is not None
+            break
+    flat = np.empty(total, dtype=np.int32)
+    pos = 0
+    for ids in pieces:
+        flat[pos : pos + len(ids)] = ids
+        flat[pos + len(ids)] = tokenizer.eos_id
+        pos += len(ids) + 1
+    if max_tokens is not None:
+        flat = flat[:max_tokens]
+    return flat, len(pieces), truncated
+
+
+def pack_documents(
+    documents: Iterable[str], tokenizer: Tokenizer, max_tokens: int | None = None
+) -> torch.Tensor:
+    """`pack_corpus`'s flat token stream as an int32 tensor."""
+    return torch.from_numpy(pack_corpus(documents, tokenizer, max_tokens)[0])
+
+
+class TokenStream(Protocol):
+    """A flat token stream: its length, and contiguous slices as arrays."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: slice) -> np.ndarray | torch.Tensor: ...
+
+
+class PackedDataset(Dataset):
+    """Fixed-length samples cut from a flat token stream; sample i starts at i * seq_len.
+
+    Consecutive samples overlap by one token so that every token is a label exactly once.
+    The stream is an in-memory array or tensor, or prepared shards read by memory map
+    (`trainer.data.shards.ShardedTokens`): a sample reads only its own seq_len + 1 tokens.
+    """
+
+    def __init__(self, tokens: TokenStream, seq_len: int, eos_id: int):
+        if isinstance(tokens, torch.Tensor | np.ndarray) and tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        if seq_len < 1:
+            raise DataError(f"data.seq_len must be >= 1, got {seq_len}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.eos_id = eos_id
+        self.num_samples = (len(tokens) - 1) // seq_len
+        if self.num_samples < 1:
+            raise DataError(
+                f"the data source gave {len(tokens)} tokens, but data.seq_len={seq_len} needs "
+                f"at least {seq_len + 1} for one sample (add data, raise data.max_tokens or "
+                "lower data.seq_len)"
+            )
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> Batch:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} out of range [0, {self.num_samples})")
+        start = index * self.seq_len
+        chunk = torch.as_tensor(np.asarray(self.tokens[start : start + self.seq_len + 1]))
+        chunk = chunk.to(torch.int64)
+        input_ids = chunk[:-1]
+        is_eos = (input_ids == self.eos_id).to(torch.int64)
+        # A token belongs to the document whose EOS count precedes it; the EOS itself still
+        # belongs to the document it ends. Numbering restarts at 0 in every sample.
+        document_ids = torch.cumsum(is_eos, 0) - is_eos
+        return Batch(
+            input_ids=input_ids,
+            labels=chunk[1:],
+            position_ids=torch.arange(self.seq_len, dtype=torch.int64),
+            document_ids=document_ids,
+        )
+
+
+def build_dataset(data_cfg: DataSection, tokenizer: Tokenizer) -> PackedDataset:
+    if data_cfg.max_tokens is not None and data_cfg.max_tokens < 1:
+        raise DataError(f"data.max_tokens must be >= 1 or unset, got {data_cfg.max_tokens}")
+    tokens = pack_documents(iter_documents(data_cfg), tokenizer, data_cfg.max_tokens)
+    return PackedDataset(tokens, data_cfg.seq_len, tokenizer.eos_id)

@@ -1,0 +1,166 @@
+"""What `python -m trainer.prepare` will do: the tokenizer's identity, the source files and
+the work units, all deterministic functions of the corpus, the tokenizer and --shard-mb.
+
+jsonl units are byte ranges cut at line ends near multiples of --shard-mb (small files
+grouped), text units are whole files grouped up to --shard-mb, hf_datasets units row ranges.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from trainer import prepare_worker as worker
+from trainer.data import shards
+from trainer.data.batch import DataError
+from trainer.data.shards import TokenizerId
+from trainer.data.tokenizers import ByteTokenizer, HFTokenizer
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class PrepareArgs:
+    source: str  # jsonl | text | hf_datasets
+    path: str  # a glob of files, or a dataset directory / name
+    tokenizer: str  # "byte" or a tokenizer.json (or a directory holding one)
+    out: str
+    workers: int | None = None  # None: os.cpu_count()
+    text_field: str = "text"
+    split: str = "train"
+    eos_token: str | None = None
+    shard_mb: float = 256.0  # target input MiB per work unit (= per shard)
+    overwrite: bool = False
+    progress: bool = False
+
+
+def tokenizer_identity(args: PrepareArgs) -> tuple[TokenizerId, str | None]:
+    """The tokenizer's identity and the tokenizer.json that workers load (None: bytes)."""
+    if args.tokenizer == "byte":
+        tok = ByteTokenizer()
+        return TokenizerId("byte", None, tok.vocab_size, tok.eos_id), None
+    path = os.path.expanduser(args.tokenizer)
+    if not os.path.exists(path):
+        raise DataError(
+            f"--tokenizer {args.tokenizer!r} does not exist: pass 'byte' or a tokenizer.json "
+            "(or a model directory holding one)"
+        )
+    try:
+        hf = HFTokenizer(path, args.eos_token)
+    except DataError as err:  # worded for the config file; here the option is --eos-token
+        raise DataError(str(err).replace("data.eos_token", "--eos-token")) from None
+    except Exception as err:  # the tokenizers library raises a bare Exception, e.g. for bad JSON
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        raise DataError(
+            f"{file} is not a valid tokenizer.json ({err}): pass the tokenizer.json of a Hugging "
+            "Face model (or one written by tokenizers.Tokenizer.save), or --tokenizer byte"
+        ) from None
+    file = str(hf.path.resolve())
+    return TokenizerId("tokenizer.json", shards.file_sha256(file), hf.vocab_size, hf.eos_id), file
+
+
+def _glob_files(pattern: str, what: str) -> list[str]:
+    # The selection and order of sources._glob_files: the in-memory path reads the same files.
+    expanded = os.path.expanduser(pattern)
+    files = sorted(p for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
+    if not files:
+        hint = f"; {expanded!r} is a directory: try '{expanded.rstrip('/')}/**/*'"
+        raise DataError(
+            f"--path {pattern!r} matched no files (looked for {what} relative to "
+            f"{os.getcwd()!r} unless absolute){hint if os.path.isdir(expanded) else ''}: pass "
+            "a glob that matches them, quoted so that the shell does not expand it"
+        )
+    return [os.path.abspath(p) for p in files]
+
+
+def _line_end(path: str, pos: int, size: int) -> int:
+    """The offset just after the first "\\n" at or after `pos` (the file size if none)."""
+    with open(path, "rb") as f:
+        f.seek(pos)
+        while pos < size and (block := f.read(64 << 10)):
+            newline = block.find(b"\n")
+            if newline >= 0:
+                return pos + newline + 1
+            pos += len(block)
+    return size
+
+
+def plan_file_units(files: list[str], sizes: list[int], target: int, split: bool) -> list[dict]:
+    """Consecutive pieces [file, start, end) grouped into units of about `target` bytes.
+
+    With `split` (jsonl) a file is cut at the first line end at or after the byte where the
+    unit reaches `target`; else (text: a file is one document) a unit takes whole files
+    while they fit, and at least one."""
+    units: list[dict] = []
+    pieces: list[list[int]] = []
+    size_now = 0
+
+    def close() -> None:
+        nonlocal pieces, size_now
+        if pieces:
+            units.append({"pieces": pieces, "bytes": size_now})
+        pieces, size_now = [], 0
+
+    for index, (path, size) in enumerate(zip(files, sizes, strict=True)):
+        if not split and size_now and size_now + size > target:
+            close()
+        pos = 0
+        while pos < size:
+            end = size
+            if split and size - pos > target - size_now:
+                end = _line_end(path, pos + target - size_now - 1, size)
+            pieces.append([index, pos, end])
+            size_now += end - pos
+            pos = end
+            if size_now >= target:
+                close()
+    close()
+    return units
+
+
+def plan_source(args: PrepareArgs, target: int) -> tuple[dict, list[str], list[dict]]:
+    """(the manifest's "source", the files workers read, the units)."""
+    if args.source in ("jsonl", "text"):
+        what = "JSON-lines files" if args.source == "jsonl" else "text files"
+        files = _glob_files(args.path, what)
+        stats = [os.stat(f) for f in files]
+        source: dict[str, Any] = {
+            "kind": args.source,
+            "files": [
+                {"path": f, "size": s.st_size, "mtime": s.st_mtime}
+                for f, s in zip(files, stats, strict=True)
+            ],
+        }
+        if args.source == "jsonl":
+            source["text_field"] = args.text_field
+        sizes = [s.st_size for s in stats]
+        return source, files, plan_file_units(files, sizes, target, args.source == "jsonl")
+    if args.source == "hf_datasets":
+        try:
+            ds = worker.load_hf(args.path, args.split, args.text_field)
+        except worker.UnitError as err:
+            raise DataError(str(err)) from None
+        cache = sorted({c["filename"] for c in ds.cache_files})
+        local = os.path.expanduser(args.path)
+        source = {
+            "kind": "hf_datasets",
+            "path": os.path.abspath(local) if os.path.exists(local) else args.path,
+            "split": args.split,
+            "text_field": args.text_field,
+            "fingerprint": ds._fingerprint,  # what datasets itself uses to name a version
+            "num_rows": ds.num_rows,
+            "files": [
+                {"path": c, "size": os.path.getsize(c), "mtime": os.path.getmtime(c)} for c in cache
+            ],
+        }
+        # Rows have no byte offsets: cut by the column's average size per row.
+        per_row = ds.data.nbytes / max(1, ds.num_rows)
+        rows = max(1, int(target / max(per_row, 1e-9)))
+        units = [
+            {"rows": [a, min(a + rows, ds.num_rows)], "bytes": int(per_row * rows)}
+            for a in range(0, ds.num_rows, rows)
+        ]
+        return source, [], units
+    raise DataError(f"unknown --source {args.source!r}: use jsonl, text or hf_datasets")

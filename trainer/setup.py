@@ -1,0 +1,105 @@
+"""Before the first step: the checks that need more than the config, the device and the
+process group. `train.py` runs `preflight` before any process group exists, so a bad run
+is refused with one message and exit code 2 instead of a traceback on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+
+import torch
+import torch.distributed as dist
+
+from models import get_model_spec
+from models.common.args import field_problems
+from parallelisms.mesh import LayoutError, ParallelDims
+from parallelisms.parallelize import check_layout
+from trainer.checkpoint import check_checkpoint
+from trainer.config import ConfigError, JobConfig
+from trainer.data import DataError, build_tokenizer
+
+
+def resolve_model_args(cfg: JobConfig) -> None:
+    """With model.init_from_hf, the architecture comes from the HF config.json.
+
+    Keys set in the job config to something other than their default must agree with it:
+    silently training a different shape than the user wrote would be worse than an error.
+    The model's `training_fields` are training choices: always the job config's.
+    """
+    if not cfg.model.init_from_hf:
+        return
+    spec = get_model_spec(cfg.model.name)
+    if spec.hf_adapter is None:
+        raise ConfigError(
+            f"model.init_from_hf is set, but model {cfg.model.name!r} has no Hugging Face "
+            "adapter; remove the key"
+        )
+    hf_args = spec.hf_adapter.load_hf_config(cfg.model.init_from_hf)
+    defaults = spec.args_cls()
+    for f in fields(spec.args_cls):
+        ours, theirs = getattr(cfg.model.args, f.name), getattr(hf_args, f.name)
+        if f.name in spec.training_fields:
+            setattr(hf_args, f.name, ours)
+            continue
+        if ours != getattr(defaults, f.name) and ours != theirs:
+            raise LayoutError(
+                f"model.{f.name}={ours!r} disagrees with {cfg.model.init_from_hf}/config.json "
+                f"({theirs!r}); remove the key or make them equal"
+            )
+    # The HF values never went through the config's checks: a config.json the model cannot
+    # take is refused here, not inside the model's constructor.
+    problems = field_problems(hf_args, "model")
+    if not problems and hasattr(hf_args, "validate"):
+        problems = hf_args.validate()
+    if problems:
+        where = f"{cfg.model.init_from_hf}/config.json"
+        raise ConfigError(f"{where} gives values this model cannot take: " + "; ".join(problems))
+    cfg.model.args = hf_args
+
+
+def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
+    """Checks that need more than the config alone, before any process group exists."""
+    resolve_model_args(cfg)
+    if cfg.checkpoint.resume not in ("auto", "none"):
+        check_checkpoint(cfg.checkpoint.resume)
+    if (
+        dims.cp > 1
+        and cfg.parallel.cp_kernel == "cpu_flash"
+        and resolve_device(cfg.train.device).type != "cpu"
+    ):
+        raise LayoutError(
+            "parallel.cp_kernel=cpu_flash runs on CPU only, but training runs on CUDA; use "
+            "parallel.cp_kernel=auto or math"
+        )
+    spec = get_model_spec(cfg.model.name)
+    with torch.device("meta"):
+        check_layout(spec.build(cfg.model.args), spec.plan, dims)
+    dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
+    tokenizer = build_tokenizer(cfg.data)
+    vocab = cfg.model.args.vocab_size  # part of the contract (models/spec.py)
+    if tokenizer.vocab_size > vocab:
+        raise DataError(
+            f"tokenizer {cfg.data.tokenizer!r} has {tokenizer.vocab_size} tokens but the model's "
+            f"vocab_size is {vocab}; raise model.vocab_size or use a smaller tokenizer"
+        )
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise LayoutError("train.device=cuda but no CUDA device is visible; use cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device) -> None:
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ:  # launched by torchrun
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    else:  # plain `python train.py`: a world of one, so the code path stays the same
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
