@@ -187,7 +187,7 @@ def test_help_lists_every_key_with_its_default():
             assert re.search(key + r"(\s|$)", text, re.M), key
     for name in model_names():
         assert f"[model] keys of {name}" in text
-    assert "[one of: stdlib, text, jsonl, hf_datasets]" in " ".join(text.split())  # choices
+    assert "[one of: stdlib, text, jsonl, hf_datasets, tokens]" in " ".join(text.split())  # choices
 
 
 # --- what is refused ----------------------------------------------------------------------

@@ -247,6 +247,8 @@ class Trainer:
             f"global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens, "
             f"micro {cfg.train.micro_batch_size}, grad accum {self.grad_accum} | {self.device}"
         )
+        dataset = self.loader.dataset
+        self.logger.info(dataset.summary.describe(cfg.data.seq_len, len(dataset)))
         while self.step < cfg.train.steps:
             start = time.perf_counter()
             record = self.train_step(self.next_micro_batches())

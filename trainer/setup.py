@@ -17,7 +17,7 @@ from parallelisms.mesh import LayoutError, ParallelDims
 from parallelisms.parallelize import check_layout
 from trainer.checkpoint import check_checkpoint
 from trainer.config import ConfigError, JobConfig
-from trainer.data import DataError, build_tokenizer
+from trainer.data import DataError, build_tokenizer, check_corpus
 
 
 def resolve_model_args(cfg: JobConfig) -> None:
@@ -83,6 +83,7 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
             f"tokenizer {cfg.data.tokenizer!r} has {tokenizer.vocab_size} tokens but the model's "
             f"vocab_size is {vocab}; raise model.vocab_size or use a smaller tokenizer"
         )
+    check_corpus(cfg.data, tokenizer)
 
 
 def resolve_device(choice: str) -> torch.device:

@@ -15,6 +15,7 @@ from trainer.config.schema import JobConfig
 
 # data.source values that read from data.path, and what the path names for each.
 NEEDS_PATH = {
+    "tokens": "a directory written by `python -m trainer.prepare --out DIR`",
     "text": "a glob of text files",
     "jsonl": "a glob of JSON-lines files",
     "hf_datasets": "a dataset name or directory",
@@ -59,6 +60,12 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
             grad_accum_steps(t.global_batch_size, t.micro_batch_size, dp_size=1)
         except LayoutError as err:
             problems.append(str(err))
+    need(
+        d.source in NEEDS_PATH or d.path is None,
+        f"data.path={d.path!r} is set, but data.source='{d.source}' does not read it (it would "
+        "train on something else); set data.source to tokens, jsonl, text or hf_datasets, or "
+        "remove data.path",
+    )
     need(
         d.source not in NEEDS_PATH or bool(d.path),
         f"data.path is required when data.source = '{d.source}' (set it to "

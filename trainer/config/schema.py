@@ -38,11 +38,16 @@ class ModelSection:
 class DataSection:
     source: str = arg(
         "stdlib",
-        "stdlib (Python's own source files, no download) | text (glob of files) | "
-        "jsonl (glob of JSON-lines files) | hf_datasets (datasets.load_dataset or load_from_disk)",
-        choices=("stdlib", "text", "jsonl", "hf_datasets"),
+        "tokens (a directory of token shards from `python -m trainer.prepare`, read by memory "
+        "map: any corpus size) | in memory, for small corpora: stdlib (Python's own source "
+        "files, no download) | text (glob of files) | jsonl (glob of JSON-lines files) | "
+        "hf_datasets (datasets.load_dataset or load_from_disk)",
+        choices=("stdlib", "text", "jsonl", "hf_datasets", "tokens"),
     )
-    path: str | None = arg(None, "glob (text/jsonl), or dataset name/directory (hf_datasets)")
+    path: str | None = arg(
+        None,
+        "prepared directory (tokens), glob (text/jsonl), or dataset name/directory (hf_datasets)",
+    )
     text_field: str = arg("text", "field that holds the document text (jsonl, hf_datasets)")
     hf_split: str = arg("train", "split to read (hf_datasets)")
     tokenizer: str = arg(
@@ -59,6 +64,18 @@ class DataSection:
     )
     shuffle: bool = arg(True, "shuffle the sample order each epoch (seeded by train.seed)")
     num_workers: int = arg(0, "dataloader worker processes", ge=0)
+    verify: str = arg(
+        "size",
+        "tokens: check the shards at start-up by size (truncation; instant) or by checksum "
+        "(reads every byte once)",
+        choices=("size", "checksum"),
+    )
+    max_in_memory_mb: int = arg(
+        1024,
+        "the in-memory sources refuse a corpus larger than this many MB of text (every rank "
+        "would hold ~4x it in RAM); prepare it once with `python -m trainer.prepare` instead",
+        ge=1,
+    )
 
 
 @dataclass

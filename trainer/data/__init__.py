@@ -10,16 +10,18 @@ step boundary and still see exactly the samples it would have seen.
 """
 
 from trainer.data.batch import IGNORE_INDEX, Batch, DataError
+from trainer.data.corpus import build_dataset, check_corpus, open_corpus
 from trainer.data.loader import build_dataloader
-from trainer.data.packing import PackedDataset, build_dataset, pack_documents
+from trainer.data.packing import CorpusSummary, PackedDataset, pack_corpus, pack_documents
 from trainer.data.sampler import GlobalBatchSampler
-from trainer.data.sources import iter_documents, stdlib_files
+from trainer.data.sources import iter_documents, source_files, stdlib_files
 from trainer.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
     "Batch",
     "ByteTokenizer",
+    "CorpusSummary",
     "DataError",
     "GlobalBatchSampler",
     "HFTokenizer",
@@ -28,7 +30,11 @@ __all__ = [
     "build_dataloader",
     "build_dataset",
     "build_tokenizer",
+    "check_corpus",
     "iter_documents",
+    "open_corpus",
+    "pack_corpus",
     "pack_documents",
+    "source_files",
     "stdlib_files",
 ]

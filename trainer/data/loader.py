@@ -9,7 +9,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from parallelisms.mesh import grad_accum_steps
 from trainer.config import DataSection, TrainSection
 from trainer.data.batch import Batch
-from trainer.data.packing import build_dataset
+from trainer.data.corpus import build_dataset
 from trainer.data.sampler import GlobalBatchSampler
 from trainer.data.tokenizers import Tokenizer, build_tokenizer
 

@@ -10,9 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from trainer.config import DataSection
 from trainer.data.batch import Batch, DataError
-from trainer.data.sources import iter_documents
 from trainer.data.tokenizers import Tokenizer
 
 
@@ -114,12 +112,19 @@ class PackedDataset(Dataset):
     (`trainer.data.shards.ShardedTokens`): a sample reads only its own seq_len + 1 tokens.
     """
 
-    def __init__(self, tokens: TokenStream, seq_len: int, eos_id: int):
+    def __init__(
+        self,
+        tokens: TokenStream,
+        seq_len: int,
+        eos_id: int,
+        summary: CorpusSummary | None = None,
+    ):
         if isinstance(tokens, torch.Tensor | np.ndarray) and tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
         if seq_len < 1:
             raise DataError(f"data.seq_len must be >= 1, got {seq_len}")
         self.tokens = tokens
+        self.summary = summary  # what the corpus holds, for the console line
         self.seq_len = seq_len
         self.eos_id = eos_id
         self.num_samples = (len(tokens) - 1) // seq_len
@@ -150,10 +155,3 @@ class PackedDataset(Dataset):
             position_ids=torch.arange(self.seq_len, dtype=torch.int64),
             document_ids=document_ids,
         )
-
-
-def build_dataset(data_cfg: DataSection, tokenizer: Tokenizer) -> PackedDataset:
-    if data_cfg.max_tokens is not None and data_cfg.max_tokens < 1:
-        raise DataError(f"data.max_tokens must be >= 1 or unset, got {data_cfg.max_tokens}")
-    tokens = pack_documents(iter_documents(data_cfg), tokenizer, data_cfg.max_tokens)
-    return PackedDataset(tokens, data_cfg.seq_len, tokenizer.eos_id)

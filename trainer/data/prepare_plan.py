@@ -49,8 +49,9 @@ def tokenizer_identity(args: PrepareArgs) -> tuple[TokenizerId, str | None]:
         )
     try:
         hf = HFTokenizer(path, args.eos_token)
-    except DataError as err:  # worded for the config file; here the option is --eos-token
-        raise DataError(str(err).replace("data.eos_token", "--eos-token")) from None
+    except DataError as err:  # worded for the config file; here the options are --flags
+        message = str(err).replace("data.eos_token", "--eos-token")
+        raise DataError(message.replace("data.tokenizer", "--tokenizer")) from None
     except Exception as err:  # the tokenizers library raises a bare Exception, e.g. for bad JSON
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         raise DataError(

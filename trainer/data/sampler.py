@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,20 +9,15 @@ import torch
 
 from parallelisms.mesh import grad_accum_steps
 from trainer.data.batch import DataError
-
-
-def _epoch_seed(seed: int, epoch: int) -> int:
-    # torch's CPU generator keeps only the low 32 bits of its seed, so packing (seed, epoch)
-    # into high and low bits would silently drop the seed: hash the pair instead.
-    digest = hashlib.blake2b(f"{seed}:{epoch}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0xFFFF_FFFF
+from trainer.data.permutation import FeistelPermutation
 
 
 class GlobalBatchSampler:
     """Yields this rank's micro-batches (lists of dataset indices), forever.
 
     The sample stream is epoch 0's order, then epoch 1's, ...; with shuffle, epoch e's order is
-    randperm(num_samples) seeded by (seed, e). Step s owns stream positions [s*G, (s+1)*G); rank
+    a permutation keyed by (seed, e) that needs no table (`FeistelPermutation`: O(1) memory
+    and time per sample, however large the corpus). Step s owns stream positions [s*G, (s+1)*G); rank
     r reads the contiguous slice [r*G/dp, (r+1)*G/dp) of it in micro-batches, in order. Hence
     the samples of a step are the same set for every data-parallel layout.
 
@@ -57,28 +51,30 @@ class GlobalBatchSampler:
         self.consumed_samples = 0  # global samples of all completed steps
         self.micro_batches_into_step = 0  # micro-batches this rank has read of the current step
         self._order_epoch = -1
-        self._order = torch.empty(0, dtype=torch.int64)
+        self._order: FeistelPermutation | None = None
 
     @property
     def step(self) -> int:
         """Index of the step the next micro-batch belongs to (while G stays the same)."""
         return self.consumed_samples // self.global_batch_size
 
-    def epoch_order(self, epoch: int) -> torch.Tensor:
-        """Dataset indices in the order epoch `epoch` visits them (the last one is cached)."""
-        if epoch != self._order_epoch:
-            if self.shuffle:
-                gen = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
-                self._order = torch.randperm(self.num_samples, generator=gen)
-            else:
-                self._order = torch.arange(self.num_samples)
+    def _permutation(self, epoch: int) -> FeistelPermutation:
+        if epoch != self._order_epoch:  # the current epoch's keys, computed once
+            key = f"{self.seed}:{epoch}".encode()
+            self._order = FeistelPermutation(self.num_samples, key)
             self._order_epoch = epoch
         return self._order
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """Dataset indices in the order epoch `epoch` visits them (all of them: for tests)."""
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        return torch.from_numpy(self._permutation(epoch).all())
 
     def sample_at(self, position: int) -> int:
         """Dataset index at a position of the infinite global stream."""
         epoch, offset = divmod(position, self.num_samples)
-        return int(self.epoch_order(epoch)[offset])
+        return self._permutation(epoch)[offset] if self.shuffle else offset
 
     def next_micro_batch(self) -> list[int]:
         per_rank = self.global_batch_size // self.dp_size

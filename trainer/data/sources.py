@@ -48,6 +48,19 @@ def _glob_files(pattern: str | None, source: str, what: str) -> list[str]:
     return files
 
 
+def jsonl_field_problem(file: str, lineno: int, record: object, field: str) -> str:
+    """The refusal of a JSON line without the text field: where, and what it has instead."""
+    if not isinstance(record, dict):
+        return (
+            f"{file}:{lineno}: a JSON {type(record).__name__}, not an object with a {field!r} field"
+        )
+    has = ", ".join(map(repr, list(record)[:10])) or "none"
+    return (
+        f"{file}:{lineno}: no field {field!r} in this line (it has: {has}); set data.text_field "
+        "to the field that holds the text"
+    )
+
+
 def _jsonl_documents(files: list[str], field: str) -> Iterator[str]:
     for file in files:
         with open(file, encoding="utf-8", errors="replace") as f:
@@ -59,9 +72,7 @@ def _jsonl_documents(files: list[str], field: str) -> Iterator[str]:
                 except json.JSONDecodeError as e:
                     raise DataError(f"{file}:{lineno}: not valid JSON ({e})") from e
                 if not isinstance(record, dict) or field not in record:
-                    raise DataError(
-                        f"{file}:{lineno}: no field {field!r} in this line (data.text_field)"
-                    )
+                    raise DataError(jsonl_field_problem(file, lineno, record, field))
                 text = record[field]
                 if not isinstance(text, str):
                     raise DataError(
@@ -105,6 +116,17 @@ def _hf_documents(path: str | None, split: str, field: str) -> Iterator[str]:
             yield from (text for text in batch[field] if text)
 
     return documents()
+
+
+def source_files(data_cfg: DataSection) -> list[str] | None:
+    """The files an in-memory file source reads (None for hf_datasets, which is not files)."""
+    if data_cfg.source == "stdlib":
+        return [str(p) for p in stdlib_files()]
+    if data_cfg.source == "text":
+        return _glob_files(data_cfg.path, "text", "text files")
+    if data_cfg.source == "jsonl":
+        return _glob_files(data_cfg.path, "jsonl", "JSON-lines files")
+    return None
 
 
 def iter_documents(data_cfg: DataSection) -> Iterator[str]:

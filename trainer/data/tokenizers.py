@@ -53,7 +53,15 @@ class HFTokenizer:
         if path.is_dir():  # a model directory: use the tokenizer.json inside it
             path = path / "tokenizer.json"
         self.path = path
-        self._tok = _RawTokenizer.from_file(str(path))
+        if not path.is_file():
+            raise DataError(f"tokenizer file {path} does not exist (data.tokenizer)")
+        try:
+            self._tok = _RawTokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises a bare Exception for any bad file
+            raise DataError(
+                f"{path} is not a valid tokenizer.json ({e}); data.tokenizer takes 'byte' or "
+                "the tokenizer.json of a Hugging Face model (or its directory)"
+            ) from e
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._find_eos(eos_token)
 

@@ -1,0 +1,110 @@
+"""Which token stream a run trains on, checked before any process group exists.
+
+Two kinds of source give the same stream for the same corpus:
+
+- `tokens`: a directory prepared once by `python -m trainer.prepare`, read by memory map
+  (`shards.ShardedTokens`): a rank's RAM does not grow with the corpus, and start-up reads
+  one manifest;
+- in memory, for small corpora (`stdlib`, `text`, `jsonl`, `hf_datasets`): every rank
+  reads and tokenizes the whole corpus (about 4 bytes of RAM per byte of text), so corpora
+  above `data.max_in_memory_mb` are refused with the `prepare` command to run instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from trainer.config import DataSection
+from trainer.data.batch import DataError
+from trainer.data.packing import CorpusSummary, PackedDataset, TokenStream, pack_corpus
+from trainer.data.shards import (
+    ShardedTokens,
+    TokenizerId,
+    check_shards,
+    file_sha256,
+    read_manifest,
+)
+from trainer.data.sources import iter_documents, source_files
+from trainer.data.tokenizers import HFTokenizer, Tokenizer
+
+
+def tokenizer_id(tokenizer: Tokenizer) -> TokenizerId:
+    """The identity a prepared directory records for the tokenizer that made it."""
+    if isinstance(tokenizer, HFTokenizer):
+        return TokenizerId(
+            "tokenizer.json",
+            file_sha256(str(tokenizer.path)),
+            tokenizer.vocab_size,
+            tokenizer.eos_id,
+        )
+    return TokenizerId("byte", None, tokenizer.vocab_size, tokenizer.eos_id)
+
+
+def _prepare_hint(cfg: DataSection) -> str:
+    tok = cfg.tokenizer
+    return (
+        f"python -m trainer.prepare --source {cfg.source} --path '{cfg.path}' "
+        f"--tokenizer {tok} --out PREPARED_DIR, then train with data.source=tokens "
+        "data.path=PREPARED_DIR"
+    )
+
+
+def check_corpus(cfg: DataSection, tokenizer: Tokenizer) -> None:
+    """Refuse a source this run cannot use, cheaply (no tokenizing), naming the fix."""
+    if cfg.source == "tokens":
+        manifest = read_manifest(cfg.path)
+        ours, theirs = tokenizer_id(tokenizer), manifest.tokenizer
+        if ours != theirs:
+            raise DataError(
+                f"{cfg.path} was prepared with tokenizer {theirs.kind} (vocab {theirs.vocab_size}, "
+                f"EOS {theirs.eos_id}, sha256 {theirs.sha256}) but this run uses "
+                f"data.tokenizer={cfg.tokenizer!r} ({ours.kind}, vocab {ours.vocab_size}, EOS "
+                f"{ours.eos_id}, sha256 {ours.sha256}); use the same tokenizer or prepare again"
+            )
+        check_shards(cfg.path, manifest, checksums=cfg.verify == "checksum")
+        if manifest.num_documents == 0:
+            raise DataError(f"{cfg.path} holds no documents; prepare a non-empty corpus")
+        return
+    files = source_files(cfg)  # None: not a file source (hf_datasets)
+    if files is not None and cfg.max_tokens is None:
+        total = sum(os.path.getsize(f) for f in files)
+        if total > cfg.max_in_memory_mb << 20:
+            raise DataError(
+                f"data.path={cfg.path!r} is {total / 2**20:,.0f} MB of text, above "
+                f"data.max_in_memory_mb={cfg.max_in_memory_mb}: every rank would tokenize it "
+                f"into RAM. Prepare it once: {_prepare_hint(cfg)}"
+            )
+    if not any(doc for doc in iter_documents(cfg)):
+        raise DataError(f"data.source={cfg.source!r} data.path={cfg.path!r}: the corpus is empty")
+
+
+def open_corpus(cfg: DataSection, tokenizer: Tokenizer) -> tuple[TokenStream, CorpusSummary]:
+    """The flat token stream of the configured source (cut at data.max_tokens) and what it
+    holds, for the console line."""
+    if cfg.source == "tokens":
+        manifest = read_manifest(cfg.path)
+        stream = ShardedTokens(cfg.path, manifest, limit=cfg.max_tokens)
+        total = manifest.num_tokens
+        summary = CorpusSummary(
+            f"tokens ({cfg.path}, {len(manifest.shards)} shards)",
+            manifest.num_documents,
+            len(stream),
+            total,
+            truncated=len(stream) < total,
+        )
+        return stream, summary
+    tokens, documents, truncated = pack_corpus(iter_documents(cfg), tokenizer, cfg.max_tokens)
+    if not len(tokens):
+        raise DataError(f"data.source={cfg.source!r} data.path={cfg.path!r}: the corpus is empty")
+    source = cfg.source if cfg.path is None else f"{cfg.source} ({cfg.path})"
+    corpus_tokens = None if truncated else len(tokens)
+    summary = CorpusSummary(source, documents, len(tokens), corpus_tokens, truncated)
+    return torch.from_numpy(tokens), summary
+
+
+def build_dataset(cfg: DataSection, tokenizer: Tokenizer) -> PackedDataset:
+    """Fixed-length samples of the configured source; `.summary` says what it holds."""
+    stream, summary = open_corpus(cfg, tokenizer)
+    return PackedDataset(stream, cfg.seq_len, tokenizer.eos_id, summary)

@@ -1,0 +1,87 @@
+"""`python -m trainer.prepare`: tokenize a corpus once into prepared token shards.
+
+    python -m trainer.prepare --source jsonl --path 'data/**/*.jsonl' \\
+        --tokenizer path/to/tokenizer.json --out prepared/ [--workers N] [--shard-mb 256]
+    python -m trainer.prepare --verify --out prepared/
+
+Training then reads the directory with data.source=tokens. Re-running the same command after
+an interruption finishes the job, redoing only what is missing. Exit status: 0 done, 2 bad
+input or a failed --verify (one message on stderr naming the file and the fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+# Worker processes re-import this module as their __main__: the heavy imports (torch comes
+# with trainer.data) are inside main() so that those processes never pay for them.
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.prepare",
+        description="Tokenize a corpus into prepared token shards (see trainer/data/shards.py).",
+    )
+    parser.add_argument("--source", choices=("jsonl", "text", "hf_datasets"))
+    parser.add_argument("--path", help="glob of the files (quoted), or a dataset dir/name")
+    parser.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json")
+    parser.add_argument("--out", required=True, help="the directory to write (or --verify)")
+    parser.add_argument("--workers", type=int, default=None, help="processes (default: cores)")
+    parser.add_argument("--text-field", default="text", help="jsonl/dataset field of the text")
+    parser.add_argument("--split", default="train", help="hf_datasets split")
+    parser.add_argument("--eos-token", default=None, help="token that ends each document")
+    parser.add_argument(
+        "--shard-mb", type=float, default=256.0, help="input MiB per work unit and shard"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace a different plan")
+    parser.add_argument("--progress", action="store_true", help="progress on stderr (TTY: on)")
+    parser.add_argument(
+        "--verify", action="store_true", help="re-check --out's sizes and checksums, then exit"
+    )
+    args = parser.parse_args(argv)
+    if not args.verify and (args.source is None or args.path is None):
+        parser.error("--source and --path are required (unless --verify)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from trainer.data.batch import DataError
+    from trainer.data.prepare import PrepareArgs, prepare, verify
+
+    try:
+        if args.verify:
+            manifest = verify(args.out)
+            print(
+                f"verified {args.out}: {len(manifest.shards)} shards, "
+                f"{manifest.num_documents:,} documents, {manifest.num_tokens:,} tokens"
+            )
+            return 0
+        summary = prepare(
+            PrepareArgs(
+                source=args.source,
+                path=args.path,
+                tokenizer=args.tokenizer,
+                out=args.out,
+                workers=args.workers,
+                text_field=args.text_field,
+                split=args.split,
+                eos_token=args.eos_token,
+                shard_mb=args.shard_mb,
+                overwrite=args.overwrite,
+                progress=args.progress or sys.stderr.isatty(),
+            )
+        )
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: run the same command again to resume", file=sys.stderr)
+        return 130
+    print(summary.line())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
