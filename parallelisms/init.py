@@ -1,4 +1,4 @@
-"""Layout-independent weight initialisation and loading of full tensors into shards."""
+"""Layout-independent weight initialisation, shard by shard, and where a rank's shard lies."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from models.common.init import param_generator
+from models.common.init import TILE_ELEMS, init_tiles, tile_generator
 
 
 def local_index(param: torch.Tensor) -> tuple[slice, ...]:
@@ -21,41 +21,43 @@ def local_index(param: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 
-def local_part(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The slice of the global value `full` that this rank holds of `param`.
-
-    Works for any placements (FSDP Shard(0), EP Shard(0) x FSDP Shard(1), HSDP ...), uneven
-    shards included, because DTensor itself says where the local shard starts.
-    """
-    return full[local_index(param)]
-
-
-@torch.no_grad()
-def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the global value `full` into `param`'s local storage (no communication)."""
-    if tuple(full.shape) != tuple(param.shape):
-        raise ValueError(f"shape mismatch: expected {tuple(param.shape)}, got {tuple(full.shape)}")
-    local = param.to_local() if isinstance(param, DTensor) else param
-    local.copy_(local_part(full, param).to(local.dtype))
-
-
 def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters, then buffers (e.g. a router's correction bias): what a model's
     initialisation, HF import and export handle. Buffers stay plain, replicated tensors."""
     return [*model.named_parameters(), *model.named_buffers()]
 
 
-@torch.no_grad()
-def init_weights_global(model: nn.Module, seed: int) -> None:
-    """Initialise every parameter and buffer as the unsharded model would be, then keep
-    the local part.
+def _overlap(a: tuple[slice, ...], b: tuple[slice, ...]) -> tuple[slice, ...] | None:
+    """The intersection of two boxes (a slice per dim, step 1), None when empty."""
+    out = tuple(slice(max(x.start, y.start), min(x.stop, y.stop)) for x, y in zip(a, b))
+    return None if any(s.start >= s.stop for s in out) else out
 
-    Each rank materialises one full parameter at a time (on its device) from a per-name
-    RNG stream, so the same seed gives the same global weights on any layout. Costs one
-    transient full-size tensor per parameter.
+
+def _shift(box: tuple[slice, ...], origin: tuple[slice, ...]) -> tuple[slice, ...]:
+    return tuple(slice(s.start - o.start, s.stop - o.start) for s, o in zip(box, origin))
+
+
+@torch.no_grad()
+def init_weights_global(model: nn.Module, seed: int, tile_elems: int = TILE_ELEMS) -> None:
+    """Give every parameter and buffer the values the unsharded model would get
+    (`models.common.init.init_all_`), holding at most one tile beyond the local shard.
+
+    Each rank generates only the tiles that meet its shard (`init_tiles`: fixed by the
+    global shape, each from its own stream), so the same seed gives the same global weights
+    on any layout, and no rank draws or holds a full expert stack or embedding.
     """
     for name, param in named_weights(model):
-        device = param.device
-        full = torch.empty(param.shape, dtype=torch.float32, device=device)
-        model.reset_parameter(name, full, param_generator(seed, name, device))
-        copy_full_(param, full)
+        local = param.to_local() if isinstance(param, DTensor) else param
+        mine = local_index(param)
+        tiles = init_tiles(tuple(param.shape), tile_elems)
+        for k, tile in enumerate(tiles):
+            common = _overlap(tile, mine)
+            if common is None:
+                continue
+            values = torch.empty(
+                tuple(s.stop - s.start for s in tile), dtype=torch.float32, device=local.device
+            )
+            model.reset_parameter(
+                name, values, tile_generator(seed, name, k, len(tiles), local.device)
+            )
+            local[_shift(common, mine)] = values[_shift(common, tile)].to(local.dtype)

@@ -1,10 +1,13 @@
 """Turn a training checkpoint into a Hugging Face model directory.
 
     python -m trainer.export --checkpoint outputs/run/checkpoints/step-1000 --out hf_model \\
-        [--dtype bf16|fp32]
+        [--dtype bf16|fp32] [--max-shard-gb 4]
 
-One process, no GPU needed: DCP reassembles the global tensors from the shards of any
-layout, and the model's HF adapter writes config.json + safetensors with per-expert keys.
+One process, no GPU needed, streaming: DCP reads the global tensors (from the shards of any
+layout) a group of parameters at a time, the model's HF adapter turns each into its
+per-expert keys, and each safetensors file is written as soon as it is full. Peak memory is
+about one read group plus one output shard (and the largest single parameter), never the
+model.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,27 +23,83 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from models import HFFormatError, ModelSpec, get_model_spec
+from parallelisms.init import named_weights
 from trainer.checkpoint import TRAINER_STATE, CheckpointError, check_checkpoint
-from trainer.hf_io import save_hf_checkpoint
+from trainer.hf_io import SafetensorsWriter, hf_entries
 
 
-def load_checkpoint_model(path: str) -> tuple[torch.nn.Module, ModelSpec, Any]:
-    """The trained model of checkpoint `path`, unsharded, on CPU, its spec and its args."""
+def checkpoint_spec(path: str) -> tuple[ModelSpec, Any]:
+    """The model spec and args a checkpoint was trained with (from its saved config)."""
     check_checkpoint(path)
     config = torch.load(os.path.join(path, TRAINER_STATE), weights_only=False)["config"]
     model_cfg = dict(config["model"])
     spec = get_model_spec(model_cfg.pop("name"))
     model_cfg.pop("init_from_hf", None)
-    args = spec.args_cls(**model_cfg)
+    return spec, spec.args_cls(**model_cfg)
+
+
+def _read(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill `tensors` (native name -> global-size tensor) from the checkpoint's model state;
+    only those tensors are read."""
+    dcp.load(
+        {"model": tensors},
+        checkpoint_id=path,
+        planner=DefaultLoadPlanner(allow_partial_load=True),
+        no_dist=True,
+    )
+
+
+def load_checkpoint_model(path: str) -> tuple[torch.nn.Module, ModelSpec, Any]:
+    """The trained model of checkpoint `path`, whole and unsharded on CPU, its spec and args
+    (for tests and small models; `export_checkpoint` streams instead)."""
+    spec, args = checkpoint_spec(path)
     with torch.device("meta"):
         model = spec.build(args)
     model.to_empty(device="cpu")  # no init: every weight comes from the checkpoint
-    # Only the model's tensors are read (not the optimizer's), straight into the model.
-    state = {"model": model.state_dict()}
-    dcp.load(
-        state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True
-    )
+    _read(path, model.state_dict())
     return model.eval(), spec, args
+
+
+def _groups(
+    weights: list[tuple[str, torch.Tensor]], budget: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive tensors of at most `budget` bytes together (a larger one alone)."""
+    group, size = [], 0
+    for name, meta in weights:
+        nbytes = meta.numel() * meta.element_size()
+        if group and size + nbytes > budget:
+            yield group
+            group, size = [], 0
+        group.append((name, meta))
+        size += nbytes
+    if group:
+        yield group
+
+
+@torch.no_grad()
+def export_checkpoint(
+    path: str, out_dir: str, dtype: torch.dtype, max_shard_bytes: int = 4 << 30
+) -> None:
+    """Write checkpoint `path` as an HF directory, holding about one read group (at most
+    `max_shard_bytes` of parameters, or one larger parameter) and one output shard."""
+    spec, args = checkpoint_spec(path)
+    if spec.hf_adapter is None:
+        raise HFFormatError(f"model {spec.name!r} has no Hugging Face adapter to export with")
+    writer = SafetensorsWriter(
+        out_dir, spec.hf_adapter.hf_config_dict(args, dtype), max_shard_bytes
+    )
+    with torch.device("meta"):  # names, global shapes and dtypes; no memory
+        model = spec.build(args)
+    buffers = {name for name, _ in model.named_buffers()}
+    for group in _groups(named_weights(model), max_shard_bytes):
+        tensors = {name: torch.empty(m.shape, dtype=m.dtype) for name, m in group}
+        _read(path, tensors)
+        for name, full in tensors.items():
+            entries = hf_entries(spec.hf_adapter, name, full, args, dtype, name in buffers)
+            for key, tensor in entries.items():
+                writer.add(key, tensor)
+        del tensors, entries  # before the next group is read
+    writer.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,13 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", required=True, help="a step-<N> checkpoint directory")
     parser.add_argument("--out", required=True, help="output directory (created)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument(
+        "--max-shard-gb", type=float, default=4.0, help="size of each safetensors file"
+    )
     args = parser.parse_args(argv)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     try:
-        model, spec, model_args = load_checkpoint_model(args.checkpoint)
-        if spec.hf_adapter is None:
-            raise HFFormatError(f"model {spec.name!r} has no Hugging Face adapter to export with")
-        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-        save_hf_checkpoint(model, spec.hf_adapter, model_args, args.out, dtype)
+        export_checkpoint(args.checkpoint, args.out, dtype, int(args.max_shard_gb * 2**30))
     except (HFFormatError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

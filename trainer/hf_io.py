@@ -104,6 +104,71 @@ def load_hf_weights(
     return reader
 
 
+class SafetensorsWriter:
+    """Writes an HF model directory shard by shard: each safetensors file as soon as it is
+    full, so a writer holds at most one shard (plus the tensor being added).
+
+    Files are written as `model-<i>.safetensors.partial` and renamed to their final names
+    (`model.safetensors`, or `model-0000i-of-0000N.safetensors` with an index) on `close`.
+    """
+
+    def __init__(self, out_dir: str, config: dict, max_shard_bytes: int = 4 << 30) -> None:
+        os.makedirs(out_dir, exist_ok=True)
+        self.out_dir, self.config, self.max_shard_bytes = out_dir, config, max_shard_bytes
+        self._shard: dict[str, torch.Tensor] = {}
+        self._bytes = 0
+        self._written: list[tuple[str, list[str]]] = []  # (partial file, its keys)
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().to("cpu").contiguous()
+        if self._shard and self._bytes + tensor.nbytes > self.max_shard_bytes:
+            self._flush()
+        self._shard[key] = tensor
+        self._bytes += tensor.nbytes
+
+    def _flush(self) -> None:
+        path = os.path.join(self.out_dir, f"model-{len(self._written) + 1}.safetensors.partial")
+        save_file(self._shard, path, {"format": "pt"})
+        self._written.append((path, list(self._shard)))
+        self._shard, self._bytes = {}, 0
+
+    def close(self) -> None:
+        if self._shard or not self._written:
+            self._flush()
+        n = len(self._written)
+        names = (
+            ["model.safetensors"]
+            if n == 1
+            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
+        weight_map = {}
+        for (partial, keys), name in zip(self._written, names):
+            os.replace(partial, os.path.join(self.out_dir, name))
+            weight_map.update(dict.fromkeys(keys, name))
+        if n > 1:
+            with open(os.path.join(self.out_dir, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+        with open(os.path.join(self.out_dir, "config.json"), "w") as f:
+            json.dump(self.config, f, indent=2)
+
+
+def hf_entries(
+    adapter: HFAdapter,
+    name: str,
+    full: torch.Tensor,
+    args: Any,
+    dtype: torch.dtype,
+    is_buffer: bool,
+) -> dict[str, torch.Tensor]:
+    """The HF entries of native tensor `name` (its full value) in the export dtype.
+
+    NOTE: buffers keep their dtype: a routing bias in bf16 would round away updates smaller
+    than its spacing (transformers keeps it fp32 too).
+    """
+    out_dtype = full.dtype if is_buffer else dtype
+    return {k: t.to(out_dtype) for k, t in adapter.to_hf(name, full.detach(), args).items()}
+
+
 @torch.no_grad()
 def save_hf_checkpoint(
     model: nn.Module,
@@ -115,40 +180,21 @@ def save_hf_checkpoint(
 ) -> None:
     """Write config.json + safetensors (per-expert keys) from rank 0; all ranks must call.
 
-    Each parameter is gathered to full size on every rank (`full_tensor`) one at a time.
+    Each parameter is gathered to full size (`full_tensor`) one at a time, and rank 0 writes
+    each file as soon as it is full: its memory holds one parameter and one shard.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     config = adapter.hf_config_dict(args, dtype)  # may refuse: before any work is done
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
+    writer = SafetensorsWriter(out_dir, config, max_shard_bytes) if rank == 0 else None
     buffers = {name for name, _ in model.named_buffers()}
     for name, param in named_weights(model):
         full = param.full_tensor() if isinstance(param, DTensor) else param
-        if rank != 0:
-            continue
-        # NOTE: buffers keep their dtype: a routing bias in bf16 would round away
-        # updates smaller than its spacing (transformers keeps it fp32 too).
-        out_dtype = full.dtype if name in buffers else dtype
-        for key, tensor in adapter.to_hf(name, full.detach(), args).items():
-            tensor = tensor.to("cpu", out_dtype).contiguous()
-            if shard_bytes and shard_bytes + tensor.nbytes > max_shard_bytes:
-                shards.append({})
-                shard_bytes = 0
-            shards[-1][key] = tensor
-            shard_bytes += tensor.nbytes
-    if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        if len(shards) == 1:
-            save_file(shards[0], os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, os.path.join(out_dir, fname), {"format": "pt"})
-                weight_map.update(dict.fromkeys(shard, fname))
-            with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+        if writer is not None:
+            for key, tensor in hf_entries(
+                adapter, name, full, args, dtype, name in buffers
+            ).items():
+                writer.add(key, tensor)
+    if writer is not None:
+        writer.close()
     if dist.is_initialized():
         dist.barrier()
