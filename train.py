@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from models import HFFormatError
 from parallelisms.mesh import LayoutError, ParallelDims, world_size_from_env
@@ -19,9 +20,23 @@ from trainer.data import DataError
 USER_ERRORS = (ConfigError, LayoutError, DataError, HFFormatError, PlanError, CheckpointError)
 
 
+# How long ranks other than 0 hold back their refusal (see _fail).
+QUIET_S = 5.0
+
+
 def _fail(err: Exception) -> int:
-    if os.environ.get("RANK", "0") == "0":  # one message, not one per rank
-        print(f"error: {err}", file=sys.stderr)
+    """Print the refusal and return exit code 2.
+
+    NOTE: under torchrun, the first rank to exit with an error makes torchrun stop the
+    others, perhaps before they print. If only rank 0 printed, its message would be lost
+    whenever another rank exited first. So every rank prints, but ranks other than 0 wait
+    a moment first: when all ranks refuse the same config (the usual case), rank 0 prints
+    once and exits, and torchrun stops the rest; when only this rank failed, it still
+    prints.
+    """
+    if os.environ.get("RANK", "0") != "0":
+        time.sleep(QUIET_S)
+    print(f"error: {err}", file=sys.stderr, flush=True)
     return 2
 
 
@@ -31,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         print(format_help())
         return 0
     try:
+        if not any(a == "--config" or a.startswith("--config=") for a in argv):
+            # The defaults alone are a 30B-parameter model: never what a bare launch means.
+            raise ConfigError(
+                "no --config given: pass --config FILE.toml (configs/debug_qwen3_moe.toml is "
+                "a CPU demo; configs/ holds the real models)"
+            )
         cfg = load_config(argv)
         p = cfg.parallel
         dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size_from_env())

@@ -26,6 +26,8 @@ through it: it never looks up a hyper-parameter or a submodule by name. The piec
 - `training_fields`: `[model]` keys that steer training, not the architecture; with
   `model.init_from_hf` they come from the job config, never from config.json.
 - `hf_adapter`: the Hugging Face checkpoint mapping (`HFAdapter`), or None.
+- `max_positions(args)`: the longest sequence the model is meant for (a longer
+  `data.seq_len` is refused), or None.
 """
 
 from __future__ import annotations
@@ -142,6 +144,9 @@ class ModelSpec:
     flops_per_token: Callable[[nn.Module, int], float]
     hf_adapter: HFAdapter | None = None
     training_fields: tuple[str, ...] = ()
+    # The longest sequence the model is meant for (args -> positions), e.g. from
+    # max_position_embeddings; a longer data.seq_len is refused. None: no limit.
+    max_positions: Callable[[Any], int] | None = None
 
     def build(self, args: Any, moe_options: MoEOptions | None = None) -> nn.Module:
         """The model of `args` (on the current default device; use `torch.device("meta")`

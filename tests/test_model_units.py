@@ -98,3 +98,8 @@ def test_capacity_factor_drops_late_assignments_gshard_style():
             ref[t] += w * (moe.experts.down_proj[e] @ (F.silu(gate) * up))
     assert sum(kept) < 24, "the test must actually drop something"
     torch.testing.assert_close(y[0], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_warmup_longer_than_the_run_is_clamped_to_it():
+    cfg = _cfg(steps=4, warmup_steps=10, schedule="constant")
+    assert [lr_factor(s, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]

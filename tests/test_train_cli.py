@@ -31,8 +31,20 @@ def _in_repo_root(monkeypatch):
         ([DEBUG, "--model.vocab_size=200"], "vocab_size"),
         ([DEBUG, "--train.global_batch_size=6", "--train.micro_batch_size=4"], "global_batch_size"),
         ([DEBUG, "--model.init_from_hf=no/such/dir"], "config.json"),
+        (["--train.steps=3"], "no --config given"),
+        ([DEBUG, "--data.seq_len=2048"], "longer than the 1024 positions"),
     ],
-    ids=["missing-config", "unknown-key", "wrong-type", "data-path", "vocab", "batch", "hf-dir"],
+    ids=[
+        "missing-config",
+        "unknown-key",
+        "wrong-type",
+        "data-path",
+        "vocab",
+        "batch",
+        "hf-dir",
+        "no-config",
+        "seq-len",
+    ],
 )
 def test_bad_input_is_refused_with_exit_code_2(argv, expected, capsys):
     assert train.main(argv) == 2
@@ -103,3 +115,16 @@ def test_every_layout_writes_the_same_losses_as_one_rank(tmp_path):
     for run in (one, four_ep):
         assert all(sum(layer) == 16 * 128 * 2 for layer in run[1]["expert_load"])
     assert one[1]["expert_load"] == four_ep[1]["expert_load"]
+
+
+@pytest.mark.slow
+def test_a_refusal_under_torchrun_is_shown_every_time():
+    """Whichever rank exits first, the message reaches the user (once per launch, here)."""
+    for _ in range(3):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "train.py",
+             DEBUG, "--parallel.ep=16"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode != 0
+        assert (proc.stdout + proc.stderr).count("error: parallel.ep=16 must divide") >= 1

@@ -4,8 +4,10 @@ Layout of `<job.output_dir>/checkpoints/`:
 
     step-<N>/             a complete checkpoint (only complete ones ever get this name)
         *.distcp, .metadata   model + optimizer through DCP, global (DTensor) shapes
-        trainer_state.pt      step, LR schedule, data position, RNG, resolved config
-        COMPLETE              written last, before the rename
+        trainer_state.pt      step, LR schedule, data position, RNG, resolved config, data
+                              identity (plain tensors and data: loaded with weights_only)
+        COMPLETE              written last, before the rename: the commit time and the
+                              sha256 of every file above, verified before a resume loads
     .tmp-step-<N>/        a save in progress (or one killed mid-write: ignored, removed)
 
 Model and optimizer state are saved with their global shapes, so any layout can load
@@ -21,6 +23,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -33,6 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+
+from trainer.data.shards import file_sha256
 
 # NOTE: per-parameter optimizer keys ("optim.state.<fqn>.exp_avg", "optim.param_groups.<fqn>
 # .lr"), not per-group ones: parameter groups differ between layouts (experts get groups of
@@ -93,6 +98,19 @@ def check_checkpoint(path: str) -> None:
         )
 
 
+def read_trainer_state(path: str) -> dict[str, Any]:
+    """The trainer state of checkpoint `path`, loaded without running any pickled code."""
+    file = os.path.join(path, TRAINER_STATE)
+    try:
+        return torch.load(file, weights_only=True)
+    except Exception as err:  # UnpicklingError for code, others for damage: both refused
+        raise CheckpointError(
+            f"{file} cannot be loaded as plain data ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:200]}); it is damaged or not from this trainer "
+            "(it would run code if unpickled: refused)"
+        ) from None
+
+
 class Checkpointer:
     """Saves and restores {model, optimizer} via DCP plus the trainer's own small state."""
 
@@ -107,6 +125,19 @@ class Checkpointer:
         self._pending: tuple[Future, str, str, dict] | None = None
 
     # --- save ----------------------------------------------------------------------
+    def _write_sums(self, tmp: str) -> None:
+        """This rank's data files' checksums, next to them (rank 0 merges them at commit).
+
+        NOTE: each rank hashes only the files it wrote, in parallel, and hands them over
+        through the filesystem, not a collective: an async save's ranks finish at different
+        steps, and a collective there would deadlock against the training's own."""
+        mine = sorted(f for f in os.listdir(tmp) if f.startswith(f"__{self.rank}_"))
+        sums = {f: file_sha256(os.path.join(tmp, f)) for f in mine}
+        path = os.path.join(tmp, f".sums-{self.rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(sums, f)
+        os.replace(path + ".tmp", path)
+
     def save(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, trainer_state: dict
     ) -> None:
@@ -127,6 +158,7 @@ class Checkpointer:
             self._pending = (future, tmp, final, trainer_state)
         else:
             dcp.save(state, checkpoint_id=tmp)
+            self._write_sums(tmp)
             self._commit(tmp, final, trainer_state)
 
     def poll(self) -> None:
@@ -141,6 +173,7 @@ class Checkpointer:
         future, tmp, final, trainer_state = self._pending
         self._pending = None
         future.result()
+        self._write_sums(tmp)
         self._commit(tmp, final, trainer_state)
 
     def _commit(self, tmp: str, final: str, trainer_state: dict) -> None:
@@ -151,8 +184,12 @@ class Checkpointer:
         state_path = os.path.join(tmp, TRAINER_STATE)
         torch.save(trainer_state, state_path)
         _fsync(state_path)
+        files = self._gather_sums(tmp)
+        for name in (".metadata", TRAINER_STATE):
+            files[name] = file_sha256(os.path.join(tmp, name))
+        marker = {"step": trainer_state["step"], "committed_at": time.time(), "files": files}
         with open(os.path.join(tmp, COMPLETE), "w") as f:
-            json.dump({"step": trainer_state["step"], "committed_at": time.time()}, f)
+            json.dump(marker, f)
         _fsync(os.path.join(tmp, COMPLETE))
         replaced = None
         if os.path.isdir(final):  # the same step saved again: keep the old one until the swap
@@ -166,6 +203,23 @@ class Checkpointer:
             for _, old in complete_checkpoints(self.root)[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
 
+    def _gather_sums(self, tmp: str, timeout: float = 600.0) -> dict[str, str]:
+        """Every rank's `.sums-<rank>.json`, merged (waits for ranks still hashing)."""
+        world = dist.get_world_size()
+        paths = [os.path.join(tmp, f".sums-{r}.json") for r in range(world)]
+        deadline = time.monotonic() + timeout
+        while not all(os.path.isfile(p) for p in paths):
+            if time.monotonic() > deadline:
+                missing = [p for p in paths if not os.path.isfile(p)]
+                raise RuntimeError(f"checkpoint commit: no checksums from {missing[:3]}")
+            time.sleep(0.05)
+        files: dict[str, str] = {}
+        for p in paths:
+            with open(p) as f:
+                files.update(json.load(f))
+            os.remove(p)
+        return files
+
     # --- load ----------------------------------------------------------------------
     def resolve(self, resume: str) -> str | None:
         """The checkpoint to resume from: auto = the last committed complete one (or none),
@@ -178,9 +232,51 @@ class Checkpointer:
         check_checkpoint(resume)
         return resume
 
-    def load(self, path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Restore model and optimizer in place (any layout); returns the trainer state."""
+    def verify(self, path: str) -> None:
+        """Refuse a checkpoint whose files do not match the checksums of its commit marker,
+        naming the file (and, for resume=auto, the newest older checkpoint to use instead).
+        The files are shared out over the ranks; all ranks call it, and all agree."""
         check_checkpoint(path)
+        with open(os.path.join(path, COMPLETE)) as f:
+            expected = json.load(f).get("files")
+        bad: list[str] = []
+        if expected is not None:  # markers before checksums were recorded: nothing to check
+            world = dist.get_world_size()
+            names = sorted(expected)
+            for name in names[self.rank :: world]:
+                file = os.path.join(path, name)
+                if not os.path.isfile(file) or file_sha256(file) != expected[name]:
+                    bad.append(file)
+        everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, bad)
+        bad = sorted(f for part in everyone for f in part)
+        if bad:
+            older = [p for _, p in complete_checkpoints(self.root) if p != path]
+            hint = (
+                f"; the newest other complete checkpoint is {older[-1]}: resume from it with "
+                f"--checkpoint.resume={older[-1]}"
+                if older
+                else ""
+            )
+            raise CheckpointError(
+                f"checkpoint {path} is corrupted: {bad[0]} does not match the checksum recorded "
+                f"when it was saved ({len(bad)} file(s) differ){hint}"
+            )
+
+    def load(
+        self,
+        path: str,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        accept: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Verify the files, read the trainer state and let `accept` refuse it (cheaply,
+        before the weights), then restore model and optimizer in place (any layout).
+        Returns the trainer state."""
+        self.verify(path)
+        trainer_state = read_trainer_state(path)
+        if accept is not None:
+            accept(trainer_state)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
@@ -191,4 +287,4 @@ class Checkpointer:
             optim_state_dict=state["optim"],
             options=_OPTIONS,
         )
-        return torch.load(os.path.join(path, TRAINER_STATE), weights_only=False)
+        return trainer_state

@@ -13,7 +13,6 @@ model.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -24,14 +23,14 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from models import HFFormatError, ModelSpec, get_model_spec
 from parallelisms.init import named_weights
-from trainer.checkpoint import TRAINER_STATE, CheckpointError, check_checkpoint
+from trainer.checkpoint import CheckpointError, check_checkpoint, read_trainer_state
 from trainer.hf_io import SafetensorsWriter, hf_entries
 
 
 def checkpoint_spec(path: str) -> tuple[ModelSpec, Any]:
     """The model spec and args a checkpoint was trained with (from its saved config)."""
     check_checkpoint(path)
-    config = torch.load(os.path.join(path, TRAINER_STATE), weights_only=False)["config"]
+    config = read_trainer_state(path)["config"]
     model_cfg = dict(config["model"])
     spec = get_model_spec(model_cfg.pop("name"))
     model_cfg.pop("init_from_hf", None)

@@ -22,7 +22,7 @@ from parallelisms.init import init_weights_global
 from parallelisms.mesh import ParallelDims, build_meshes
 from parallelisms.parallelize import parallelize
 from trainer.balance import attach_bias_update
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer, CheckpointError
 from trainer.config import JobConfig, config_to_dict
 from trainer.data import Batch, DataError, build_dataloader
 from trainer.hf_io import load_hf_weights
@@ -45,6 +45,12 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []
         self._stop_requested = False
+        self._notes: list[str] = []  # said on the console once the logger exists
+        if cfg.train.warmup_steps > cfg.train.steps:
+            self._notes.append(
+                f"train.warmup_steps={cfg.train.warmup_steps} is longer than the run "
+                f"(train.steps={cfg.train.steps}): warming up over all {cfg.train.steps} steps"
+            )
 
         self._build_model()
         self._build_data()
@@ -134,6 +140,8 @@ class Trainer:
         )
         if resumed_from is not None:
             self.logger.info(f"resumed from {resumed_from} at step {self.step}")
+        for note in self._notes:
+            self.logger.info(note)
         self.flops_per_token = self.spec.flops_per_token(self.model, cfg.data.seq_len)
         self.peak_flops = peak_flops(self.device)
 
@@ -202,19 +210,66 @@ class Trainer:
             "data": self.sampler.state_at(self.consumed_samples),
             "rng": rng,  # rank 0's; training itself draws no random numbers after init
             "config": config_to_dict(self.cfg),
+            "data_identity": self._data_identity(),
         }
 
     def save_checkpoint(self) -> None:
         self.checkpointer.save(self.model, self.optimizer, self.step, self.trainer_state())
 
+    def _data_identity(self) -> dict:
+        summary = self.loader.dataset.summary
+        return {
+            "source": summary.source,
+            "tokens": summary.tokens,
+            "fingerprint": summary.fingerprint,
+        }
+
+    def _accept_model(self, path: str, state: dict) -> None:
+        """Refuse a checkpoint of another architecture before DCP meets mismatched shapes:
+        name the [model] keys that differ from the checkpoint's saved config."""
+        saved = state.get("config", {}).get("model", {})
+        ours = config_to_dict(self.cfg)["model"]
+        ignore = {"init_from_hf", *self.spec.training_fields}
+        differ = [
+            f"model.{k}: checkpoint {saved[k]!r}, this run {ours[k]!r}"
+            for k in ours
+            if k in saved and k not in ignore and saved[k] != ours[k]
+        ]
+        if differ:
+            raise CheckpointError(
+                f"{path} holds another model than this run's ({'; '.join(differ[:6])}); resume "
+                "with the checkpoint's model keys, or start a new job.output_dir"
+            )
+
+    def _accept(self, path: str, state: dict) -> None:
+        """Before any weight is read: refuse another model, or other data unless allowed."""
+        self._accept_model(path, state)
+        saved, ours = state.get("data_identity"), self._data_identity()
+        if saved and saved["fingerprint"] != ours["fingerprint"]:
+            if not self.cfg.checkpoint.allow_data_change:
+                raise DataError(
+                    f"{path} was trained on other data ({saved['source']}, {saved['tokens']:,} "
+                    f"tokens) than this run's ({ours['source']}, {ours['tokens']:,} tokens; "
+                    "content fingerprints differ); resume on its data, or pass "
+                    "--checkpoint.allow_data_change=true to continue on this data on purpose"
+                )
+            self._notes.append(f"resuming on other data than {path}'s, as allowed")
+
     def _restore(self, path: str) -> None:
-        state = self.checkpointer.load(path, self.model, self.optimizer)
+        state = self.checkpointer.load(
+            path, self.model, self.optimizer, accept=lambda s: self._accept(path, s)
+        )
+        saved, ours = state.get("data_identity"), self._data_identity()
         self.step = state["step"]
         if state["data"]["micro_batches_into_step"]:
             # The trainer saves at step boundaries only; a mid-step position would put its
             # own count of consumed samples out of step with the sampler's.
             raise DataError(f"{path}: its data position is not at a step boundary")
-        self.sampler.load_state_dict(state["data"])
+        if saved and saved["fingerprint"] != ours["fingerprint"]:
+            # Other data, on purpose: continue the global sample count in its order.
+            self.sampler.consumed_samples = int(state["data"]["consumed_samples"])
+        else:
+            self.sampler.load_state_dict(state["data"])
         self.consumed_samples = self.sampler.consumed_samples
         torch.set_rng_state(state["rng"]["torch"])
         if "cuda" in state["rng"] and self.device.type == "cuda":
@@ -249,6 +304,11 @@ class Trainer:
         )
         dataset = self.loader.dataset
         self.logger.info(dataset.summary.describe(cfg.data.seq_len, len(dataset)))
+        if self.step >= cfg.train.steps:
+            self.logger.info(
+                f"nothing to do: this run already reached train.steps={cfg.train.steps} (step "
+                f"{self.step}); raise train.steps to train further, or use a new job.output_dir"
+            )
         while self.step < cfg.train.steps:
             start = time.perf_counter()
             record = self.train_step(self.next_micro_batches())

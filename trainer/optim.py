@@ -31,16 +31,23 @@ def build_optimizer(model: nn.Module, cfg: TrainSection) -> torch.optim.AdamW:
     )
 
 
+def warmup_steps(cfg: TrainSection) -> int:
+    """The warmup, clamped to the run: a short smoke run of a real config warms up over
+    all its steps instead of being refused."""
+    return min(cfg.warmup_steps, cfg.steps)
+
+
 def lr_factor(step: int, cfg: TrainSection) -> float:
     """Multiplier of cfg.lr for the update made at optimizer step `step` (0-based)."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
+    warmup = warmup_steps(cfg)
+    if step < warmup:
+        return (step + 1) / warmup
     if cfg.schedule == "constant":
         return 1.0
     floor = cfg.min_lr_ratio
     if cfg.schedule == "cosine":
-        span = max(cfg.steps - cfg.warmup_steps - 1, 1)
-        progress = min((step - cfg.warmup_steps) / span, 1.0)
+        span = max(cfg.steps - warmup - 1, 1)
+        progress = min((step - warmup) / span, 1.0)
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     if cfg.schedule == "wsd":  # warmup, stable at peak, then linear decay to the floor
         decay_steps = max(int(round(cfg.decay_ratio * cfg.steps)), 1)

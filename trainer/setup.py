@@ -83,6 +83,13 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
             f"tokenizer {cfg.data.tokenizer!r} has {tokenizer.vocab_size} tokens but the model's "
             f"vocab_size is {vocab}; raise model.vocab_size or use a smaller tokenizer"
         )
+    limit = spec.max_positions(cfg.model.args) if spec.max_positions else None
+    if limit is not None and cfg.data.seq_len > limit:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} is longer than the {limit} positions model "
+            f"{cfg.model.name!r} is meant for (its [model] position limit); lower data.seq_len "
+            "or raise the limit if the model really extends to it"
+        )
     check_corpus(cfg.data, tokenizer)
 
 

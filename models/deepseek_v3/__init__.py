@@ -49,4 +49,5 @@ SPEC = ModelSpec(
         "mtp_loss_weight",
         "num_nextn_predict_layers",  # MTP is opt-in; HF configs say 1 with or without weights
     ),
+    max_positions=lambda args: args.max_position_embeddings,
 )

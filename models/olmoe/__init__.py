@@ -41,4 +41,5 @@ SPEC = ModelSpec(
     flops_per_token=flops_per_token,
     hf_adapter=hf,
     training_fields=("router_aux_loss_coef",),
+    max_positions=lambda args: args.max_position_embeddings,
 )

@@ -175,6 +175,11 @@ class CheckpointSection:
         0, "keep only the newest K checkpoints (0 = keep all)", ge=0, note="0 = keep all"
     )
     async_save: bool = arg(False, "overlap the checkpoint write with training")
+    allow_data_change: bool = arg(
+        False,
+        "resume even though the data differs from the checkpoint's (its content fingerprint: "
+        "another corpus, tokenizer or data.max_tokens); off: such a resume is refused",
+    )
 
 
 @dataclass

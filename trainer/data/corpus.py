@@ -12,6 +12,7 @@ Two kinds of source give the same stream for the same corpus:
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import torch
@@ -87,12 +88,17 @@ def open_corpus(cfg: DataSection, tokenizer: Tokenizer) -> tuple[TokenStream, Co
         manifest = read_manifest(cfg.path)
         stream = ShardedTokens(cfg.path, manifest, limit=cfg.max_tokens)
         total = manifest.num_tokens
+        digest = hashlib.sha256(repr(manifest.tokenizer).encode())
+        for shard in manifest.shards:
+            digest.update(shard.sha256.encode())
+        digest.update(str(len(stream)).encode())  # data.max_tokens may cut it
         summary = CorpusSummary(
             f"tokens ({cfg.path}, {len(manifest.shards)} shards)",
             manifest.num_documents,
             len(stream),
             total,
             truncated=len(stream) < total,
+            fingerprint=digest.hexdigest(),
         )
         return stream, summary
     tokens, documents, truncated = pack_corpus(iter_documents(cfg), tokenizer, cfg.max_tokens)
@@ -100,7 +106,11 @@ def open_corpus(cfg: DataSection, tokenizer: Tokenizer) -> tuple[TokenStream, Co
         raise DataError(f"data.source={cfg.source!r} data.path={cfg.path!r}: the corpus is empty")
     source = cfg.source if cfg.path is None else f"{cfg.source} ({cfg.path})"
     corpus_tokens = None if truncated else len(tokens)
-    summary = CorpusSummary(source, documents, len(tokens), corpus_tokens, truncated)
+    digest = hashlib.sha256(repr(tokenizer_id(tokenizer)).encode())
+    digest.update(memoryview(tokens))
+    summary = CorpusSummary(
+        source, documents, len(tokens), corpus_tokens, truncated, digest.hexdigest()
+    )
     return torch.from_numpy(tokens), summary
 
 

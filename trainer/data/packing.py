@@ -48,6 +48,9 @@ class CorpusSummary:
     tokens: int
     corpus_tokens: int | None  # the whole corpus' tokens, when known; None when not read
     truncated: bool  # data.max_tokens cut the corpus
+    # A digest of the token stream's content (and the tokenizer's identity): a checkpoint
+    # records it, and a resume on other data is refused unless asked for.
+    fingerprint: str = ""
 
     def describe(self, seq_len: int, samples: int) -> str:
         line = (
