@@ -128,3 +128,19 @@ def test_a_refusal_under_torchrun_is_shown_every_time():
         )  # fmt: skip
         assert proc.returncode != 0
         assert (proc.stdout + proc.stderr).count("error: parallel.ep=16 must divide") >= 1
+
+
+def test_a_corrupt_safetensors_file_is_refused_by_name(tmp_path, capsys):
+    from models import get_model_spec
+    from trainer.config import load_config
+
+    cfg = load_config([DEBUG])
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    config = get_model_spec("qwen3_moe").hf_adapter.hf_config_dict(cfg.model.args)
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    (hf_dir / "model.safetensors").write_bytes(b"\xff" * 64)  # a header length it cannot hold
+    assert train.main([DEBUG, f"--model.init_from_hf={hf_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors is not a readable safetensors file" in err, err
+    assert "Traceback" not in err

@@ -22,6 +22,17 @@ from models import HFAdapter, HFFormatError
 from parallelisms.init import local_index, named_weights
 
 
+def _open_safetensors(path: str):
+    """safe_open, with a damaged or missing file refused by name instead of a traceback."""
+    try:
+        return safe_open(path, "pt")
+    except Exception as err:  # SafetensorError, FileNotFoundError, OSError: all mean the same
+        raise HFFormatError(
+            f"{path} is not a readable safetensors file ({err}); is the download complete? "
+            "(model.init_from_hf)"
+        ) from None
+
+
 class SafetensorsDir:
     """Lazy key -> tensor view over `model.safetensors` or a sharded set with an index."""
 
@@ -38,7 +49,7 @@ class SafetensorsDir:
             self.key_to_file = {}
             for name in files:
                 path = os.path.join(model_dir, name)
-                with safe_open(path, "pt") as f:
+                with _open_safetensors(path) as f:
                     self.key_to_file.update(dict.fromkeys(f.keys(), path))
         self._open: dict[str, Any] = {}
         self.bytes_read = 0
@@ -49,7 +60,7 @@ class SafetensorsDir:
     def _slice(self, key: str):
         path = self.key_to_file[key]
         if path not in self._open:
-            self._open[path] = safe_open(path, "pt")
+            self._open[path] = _open_safetensors(path)
         return self._open[path].get_slice(key)
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -58,7 +69,13 @@ class SafetensorsDir:
     def get(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """Tensor `key`, or only its part `index` (read from disk without the rest)."""
         part = self._slice(key)
-        tensor = part[index] if index is not None else part[:]
+        try:
+            tensor = part[index] if index is not None else part[:]
+        except Exception as err:  # a truncated file fails only when its data is read
+            raise HFFormatError(
+                f"{self.key_to_file[key]}: cannot read {key!r} ({err}); is the file complete? "
+                "(model.init_from_hf)"
+            ) from None
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
