@@ -145,8 +145,8 @@ class PackedDataset(Dataset):
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range [0, {self.num_samples})")
         start = index * self.seq_len
-        chunk = torch.as_tensor(np.asarray(self.tokens[start : start + self.seq_len + 1]))
-        chunk = chunk.to(torch.int64)
+        window = np.asarray(self.tokens[start : start + self.seq_len + 1])
+        chunk = torch.from_numpy(window.astype(np.int64))  # a writable copy, as int64
         input_ids = chunk[:-1]
         is_eos = (input_ids == self.eos_id).to(torch.int64)
         # A token belongs to the document whose EOS count precedes it; the EOS itself still
