@@ -30,6 +30,7 @@ from trainer.losses import StepLoss, model_inputs, with_mtp_targets
 from trainer.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from trainer.optim import build_optimizer, set_lr
 from trainer.setup import init_distributed, resolve_device
+from trainer.sinks import build_sinks
 
 
 class Trainer:
@@ -137,6 +138,7 @@ class Trainer:
             cfg.metrics.jsonl,
             cfg.metrics.progress,
             resume_step=self.step if resumed_from is not None else None,
+            sinks=build_sinks(cfg, self.rank == 0),
         )
         if resumed_from is not None:
             self.logger.info(f"resumed from {resumed_from} at step {self.step}")
@@ -291,6 +293,7 @@ class Trainer:
             return self._fit()
         finally:
             signal.signal(signal.SIGTERM, previous_handler)
+            self.logger.close()  # flush TensorBoard / W&B
 
     def _fit(self) -> list[dict]:
         cfg = self.cfg

@@ -37,7 +37,9 @@ class MetricsLogger:
         jsonl: bool,
         progress: bool,
         resume_step: int | None = None,
+        sinks: list | None = None,
     ):
+        self.sinks = sinks or []  # trainer.sinks: TensorBoard, W&B (rank 0 only)
         self.total_steps = total_steps
         self.is_rank0 = is_rank0
         self.progress = progress
@@ -65,6 +67,12 @@ class MetricsLogger:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         print(self._line(record), file=sys.stdout, flush=True)
+        for sink in self.sinks:
+            sink.log(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
     def _line(self, r: dict) -> str:
         step, total = r["step"], self.total_steps

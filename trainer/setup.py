@@ -18,6 +18,7 @@ from parallelisms.parallelize import check_layout
 from trainer.checkpoint import check_checkpoint
 from trainer.config import ConfigError, JobConfig
 from trainer.data import DataError, build_tokenizer, check_corpus
+from trainer.sinks import check_sinks
 
 
 def resolve_model_args(cfg: JobConfig) -> None:
@@ -60,6 +61,7 @@ def resolve_model_args(cfg: JobConfig) -> None:
 
 def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
     """Checks that need more than the config alone, before any process group exists."""
+    check_sinks(cfg)
     resolve_model_args(cfg)
     if cfg.checkpoint.resume not in ("auto", "none"):
         check_checkpoint(cfg.checkpoint.resume)

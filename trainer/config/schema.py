@@ -193,6 +193,17 @@ class MetricsSection:
         note="0 = never",
     )
     progress: bool = arg(True, "show a progress bar with ETA on rank 0")
+    tensorboard: bool = arg(
+        False, "also write TensorBoard events under <job.output_dir>/tb/ (needs tensorboard)"
+    )
+    wandb: bool = arg(False, "also log to Weights & Biases (needs wandb)")
+    wandb_project: str = arg("moetrain", "W&B project")
+    wandb_run: str | None = arg(None, "W&B run name (default: job.name)")
+    wandb_mode: str = arg(
+        "online",
+        "W&B mode: online | offline (no network; sync later)",
+        choices=("online", "offline"),
+    )
 
 
 @dataclass

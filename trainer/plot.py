@@ -1,0 +1,109 @@
+"""`python -m trainer.plot OUTPUT_DIR [--out DIR]`: pictures of a run from its metrics.jsonl.
+
+Writes PNGs next to it (or in --out): loss (with aux and MTP losses when logged), learning
+rate, grad norm, tokens/s, and one heatmap per MoE layer of its expert load over the steps
+(each step's row relative to its mean: 1 is balanced). Needs matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _read(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _curves(plt, records: list[dict], keys: list[str], title: str, out: str, log: bool) -> str:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in keys:
+        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        if points:
+            ax.plot(*zip(*points), label=key)
+    ax.set(xlabel="step", title=title)
+    if log:
+        ax.set_yscale("log")
+    if len(keys) > 1:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _expert_load(plt, records: list[dict], out_dir: str) -> list[str]:
+    import numpy as np
+
+    rows = [(r["step"], r["expert_load"]) for r in records if r.get("expert_load")]
+    if not rows:
+        return []
+    steps = [s for s, _ in rows]
+    load = np.asarray([counts for _, counts in rows], dtype=np.float64)  # [steps, L, E]
+    written = []
+    for layer in range(load.shape[1]):
+        share = load[:, layer] / np.maximum(load[:, layer].mean(axis=1, keepdims=True), 1e-9)
+        fig, ax = plt.subplots(figsize=(7, 4))
+        image = ax.imshow(share, aspect="auto", cmap="viridis", interpolation="nearest",
+                          extent=(-0.5, share.shape[1] - 0.5, steps[-1], steps[0]))  # fmt: skip
+        fig.colorbar(image, ax=ax, label="tokens / mean")
+        ax.set(xlabel="expert", ylabel="step", title=f"expert load, MoE layer {layer}")
+        fig.tight_layout()
+        out = os.path.join(out_dir, f"expert_load_layer{layer}.png")
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        written.append(out)
+    return written
+
+
+def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} does not exist: trainer.plot takes a run's job.output_dir (with "
+            "metrics.jsonl, which metrics.jsonl=true writes)"
+        )
+    records = _read(path)
+    if not records:
+        raise FileNotFoundError(f"{path} holds no steps yet")
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    out_dir = out_dir or run_dir
+    os.makedirs(out_dir, exist_ok=True)
+    figure = os.path.join
+    return [
+        _curves(plt, records, ["loss", "aux_loss", "mtp_loss"], "losses", figure(out_dir, "loss.png"), True),
+        _curves(plt, records, ["lr"], "learning rate", figure(out_dir, "lr.png"), False),
+        _curves(plt, records, ["grad_norm"], "grad norm (before clipping)", figure(out_dir, "grad_norm.png"), True),
+        _curves(plt, records, ["tokens_per_s"], "tokens/s", figure(out_dir, "tokens_per_s.png"), False),
+        *_expert_load(plt, records, out_dir),
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.plot", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("run_dir", help="a run's job.output_dir")
+    parser.add_argument("--out", default=None, help="where the PNGs go (default: run_dir)")
+    args = parser.parse_args(argv)
+    try:
+        written = plot_run(args.run_dir, args.out)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ImportError:
+        print("error: trainer.plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+        return 2
+    print("\n".join(written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
