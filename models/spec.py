@@ -54,13 +54,20 @@ class CausalLM(Protocol):
     """What the trainer calls on a built model (an `nn.Module`)."""
 
     def __call__(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, **inputs: Any
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        **inputs: Any,
     ) -> CausalLMOutput:
         """input_ids [B, S] -> logits [B, S, V] and routing statistics. position_ids [B, S]
-        are the true positions (a context-parallel rank holds a reordered part). A model
-        with `LossTerms.mtp_depth = D > 0` takes `mtp_input_ids` [B, S, D] (depth k's
-        input at position i is token i+k) and returns D MTP logits; the trainer passes no
-        other keyword."""
+        are the true positions (a context-parallel rank holds a reordered part).
+        document_ids [B, S] (`data.document_mask`; None otherwise): the packed document of
+        each token; the model passes them to every `AttentionCore` call (main blocks and
+        MTP blocks alike), which then lets a token attend only to earlier tokens of its own
+        document. A model with `LossTerms.mtp_depth = D > 0` takes `mtp_input_ids`
+        [B, S, D] (depth k's input at position i is token i+k) and returns D MTP logits;
+        the trainer passes no other keyword."""
         ...
 
     def reset_parameter(

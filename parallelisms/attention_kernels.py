@@ -5,6 +5,10 @@ backward that takes the *final* out and lse of the whole ring (so each block's g
 its exact share). Layouts: q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv];
 out [B, Sq, Hq, Dv] fp32, lse [B, Hq, Sq] fp32. A causal block is a diagonal one (Sq == Sk,
 aligned). GQA: Hkv divides Hq; K/V are never repeated.
+
+Document masks: `mask` [B, Sq, Sk] bool (True = the query sees the key), on top of
+`causal`. Only the math kernel takes one. A query row that sees no key of the block gets
+out 0 and lse -inf (not NaN), so the ring's online softmax can fold it in as "nothing".
 """
 
 from __future__ import annotations
@@ -26,12 +30,20 @@ def _kv(t: torch.Tensor) -> torch.Tensor:
     return t.float().permute(0, 2, 1, 3)[:, :, None]
 
 
-def _scores(q, k, scale, causal) -> torch.Tensor:
+def _scores(q, k, scale, causal, mask=None) -> torch.Tensor:
     s = _grouped(q, k.shape[2]) @ _kv(k).transpose(-1, -2) * scale  # [B, Hkv, G, Sq, Sk]
     if causal:
-        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(mask, float("-inf"))
+        future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(future, float("-inf"))
+    if mask is not None:  # [B, Sq, Sk] -> broadcast over [Hkv, G]
+        s = s.masked_fill(~mask[:, None, None], float("-inf"))
     return s
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """The LSE with -inf (a row that sees no key) replaced by 0: exp(-inf - 0) = 0 gives that
+    row zero weights, where exp(-inf - -inf) would give NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
 def _ungroup(x: torch.Tensor) -> torch.Tensor:
@@ -40,18 +52,17 @@ def _ungroup(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 3, 1, 2, 4).reshape(b, s, hkv * g, d)
 
 
-def math_forward(q, k, v, scale, causal):
-    s = _scores(q, k, scale, causal)
-    lse = s.logsumexp(-1)  # [B, Hkv, G, Sq]
-    out = torch.exp(s - lse[..., None]) @ _kv(v)
+def math_forward(q, k, v, scale, causal, mask=None):
+    s = _scores(q, k, scale, causal, mask)
+    lse = s.logsumexp(-1)  # [B, Hkv, G, Sq]; -inf where a row sees no key
+    out = torch.exp(s - _finite(lse)[..., None]) @ _kv(v)
     return _ungroup(out), lse.flatten(1, 2)
 
 
-def math_backward(grad_out, q, k, v, out, lse, scale, causal):
+def math_backward(grad_out, q, k, v, out, lse, scale, causal, mask=None):
     hkv = k.shape[2]
-    p = torch.exp(
-        _scores(q, k, scale, causal) - lse.view(*lse.shape[:1], hkv, -1, lse.shape[-1])[..., None]
-    )
+    lse = _finite(lse.view(*lse.shape[:1], hkv, -1, lse.shape[-1]))  # [B, Hkv, G, Sq]
+    p = torch.exp(_scores(q, k, scale, causal, mask) - lse[..., None])
     do = _grouped(grad_out, hkv)  # [B, Hkv, G, Sq, Dv]
     dv = (p.transpose(-1, -2) @ do).sum(2)  # [B, Hkv, Sk, Dv]
     dp = do @ _kv(v).transpose(-1, -2)
@@ -66,14 +77,21 @@ def _bhsd(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)  # [B, S, H, D] <-> [B, H, S, D]
 
 
-def cpu_flash_forward(q, k, v, scale, causal):
+def _no_mask(mask) -> None:
+    if mask is not None:  # resolve_kernel never picks this kernel for a masked ring
+        raise ValueError("the cpu_flash block kernel cannot apply a document mask")
+
+
+def cpu_flash_forward(q, k, v, scale, causal, mask=None):
+    _no_mask(mask)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
     )
     return _bhsd(out).float(), lse.float()
 
 
-def cpu_flash_backward(grad_out, q, k, v, out, lse, scale, causal):
+def cpu_flash_backward(grad_out, q, k, v, out, lse, scale, causal, mask=None):
+    _no_mask(mask)
     dtype = q.dtype
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         _bhsd(grad_out.to(dtype)), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out.to(dtype)),
@@ -84,6 +102,9 @@ def cpu_flash_backward(grad_out, q, k, v, out, lse, scale, causal):
 
 @dataclass(frozen=True)
 class BlockKernel:
+    """forward(q, k, v, scale, causal, mask=None) -> (out, lse); backward(grad_out, q, k, v,
+    out, lse, scale, causal, mask=None) -> (dq, dk, dv), all fp32."""
+
     name: str
     forward: Callable
     backward: Callable
@@ -95,14 +116,17 @@ KERNELS = {
 }
 
 
-def resolve_kernel(name: str, device: torch.device, head_dim: int, v_head_dim: int) -> BlockKernel:
+def resolve_kernel(
+    name: str, device: torch.device, head_dim: int, v_head_dim: int, masked: bool = False
+) -> BlockKernel:
     """auto: the CPU flash op (it returns the LSE) where it applies, else the math kernel.
+    `masked` (document masks): only the math kernel takes a mask.
 
     NOTE: GPU block kernels (flash-attn, SDPA's efficient/flash ops) are not wired yet; on
     CUDA, auto takes the math kernel (exact, not fast).
     """
     if name == "auto":
-        use_flash = device.type == "cpu" and head_dim == v_head_dim
+        use_flash = device.type == "cpu" and head_dim == v_head_dim and not masked
         name = "cpu_flash" if use_flash else "math"
     if name not in KERNELS:
         raise ValueError(
@@ -112,5 +136,10 @@ def resolve_kernel(name: str, device: torch.device, head_dim: int, v_head_dim: i
         raise ValueError(
             "parallel.cp_kernel=cpu_flash needs CPU tensors and equal q/k and v head dims "
             f"(got {device.type}, {head_dim} vs {v_head_dim}); use auto or math"
+        )
+    if name == "cpu_flash" and masked:
+        raise ValueError(
+            "parallel.cp_kernel=cpu_flash cannot apply document masks (data.document_mask=true);"
+            " use parallel.cp_kernel=auto or math"
         )
     return KERNELS[name]

@@ -9,9 +9,19 @@ ring so that each arrives, complete, at its owner. Memory per rank stays O(seq /
 Causal balance: with the zigzag layout (the sequence cut into 2*cp chunks, rank r holding
 chunks r and 2*cp-1-r) every ring step costs every rank the same work. Only the KV heads
 travel (GQA): nothing is repeated before the ring.
+
+Document masks (`document_ids`): each K/V message also carries its block's document ids
+(their bits appended to the same buffer: one message per hop, exact). Per ring step the
+rank computes only the chunk pairs in which some query sees some key (`document_blocks`,
+trimmed to the rows and columns that take part) with a masked block kernel; the rest get
+no kernel call. Forward records those pieces on the ring, and backward computes exactly
+the same ones.
 """
 
 from __future__ import annotations
+
+import itertools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -20,16 +30,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from parallelisms.attention_kernels import BlockKernel, resolve_kernel
-from parallelisms.cp_schedule import ring_blocks
+from parallelisms.cp_schedule import block_mask, document_blocks, local_positions, ring_blocks
 
 # --- ring communication ----------------------------------------------------------------
 
 
 class RingStats:
-    """Point-to-point operations posted (for tests and logs)."""
+    """Point-to-point operations posted, block kernel calls and the query-key pairs they
+    compute (for tests, logs and the benchmark)."""
 
     def __init__(self) -> None:
         self.p2p_ops = 0
+        self.kernel_calls = 0  # forward
+        self.backward_kernel_calls = 0
+        self.pairs = 0  # forward: B * rows * cols of every kernel call
 
 
 def _pass_to_next(buf: torch.Tensor, group, tag: int, stats: RingStats):
@@ -49,88 +63,183 @@ def _wait(works) -> None:
         work.wait()
 
 
-def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return torch.cat([k.reshape(-1), v.reshape(-1)])  # one message per hop; V may be narrower
+def _pack(k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """One message per hop: K, V (may be narrower), then the document ids [B, s] if any,
+    int64 reinterpreted as K's dtype (the bits travel unchanged, so the ids stay exact)."""
+    parts = [k.reshape(-1), v.reshape(-1)]
+    if ids is not None:
+        parts.append(ids.to(torch.int64).reshape(-1).view(k.dtype))
+    return torch.cat(parts)
 
 
 def _unpack(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
     n = k_shape.numel()
-    return buf[:n].view(k_shape), buf[n:].view(v_shape)
+    return buf[:n].view(k_shape), buf[n : n + v_shape.numel()].view(v_shape)
+
+
+def _unpack_ids(buf: torch.Tensor, k_shape, v_shape, ids: torch.Tensor | None):
+    """The document ids [B, s] a packed block carries (None without document masks)."""
+    if ids is None:
+        return None
+    # clone: a view to a wider dtype needs the slice to start at an aligned offset
+    return buf[k_shape.numel() + v_shape.numel() :].clone().view(torch.int64).view(ids.shape)
 
 
 def _merge(out, lse, block_out, block_lse, rows: slice) -> None:
     """Online softmax: fold a block's (out, lse) into the running ones, rows `rows`, fp32."""
     old_lse = lse[:, :, rows]  # [B, H, s]
-    new_lse = torch.logaddexp(old_lse, block_lse)
-    keep = torch.exp(old_lse - new_lse).transpose(1, 2)[..., None]  # [B, s, H, 1]
-    take = torch.exp(block_lse - new_lse).transpose(1, 2)[..., None]
+    new_lse = torch.logaddexp(old_lse, block_lse)  # -inf where a row has seen no key yet
+    # Such rows (document masks) would give exp(-inf - -inf) = NaN; against 0 both weights
+    # are exp(-inf) = 0 and the row stays (out 0, lse -inf) until a block shows it a key.
+    ref = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
+    keep = torch.exp(old_lse - ref).transpose(1, 2)[..., None]  # [B, s, H, 1]
+    take = torch.exp(block_lse - ref).transpose(1, 2)[..., None]
     out[:, rows] = out[:, rows] * keep + block_out * take
     lse[:, :, rows] = new_lse
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, scale, causal, zigzag, kernel: BlockKernel, stats):
-        cp, rank, seq = group.size(), group.rank(), q.shape[1]
-        out = q.new_zeros((*q.shape[:3], v.shape[3]), dtype=torch.float32)  # [B, S, Hq, Dv]
-        lse = q.new_full((q.shape[0], q.shape[2], seq), float("-inf"), dtype=torch.float32)
-        kv = _pack(k, v)
-        for step in range(cp):
-            src = (rank - step) % cp
-            if step + 1 < cp:  # overlap: the next block is on its way while this one computes
-                next_kv, works = _pass_to_next(kv, group, 0, stats)
-            k_blk, v_blk = _unpack(kv, k.shape, v.shape)
-            for rows, cols, blk_causal in ring_blocks(rank, src, seq, causal, zigzag):
-                blk_out, blk_lse = kernel.forward(
-                    q[:, rows], k_blk[:, cols], v_blk[:, cols], scale, blk_causal
-                )
-                _merge(out, lse, blk_out, blk_lse, rows)
-            if step + 1 < cp:
-                _wait(works)
-                kv = next_kv
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, scale, causal, zigzag, kernel, stats)
-        ctx.mark_non_differentiable(lse)
-        return out.to(q.dtype), lse
+class Ring:
+    """What a ring needs besides q, k, v: its process group, the attention's shape and the
+    block kernel; `stats` counts the point-to-point operations it posts."""
 
-    @staticmethod
-    def backward(ctx, grad_out, _grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, scale, causal, zigzag, kernel, stats = ctx.args
-        cp, rank, seq = group.size(), group.rank(), q.shape[1]
-        grad_out = grad_out.float().contiguous()
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        kv = _pack(k, v)
-        partial_in, dkv_works = None, []  # partial dK/dV of the current block, from before
-        for step in range(cp):
-            src = (rank - step) % cp
-            if step + 1 < cp:
-                next_kv, kv_works = _pass_to_next(kv, group, 0, stats)
-            k_blk, v_blk = _unpack(kv, k.shape, v.shape)
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            dk_blk, dv_blk = _unpack(dkv, k.shape, v.shape)
-            for rows, cols, blk_causal in ring_blocks(rank, src, seq, causal, zigzag):
-                dq_b, dk_b, dv_b = kernel.backward(
-                    grad_out[:, rows], q[:, rows], k_blk[:, cols], v_blk[:, cols],
-                    out[:, rows], lse[:, :, rows], scale, blk_causal,
-                )  # fmt: skip
-                dq[:, rows] += dq_b
-                dk_blk[:, cols] += dk_b
-                dv_blk[:, cols] += dv_b
-            if partial_in is not None:
-                _wait(dkv_works)
-                dkv += partial_in
-            if cp == 1:
-                partial_in, dkv_works = dkv, []
-                continue
-            # Hand this block's dK/dV sum on; after cp hops each block's sum is home.
-            partial_in, dkv_works = _pass_to_next(dkv, group, 1, stats)
-            if step + 1 < cp:
-                _wait(kv_works)
-                kv = next_kv
-        _wait(dkv_works)
-        dk, dv = _unpack(partial_in, k.shape, v.shape)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 6)
+    def __init__(self, group, scale, causal, zigzag, kernel: BlockKernel, stats: RingStats):
+        self.group, self.scale, self.causal, self.zigzag = group, scale, causal, zigzag
+        self.kernel, self.stats = kernel, stats
+        # Document masks: the (rows, cols) pieces of each ring step, decided in forward and
+        # reused by backward, so both skip the same block pairs (and backward reads no mask
+        # bounds back from the device).
+        self.pieces: list[list[tuple[slice, slice]]] = []
+
+
+def _step_blocks(ring: Ring, step: int, src: int, seq: int, ids, k_ids):
+    """(rows, cols, causal, mask) of one ring step: `ring_blocks` without document ids;
+    with them the visible pieces (the mask [B, rows, cols] carries the causality)."""
+    cp, rank = ring.group.size(), ring.group.rank()
+    if ids is None:
+        return [
+            (r, c, bc, None) for r, c, bc in ring_blocks(rank, src, seq, ring.causal, ring.zigzag)
+        ]
+    if step == len(ring.pieces):  # forward: which pieces does any query see into?
+        ring.pieces.append(document_blocks(rank, src, cp, ids, k_ids, ring.causal, ring.zigzag))
+    q_pos, k_pos = (local_positions(r, cp, seq, ring.zigzag).to(ids.device) for r in (rank, src))
+    return [
+        (
+            rows,
+            cols,
+            False,
+            block_mask(ids[:, rows], k_ids[:, cols], q_pos[rows], k_pos[cols], ring.causal),
+        )
+        for rows, cols in ring.pieces[step]
+    ]
+
+
+def _ring_forward(q, k, v, ids, ring: Ring) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids: document ids [B, S] or None -> out [B, S, Hq, Dv] fp32, lse [B, Hq, S] fp32."""
+    group, kernel, stats = ring.group, ring.kernel, ring.stats
+    cp, rank, seq = group.size(), group.rank(), q.shape[1]
+    out = q.new_zeros((*q.shape[:3], v.shape[3]), dtype=torch.float32)  # [B, S, Hq, Dv]
+    lse = q.new_full((q.shape[0], q.shape[2], seq), float("-inf"), dtype=torch.float32)
+    kv = _pack(k, v, ids)
+    for step in range(cp):
+        src = (rank - step) % cp
+        if step + 1 < cp:  # overlap: the next block is on its way while this one computes
+            next_kv, works = _pass_to_next(kv, group, 0, stats)
+        k_blk, v_blk = _unpack(kv, k.shape, v.shape)
+        k_ids = _unpack_ids(kv, k.shape, v.shape, ids)
+        for rows, cols, blk_causal, mask in _step_blocks(ring, step, src, seq, ids, k_ids):
+            blk_out, blk_lse = kernel.forward(
+                q[:, rows], k_blk[:, cols], v_blk[:, cols], ring.scale, blk_causal, mask
+            )
+            stats.kernel_calls += 1
+            stats.pairs += q.shape[0] * (rows.stop - rows.start) * (cols.stop - cols.start)
+            _merge(out, lse, blk_out, blk_lse, rows)
+        if step + 1 < cp:
+            _wait(works)
+            kv = next_kv
+    return out, lse
+
+
+def _ring_backward(grad_out, q, k, v, out, lse, ids, ring: Ring):
+    group, kernel, stats = ring.group, ring.kernel, ring.stats
+    cp, rank, seq = group.size(), group.rank(), q.shape[1]
+    grad_out = grad_out.float().contiguous()
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    kv = _pack(k, v, ids)  # the ids travel again: backward rebuilds each piece's mask
+    partial_in, dkv_works = None, []  # partial dK/dV of the current block, from before
+    for step in range(cp):
+        src = (rank - step) % cp
+        if step + 1 < cp:
+            next_kv, kv_works = _pass_to_next(kv, group, 0, stats)
+        k_blk, v_blk = _unpack(kv, k.shape, v.shape)
+        k_ids = _unpack_ids(kv, k.shape, v.shape, ids)
+        dkv = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=kv.device)
+        dk_blk, dv_blk = _unpack(dkv, k.shape, v.shape)
+        for rows, cols, blk_causal, mask in _step_blocks(ring, step, src, seq, ids, k_ids):
+            dq_b, dk_b, dv_b = kernel.backward(
+                grad_out[:, rows], q[:, rows], k_blk[:, cols], v_blk[:, cols],
+                out[:, rows], lse[:, :, rows], ring.scale, blk_causal, mask,
+            )  # fmt: skip
+            stats.backward_kernel_calls += 1
+            dq[:, rows] += dq_b
+            dk_blk[:, cols] += dk_b
+            dv_blk[:, cols] += dv_b
+        if partial_in is not None:
+            _wait(dkv_works)
+            dkv += partial_in
+        if cp == 1:
+            partial_in, dkv_works = dkv, []
+            continue
+        # Hand this block's dK/dV sum on; after cp hops each block's sum is home.
+        partial_in, dkv_works = _pass_to_next(dkv, group, 1, stats)
+        if step + 1 < cp:
+            _wait(kv_works)
+            kv = next_kv
+    _wait(dkv_works)
+    dk, dv = _unpack(partial_in, k.shape, v.shape)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# Live rings by handle: the ring op takes plain values, not Python objects.
+_RINGS: weakref.WeakValueDictionary[int, Ring] = weakref.WeakValueDictionary()
+_handles = itertools.count()
+
+
+@torch.library.custom_op("moetrain::ring_attention", mutates_args=())
+def _ring_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor | None, ring: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring's forward as one op: selective activation checkpointing keeps its (out, lse)
+    and hands them back to the replayed forward, so the ring does not go round again."""
+    return _ring_forward(q, k, v, ids, _RINGS[ring])
+
+
+@_ring_op.register_fake
+def _(q, k, v, ids, ring):
+    out = q.new_empty((*q.shape[:3], v.shape[3]), dtype=torch.float32)
+    return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+
+def _ring_setup(ctx, inputs, output) -> None:
+    q, k, v, ids, handle = inputs
+    ctx.save_for_backward(q, k, v, *output, ids)
+    ctx.ring = _RINGS[handle]
+    ctx.mark_non_differentiable(output[1])  # the LSE
+
+
+def _ring_op_backward(ctx, grad_out, _grad_lse):
+    return *_ring_backward(grad_out, *ctx.saved_tensors, ctx.ring), None, None
+
+
+_ring_op.register_autograd(_ring_op_backward, setup_context=_ring_setup)
+
+
+def _run_ring(q, k, v, ids, ring: Ring) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local q, k, v (and document ids or None) -> (out in q's dtype, lse fp32). The fp32
+    out stays the op's output: backward recomputes each block against it."""
+    handle = next(_handles)
+    _RINGS[handle] = ring  # held by the caller for the call, then by the autograd graph
+    out, lse = _ring_op(q, k, v, ids, handle)
+    return out.to(q.dtype), lse
 
 
 # --- DTensor-aware entry point and the module a plan installs ---------------------------
@@ -148,6 +257,7 @@ def ring_attention(
     group: dist.ProcessGroup | None = None,
     cp_dim: str = "cp",
     stats: RingStats | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a sequence split across ranks: q [B, s, Hq, D], k [B, s, Hkv, D],
     v [B, s, Hkv, Dv] (s = S / cp) -> out [B, s, Hq, Dv], lse [B, Hq, s] (fp32).
@@ -155,15 +265,28 @@ def ring_attention(
     DTensor inputs must be `Shard(1)` on the mesh dim named `cp_dim` (of any mesh); the
     outputs are DTensors with the same placements (`Shard(2)` for the LSE's sequence dim).
     Plain tensors need `group`, the ring's process group.
+
+    document_ids [B, s] (this rank's part, split like q; plain or DTensor): a query sees
+    only the keys of its own document (causally if `causal`); None: no document mask.
     """
-    block_kernel = resolve_kernel(kernel, q.device, q.shape[-1], v.shape[-1])
+    masked = document_ids is not None
+    block_kernel = resolve_kernel(kernel, q.device, q.shape[-1], v.shape[-1], masked)
     stats = stats or RingStats()
+    if isinstance(document_ids, DTensor):
+        document_ids = document_ids.to_local()
+    local_q = q.to_local() if isinstance(q, DTensor) else q
+    if masked and document_ids.shape != local_q.shape[:2]:
+        raise ValueError(
+            f"document_ids must be this rank's [B, s] {tuple(local_q.shape[:2])}, got "
+            f"{tuple(document_ids.shape)}"
+        )
     if not isinstance(q, DTensor):
         if group is None:
             raise ValueError(
                 "ring_attention on plain tensors needs group=, the ring's process group"
             )
-        return _RingAttention.apply(q, k, v, group, scale, causal, zigzag, block_kernel, stats)
+        ring = Ring(group, scale, causal, zigzag, block_kernel, stats)
+        return _run_ring(q, k, v, document_ids, ring)
     mesh, placements = q.device_mesh, q.placements
     cp_index = mesh.mesh_dim_names.index(cp_dim)
     for t in (q, k, v):
@@ -172,10 +295,8 @@ def ring_attention(
                 f"ring_attention needs q, k, v sharded Shard(1) (sequence) on mesh dim "
                 f"{cp_dim!r}, got {[t.placements for t in (q, k, v)]}"
             )
-    out, lse = _RingAttention.apply(
-        q.to_local(), k.to_local(), v.to_local(), mesh.get_group(cp_dim),
-        scale, causal, zigzag, block_kernel, stats,
-    )  # fmt: skip
+    ring = Ring(mesh.get_group(cp_dim), scale, causal, zigzag, block_kernel, stats)
+    out, lse = _run_ring(q.to_local(), k.to_local(), v.to_local(), document_ids, ring)
     lse_placements = [Shard(2) if p == Shard(1) else p for p in placements]
     return (
         DTensor.from_local(out, mesh, placements, run_check=False),
@@ -199,10 +320,17 @@ class ContextParallelAttention(nn.Module):
         self.group = group
         self.stats = RingStats()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As `AttentionCore.forward`; document_ids [B, s] is this rank's part."""
         out, _ = ring_attention(
             q, k, v, scale=self.scale, causal=self.causal, zigzag=self.zigzag,
-            kernel=self.kernel, group=self.group, stats=self.stats,
+            kernel=self.kernel, group=self.group, stats=self.stats, document_ids=document_ids,
         )  # fmt: skip
         return out
 

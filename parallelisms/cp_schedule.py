@@ -1,13 +1,20 @@
 """The context-parallel schedule: pure arithmetic on ranks and sequence positions.
 
 Who holds which part of a sequence (`split_for_cp`, applied once in the data path to
-tokens, labels and positions), which query x key rows meet on each ring step
-(`ring_blocks`, used by the ring), and the work that gives each rank (`attention_work`,
-the load-balance measure). No communication and no tensors but the split itself, so the
-data path imports it without the ring.
+tokens, labels, positions and document ids), which query x key rows meet on each ring step
+(`ring_blocks`, used by the ring; `document_blocks` under document masks), and the work
+that gives each rank (`attention_work`; `document_attention_work` under document masks: the
+load-balance measures). No communication, so the data path imports it without the ring.
 
 Zigzag: the sequence is cut into 2*cp chunks and rank r holds chunks r and 2*cp-1-r, so
 that under a causal mask every rank does the same work.
+
+Document masks (a query sees the keys of its own document, causally): a pair of chunks,
+one of the query rank's and one of the key block's, is computed only where some query
+sees some key, trimmed to the rows and columns that take part; a chunk pair where no query
+sees any key is not computed at all. Which pairs those are depends on the document ids
+(data), so `document_blocks` takes them; the causal structure comes from the chunks'
+global positions, never from `position_ids` (which may restart at each document).
 """
 
 from __future__ import annotations
@@ -46,9 +53,117 @@ def attention_work(cp: int, seq_len: int, causal: bool, zigzag: bool) -> list[in
     return work
 
 
+def _chunks(rank: int, cp: int, seq_local: int, zigzag: bool) -> list[tuple[int, slice]]:
+    """This rank's chunks: (global chunk index, its local rows). Zigzag: chunks r and 2cp-1-r
+    of 2cp; contiguous: chunk r of cp (indices comparable only within one layout)."""
+    if not zigzag:
+        return [(rank, slice(0, seq_local))]
+    half = seq_local // 2
+    return [(rank, slice(0, half)), (2 * cp - 1 - rank, slice(half, seq_local))]
+
+
+def local_positions(rank: int, cp: int, seq_local: int, zigzag: bool) -> torch.Tensor:
+    """Global sequence index of each of this rank's local rows, [seq_local] int64."""
+    return split_for_cp(torch.arange(seq_local * cp)[None], rank, cp, zigzag)[0]
+
+
+def block_mask(
+    q_ids: torch.Tensor,
+    k_ids: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    causal: bool,
+) -> torch.Tensor:
+    """Which queries see which keys: q_ids [B, nq], k_ids [B, nk] document ids, q_pos [nq],
+    k_pos [nk] global positions -> [B, nq, nk] bool (same document, key not after query)."""
+    mask = q_ids[:, :, None] == k_ids[:, None, :]
+    if causal:
+        mask = mask & (q_pos[:, None] >= k_pos[None, :])
+    return mask
+
+
+def document_blocks(
+    rank: int,
+    src: int,
+    cp: int,
+    q_ids: torch.Tensor,
+    k_ids: torch.Tensor,
+    causal: bool,
+    zigzag: bool,
+) -> list[tuple[slice, slice]]:
+    """The (query rows, key rows) pieces this rank computes against the K/V block of `src`
+    under document masks. q_ids, k_ids: [B, s] document ids of this rank's and src's rows.
+
+    One piece per chunk pair (query chunk, key chunk) in which some query sees some key,
+    trimmed to the bounding box of the rows and columns that do; chunk pairs with no visible
+    pair are left out. The mask inside a piece is `block_mask` on its rows and columns.
+    """
+    seq_local = q_ids.shape[1]
+    q_pos = local_positions(rank, cp, seq_local, zigzag).to(q_ids.device)
+    k_pos = local_positions(src, cp, seq_local, zigzag).to(q_ids.device)
+    pieces = []
+    for q_chunk, rows in _chunks(rank, cp, seq_local, zigzag):
+        for k_chunk, cols in _chunks(src, cp, seq_local, zigzag):
+            if causal and k_chunk > q_chunk:  # every key comes after every query
+                continue
+            mask = block_mask(q_ids[:, rows], k_ids[:, cols], q_pos[rows], k_pos[cols], causal)
+            mask = mask.any(0)  # [nq, nk]: over the batch, which one kernel call covers
+            seen_rows, seen_cols = mask.any(1).int(), mask.any(0).int()
+            # Whether any pair is visible, and the first/last seen row and column (counted
+            # from each end): one read back from the device for all five.
+            seen, r0, r1, c0, c1 = torch.stack(
+                [
+                    seen_rows.max(),
+                    seen_rows.argmax(),
+                    seen_rows.flip(0).argmax(),
+                    seen_cols.argmax(),
+                    seen_cols.flip(0).argmax(),
+                ]
+            ).tolist()
+            if not seen:
+                continue
+            pieces.append(
+                (
+                    slice(rows.start + r0, rows.stop - r1),
+                    slice(cols.start + c0, cols.stop - c1),
+                )
+            )
+    return pieces
+
+
+def document_attention_work(
+    document_ids: torch.Tensor, cp: int, causal: bool, zigzag: bool
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The load-balance measure under document masks, for a micro-batch's document ids
+    [B, S] (before the split): per rank and ring step, (visible query-key pairs, pairs the
+    block kernel computes: the trimmed pieces' areas). Index [rank][step]; at step t rank r
+    meets the K/V block of rank (r - t) mod cp, as the ring does."""
+    seq_local = document_ids.shape[1] // cp
+    ids = [split_for_cp(document_ids, r, cp, zigzag) for r in range(cp)]
+    visible, computed = [], []
+    for rank in range(cp):
+        q_pos = local_positions(rank, cp, seq_local, zigzag)
+        seen, done = [], []
+        for step in range(cp):
+            src = (rank - step) % cp
+            k_pos = local_positions(src, cp, seq_local, zigzag)
+            n_seen = n_done = 0
+            for rows, cols in document_blocks(rank, src, cp, ids[rank], ids[src], causal, zigzag):
+                mask = block_mask(
+                    ids[rank][:, rows], ids[src][:, cols], q_pos[rows], k_pos[cols], causal
+                )
+                n_seen += int(mask.sum())
+                n_done += mask.numel()
+            seen.append(n_seen)
+            done.append(n_done)
+        visible.append(seen)
+        computed.append(done)
+    return visible, computed
+
+
 def split_for_cp(x: torch.Tensor, cp_rank: int, cp: int, zigzag: bool) -> torch.Tensor:
     """This rank's part of [B, S, ...] along the sequence: chunks r and 2cp-1-r (zigzag) or
-    chunk r. Applied once to tokens, labels and positions in the data path."""
+    chunk r. Applied once to tokens, labels, positions and document ids in the data path."""
     if not zigzag:
         return x.chunk(cp, dim=1)[cp_rank]
     chunks = x.chunk(2 * cp, dim=1)

@@ -12,6 +12,8 @@ lives on another rank, with variable splits and no padding.
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Protocol
 
 import torch
@@ -41,24 +43,45 @@ class TokenDispatcher(Protocol):
         ...
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with variable splits; its gradient is the reverse all-to-all."""
+# Live dispatchers by handle: the all-to-all op takes plain values, not Python objects.
+_DISPATCHERS: weakref.WeakValueDictionary[int, AllToAllDispatcher] = weakref.WeakValueDictionary()
+_handles = itertools.count()
 
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, counter):
-        ctx.splits, ctx.group, ctx.counter = (out_splits, in_splits), group, counter
-        counter.count(in_splits, x)
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        ctx.counter.count(out_splits, grad)
-        grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_in, None, None, None, None
+@torch.library.custom_op("moetrain::all_to_all", mutates_args=())
+def all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], dispatcher: int, count: bool
+) -> torch.Tensor:
+    """all_to_all_single over a dispatcher's `ep` group with variable splits (rows of x).
+
+    One op, not a Python function: selective activation checkpointing keeps its output and
+    hands it back to the replayed forward, so the body below (the transfer and, with
+    `count`, its bytes) runs only when data really moves. Its gradient is the reverse op.
+    """
+    owner = _DISPATCHERS[dispatcher]
+    if count:
+        owner.count(in_splits, x)
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=owner.group)
+    return out
+
+
+@all_to_all.register_fake
+def _(x, out_splits, in_splits, dispatcher, count):
+    return x.new_empty((sum(out_splits), *x.shape[1:]))
+
+
+def _all_to_all_setup(ctx, inputs, output) -> None:
+    _, out_splits, in_splits, dispatcher, _ = inputs
+    ctx.args = (out_splits, in_splits, dispatcher)
+
+
+def _all_to_all_backward(ctx, grad):
+    out_splits, in_splits, dispatcher = ctx.args
+    return all_to_all(grad, in_splits, out_splits, dispatcher, True), None, None, None, None
+
+
+all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
 
 
 def _source_major_to_expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
@@ -83,7 +106,11 @@ class AllToAllDispatcher:
         self.rank = ep_mesh.get_local_rank()
         self.local_experts = num_experts // self.ep
         self.bytes_sent = 0
-        self._pending: list[tuple] = []  # per in-flight forward: (perm, send, recv) splits
+        # per in-flight forward (or its replay under activation checkpointing), pushed by
+        # dispatch, popped by combine: (perm, send, recv) splits
+        self._pending: list[tuple] = []
+        self.handle = next(_handles)
+        _DISPATCHERS[self.handle] = self
 
     def count(self, splits: list[int], x: torch.Tensor) -> None:
         """Bytes this rank sends to the others (its own chunk stays local)."""
@@ -94,13 +121,13 @@ class AllToAllDispatcher:
         self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         send_counts = tokens_per_expert.view(self.ep, self.local_experts)  # [dest rank, expert]
-        recv_counts = torch.empty_like(send_counts)  # [source rank, local expert]
-        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
+        ones = [1] * self.ep  # one row of counts [local experts] to each rank
+        recv_counts = all_to_all(send_counts, ones, ones, self.handle, False)  # [source, expert]
         # NOTE: the host needs the split sizes: this is the device sync that breaks FSDP's
         # implicit prefetch (see parallelisms/fsdp.py).
         send_splits = send_counts.sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
-        x_recv = _AllToAll.apply(x_sorted, recv_splits, send_splits, self.group, self)
+        x_recv = all_to_all(x_sorted, recv_splits, send_splits, self.handle, True)
         perm = _source_major_to_expert_major(recv_counts)
         self._pending.append((perm, send_splits, recv_splits))
         return x_recv[perm], recv_counts.sum(0)
@@ -108,9 +135,11 @@ class AllToAllDispatcher:
     def combine(self, y_local: torch.Tensor) -> torch.Tensor:
         perm, send_splits, recv_splits = self._pending.pop()
         y_recv = torch.empty_like(y_local).index_copy(0, perm, y_local)  # back to arrival order
-        return _AllToAll.apply(y_recv, send_splits, recv_splits, self.group, self)
+        return all_to_all(y_recv, send_splits, recv_splits, self.handle, True)
 
     def reset_bytes(self) -> int:
+        if self._pending:  # called between steps: every dispatch has been combined
+            raise RuntimeError(f"{len(self._pending)} dispatches were never combined")
         sent, self.bytes_sent = self.bytes_sent, 0
         return sent
 

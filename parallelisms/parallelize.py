@@ -1,4 +1,5 @@
-"""Apply a model's parallel plan: expert parallelism, then FSDP2 (DESIGN §4-§7, §9)."""
+"""Apply a model's parallel plan: context and expert parallelism, activation checkpointing,
+then FSDP2 (DESIGN §4-§9, §13)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from models.common.plan import ParallelPlan
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.context_parallel import ContextParallelAttention, apply_context_parallel
 from parallelisms.expert_parallel import TokenDispatcher, apply_expert_parallel
 from parallelisms.fsdp import apply_fsdp
@@ -30,9 +32,11 @@ def parallelize(
     param_dtype: torch.dtype,
     cp_zigzag: bool = True,
     cp_kernel: str = "auto",
+    activation_checkpoint: str = "none",
 ) -> Parallelized:
     """Shard `model` (on the meta device) in place: context parallelism swaps the attention
-    cores for ring attention, expert parallelism shards and wraps the routed experts, FSDP2
+    cores for ring attention, expert parallelism shards and wraps the routed experts,
+    activation checkpointing (none | full | selective) wraps the blocks' forwards, FSDP2
     shards the rest."""
     out = Parallelized()
     if meshes.cp > 1:
@@ -43,6 +47,10 @@ def parallelize(
     if meshes.ep is not None:
         for _, experts in match_modules(model, plan.routed_experts, "routed_experts"):
             out.dispatchers.append(apply_expert_parallel(experts, meshes.ep))
+    # NOTE: before FSDP (as torchtitan does); FSDP's hooks on a block run around its
+    # checkpointed forward, not inside the replay.
+    blocks = match_modules(model, plan.blocks, "blocks")
+    apply_activation_checkpointing(blocks, activation_checkpoint)
     apply_fsdp(model, plan, meshes, param_dtype)
     return out
 

@@ -22,6 +22,7 @@ from models.common.moe import (
     load_balancing_loss,
     sequence_balance_loss,
 )
+from models.common.replay import is_replay
 from parallelisms.mesh import ParallelDims
 from trainer.config import load_config
 from trainer.data import IGNORE_INDEX, Batch, GlobalBatchSampler, build_dataset, build_tokenizer
@@ -93,7 +94,8 @@ def install_routing(model: nn.Module, routing: str | None) -> None:
 
 class RemoteAssignmentCounter:
     """Counts, from the routers' own outputs, (token, expert) assignments whose expert
-    lives on another ep rank: the rows the dispatch must send."""
+    lives on another ep rank: the rows the dispatch must send. Forwards only, not their
+    replays under activation checkpointing (which route the same tokens again)."""
 
     def __init__(self, model: nn.Module, ep: int, ep_rank: int, num_experts: int) -> None:
         self.remote = 0
@@ -105,7 +107,8 @@ class RemoteAssignmentCounter:
         self._rank = ep_rank
 
     def _hook(self, _router, _inputs, out) -> None:
-        self.remote += int((self._owner(out[2]) != self._rank).sum())
+        if not is_replay():
+            self.remote += int((self._owner(out[2]) != self._rank).sum())
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -142,6 +145,11 @@ def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing
         out["grads"] = seen["grads"]
         out["params"] = {n: _full(q) for n, q in trainer.model.named_parameters()}
         out["buffers"] = {n: b.clone() for n, b in trainer.model.named_buffers()}
+        if trainer.bias_update is not None and trainer.bias_update.last_load is not None:
+            # the routers' counts over the world that the bias update used, [L, E]
+            out["bias_load"] = trainer.bias_update.last_load.clone()
+        # ring attention's point-to-point operations so far (this rank)
+        out["p2p_ops"] = sum(ring.stats.p2p_ops for ring in trainer.parallel.ring_attention)
         if counter is not None:
             # Per MoE layer and step: dispatch + combine, forward + backward, fp32 rows.
             out["a2a_expected"] = 4 * counter.remote * cfg.model.args.hidden_size * 4
@@ -149,7 +157,7 @@ def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing
         records.append(out)
     gathered = [None] * world
     dist.all_gather_object(
-        gathered, [{k: r.get(k) for k in ("a2a_bytes", "a2a_expected")} for r in records]
+        gathered, [{k: r.get(k) for k in ("a2a_bytes", "a2a_expected", "p2p_ops")} for r in records]
     )
     if rank == 0:
         torch.save({"records": records, "per_rank": gathered}, out_path)
@@ -195,8 +203,10 @@ def reference_run(argv: list[str], dp_size: int, routing: str | None = None) -> 
         n_tokens = sum((fw.labels != IGNORE_INDEX).sum() for fw in forwards)
         total_ce, total_aux, total_mtp = 0.0, 0.0, 0.0
         for fw in forwards:
-            mtp_inputs = {"mtp_input_ids": fw.mtp_input_ids} if mtp_depth else {}
-            out = model(fw.input_ids, fw.position_ids, **mtp_inputs)
+            inputs = {"mtp_input_ids": fw.mtp_input_ids} if mtp_depth else {}
+            if cfg.data.document_mask:
+                inputs["document_ids"] = fw.document_ids
+            out = model(fw.input_ids, fw.position_ids, **inputs)
             ce = F.cross_entropy(out.logits.flatten(0, 1), fw.labels.flatten(), reduction="sum")
             if cfg.moe.aux_loss_mode == "sequence":  # mean over all sequences of the batch
                 aux = sequence_balance_loss(out.router_stats) * len(forwards) / t.global_batch_size

@@ -1,7 +1,8 @@
 """Aux-loss-free load balancing (DeepSeek-V3 report, §2.1.2).
 
 Each router with a correction bias (`models.common.moe.GroupLimitedRouter`) counts the
-assignments of its training forwards in its `tokens_per_expert` buffer. Just before each
+assignments of its training forwards in its `tokens_per_expert` buffer, once per forward
+(activation checkpointing's replays are not counted: `models.common.replay`). Just before each
 optimizer update, an optimizer pre-step hook sums those counts over every rank (the whole
 global batch: all data, context and expert-parallel ranks, all micro-batches) and moves
 each bias by a fixed step against the load:

@@ -80,6 +80,7 @@ class Trainer:
             torch.bfloat16 if bf16 else torch.float32,
             cp_zigzag=cfg.parallel.cp_layout == "zigzag",
             cp_kernel=cfg.parallel.cp_kernel,
+            activation_checkpoint=cfg.train.activation_checkpoint,
         )
         self.dispatchers = self.parallel.dispatchers
         self.model.to_empty(device=self.device)
@@ -156,7 +157,8 @@ class Trainer:
         """
         self.step_loss.begin(micro_batches)  # global counts: one all-reduce
         for mb in micro_batches:
-            out = self.model(mb.input_ids, mb.position_ids, **model_inputs(mb, self.terms))
+            inputs = model_inputs(mb, self.terms, self.cfg.data.document_mask)
+            out = self.model(mb.input_ids, mb.position_ids, **inputs)
             self.step_loss(out, mb).backward()
         return self.step_loss.end()
 

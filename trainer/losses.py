@@ -53,9 +53,16 @@ def with_mtp_targets(batch: Batch, depth: int) -> Batch:
     )
 
 
-def model_inputs(batch: Batch, terms: LossTerms) -> dict[str, torch.Tensor]:
-    """Keyword inputs beyond (input_ids, position_ids) that the model's loss terms need."""
-    return {"mtp_input_ids": batch.mtp_input_ids} if terms.mtp_depth else {}
+def model_inputs(
+    batch: Batch, terms: LossTerms, document_mask: bool = False
+) -> dict[str, torch.Tensor]:
+    """Keyword inputs beyond (input_ids, position_ids): the MTP inputs the model's loss terms
+    need, and the document ids when attention keeps to each document (`data.document_mask`).
+    """
+    inputs = {"mtp_input_ids": batch.mtp_input_ids} if terms.mtp_depth else {}
+    if document_mask:
+        inputs["document_ids"] = batch.document_ids
+    return inputs
 
 
 def aux_loss_share(

@@ -10,10 +10,11 @@ from models.common.norm import RMSNorm
 
 
 class DecoderBlock(nn.Module):
-    """h = h + self_attn(norm(h), cos, sin); h = h + mlp(norm(h)).
+    """h = h + self_attn(norm(h), cos, sin, document_ids); h = h + mlp(norm(h)).
 
     `mlp` is a dense MLP or an MoE layer, which also returns its routing statistics. The
-    child names are Hugging Face's, so checkpoint keys map one to one.
+    child names are Hugging Face's, so checkpoint keys map one to one. `document_ids`
+    [B, S] (or None) reaches the attention core: the document mask of packed samples.
     """
 
     def __init__(self, dim: int, eps: float, self_attn: nn.Module, mlp: nn.Module) -> None:
@@ -24,9 +25,13 @@ class DecoderBlock(nn.Module):
         self.mlp = mlp
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RouterStats | None]:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, document_ids)
         ffn_out = self.mlp(self.post_attention_layernorm(h))
         stats = None
         if isinstance(ffn_out, tuple):

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.common.mlp import SwiGLU
+from models.common.replay import is_replay
 
 
 class RouterStats(NamedTuple):
@@ -99,8 +100,9 @@ class GroupLimitedRouter(nn.Module):
     `routed_scaling_factor`.
 
     Buffers: `e_score_correction_bias` [E] (fp32) and `tokens_per_expert` [E] (int64, the
-    assignments counted in training forwards since the last bias update). The trainer's
-    optimizer pre-step hook turns the counts into the aux-loss-free bias update.
+    assignments counted in training forwards since the last bias update; a replayed forward,
+    `models.common.replay`, is not counted again). The trainer's optimizer pre-step hook
+    turns the counts into the aux-loss-free bias update.
     """
 
     def __init__(
@@ -137,7 +139,9 @@ class GroupLimitedRouter(nn.Module):
         if self.norm_topk_prob:
             top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
         top_weights = top_weights * self.routed_scaling_factor
-        if self.training and torch.is_grad_enabled():  # a training forward, not an eval probe
+        # A training forward (not an eval probe), counted once: activation checkpointing's
+        # replay of it in backward routes the same tokens again (models.common.replay).
+        if self.training and torch.is_grad_enabled() and not is_replay():
             with torch.no_grad():
                 counts = torch.bincount(top_experts.flatten(), minlength=self.num_experts)
                 self.tokens_per_expert += counts

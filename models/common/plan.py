@@ -12,7 +12,8 @@ Patterns = str | tuple[str, ...]
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    # Repeated blocks: one FSDP unit each, chained for prefetch in this order.
+    # Repeated blocks: one FSDP unit each, chained for prefetch in this order; the unit of
+    # activation checkpointing.
     blocks: Patterns
     # Routed-expert modules (stacked [E, ...] weights): EP on dim 0, FSDP on dim 1.
     routed_experts: Patterns | None = None

@@ -78,7 +78,13 @@ class MLAttention(nn.Module):
             scale *= yarn_mscale(yarn.factor, yarn.mscale_all_dim) ** 2
         self.core = AttentionCore(scale=scale, causal=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         B, S, _ = x.shape
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
@@ -93,7 +99,8 @@ class MLAttention(nn.Module):
         k_rope = rotate(k_rope.view(B, S, 1, self.rope), cos, sin)  # one head, shared
         q = torch.cat([q_nope, q_rope], dim=-1)  # [B, S, H, nope + rope]
         k = torch.cat([k_nope, k_rope.expand(B, S, self.heads, self.rope)], dim=-1)
-        return self.o_proj(self.core(q, k, v).reshape(B, S, self.heads * self.v_dim))
+        out = self.core(q, k, v, document_ids)  # [B, S, H, v_head_dim]
+        return self.o_proj(out.reshape(B, S, self.heads * self.v_dim))
 
 
 def decoder_block(args: DeepseekV3Args, layer_idx: int, moe_options: MoEOptions) -> DecoderBlock:
@@ -129,11 +136,17 @@ class MultiTokenPrediction(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(
-        self, h: torch.Tensor, token_embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        h: torch.Tensor,
+        token_embeds: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RouterStats | None]:
         """h [B, S, dim] (the previous depth's normed output), token_embeds [B, S, dim]
         (embedding of token i+k at position i) -> (this depth's normed output, which feeds
-        the shared head and the next depth; its routing stats).
+        the shared head and the next depth; its routing stats). document_ids [B, S]: the
+        block's attention keeps to position i's document, as the main model's does.
 
         NOTE: the chain passes normed states (the main model's output after its final norm)
         as Megatron-LM's and vLLM's MTP do; the released weights were trained that way. The
@@ -143,7 +156,7 @@ class MultiTokenPrediction(nn.Module):
         # NOTE: [embedding; hidden] is the order of the released checkpoints' eh_proj
         # columns (the report writes it the other way round).
         combined = torch.cat([self.enorm(token_embeds), self.hnorm(h)], dim=-1)
-        h, stats = self.block(self.eh_proj(combined), cos, sin)
+        h, stats = self.block(self.eh_proj(combined), cos, sin, document_ids)
         return self.norm(h), stats
 
 
@@ -183,11 +196,13 @@ class DeepseekV3ForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
         mtp_input_ids: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """input_ids [B, S]; position_ids [B, S] (the true positions when the sequence is
-        split or reordered); mtp_input_ids [B, S, D]: at position i, depth k's input token
-        i+k (see trainer.data.mtp_targets), needed for the MTP logits."""
+        split or reordered); document_ids [B, S]: a token attends only to its own document
+        (None: to every earlier token); mtp_input_ids [B, S, D]: at position i, depth k's
+        input token i+k (see trainer.data.mtp_targets), needed for the MTP logits."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
             position_ids = position_ids.expand_as(input_ids)
@@ -197,7 +212,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         )
         all_stats: list[RouterStats] = []
         for block in self.layers:
-            h, stats = block(h, cos, sin)
+            h, stats = block(h, cos, sin, document_ids)
             if stats is not None:
                 all_stats.append(stats)
         h = self.norm(h)
@@ -207,7 +222,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         if self.mtp is not None and mtp_input_ids is not None:
             mtp_logits = []
             for k, module in enumerate(self.mtp):
-                h, stats = module(h, self.embed_tokens(mtp_input_ids[..., k]), cos, sin)
+                embeds = self.embed_tokens(mtp_input_ids[..., k])
+                h, stats = module(h, embeds, cos, sin, document_ids)
                 if stats is not None:
                     all_stats.append(stats)
                 mtp_logits.append(self._head(h))

@@ -43,7 +43,13 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(kv_width, args.rms_norm_eps)
         self.core = AttentionCore(scale=d**-0.5, causal=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         B, S, _ = x.shape
         q = self.q_norm(self.q_proj(x))  # [B, S, Hq * D]
         k = self.k_norm(self.k_proj(x))  # [B, S, Hkv * D]
@@ -56,7 +62,8 @@ class Attention(nn.Module):
         k = k.view(B, S, -1, self.head_dim)  # [B, S, Hkv, D]
         v = v.view(B, S, -1, self.head_dim)  # [B, S, Hkv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.o_proj(self.core(q, k, v).reshape(B, S, -1))  # [B, S, Hq * D] -> hidden
+        out = self.core(q, k, v, document_ids)  # [B, S, Hq, D]
+        return self.o_proj(out.reshape(B, S, -1))  # [B, S, Hq * D] -> hidden
 
     def extra_repr(self) -> str:
         return f"clip_qkv={self.clip_qkv}"
@@ -89,10 +96,14 @@ class OlmoeForCausalLM(nn.Module):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """input_ids [B, S]; position_ids [B, S] (default 0..S-1, the true positions when the
-        sequence is split or reordered, as under context parallelism)."""
+        sequence is split or reordered, as under context parallelism); document_ids [B, S]:
+        a token attends only to its own document (None: to every earlier token)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
             position_ids = position_ids.expand_as(input_ids)
@@ -103,7 +114,7 @@ class OlmoeForCausalLM(nn.Module):
 
         all_stats: list[RouterStats] = []
         for block in self.layers:
-            h, stats = block(h, cos, sin)
+            h, stats = block(h, cos, sin, document_ids)
             all_stats.append(stats)
 
         h = self.norm(h)

@@ -68,6 +68,12 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
         f"{NEEDS_PATH.get(d.source)})",
     )
     need(
+        not (d.document_mask and p.cp > 1 and p.cp_kernel == "cpu_flash"),
+        "parallel.cp_kernel=cpu_flash cannot apply document masks (data.document_mask=true): "
+        "the CPU flash op takes no mask; use parallel.cp_kernel=auto (picks the masked math "
+        "kernel) or math",
+    )
+    need(
         p.dp_shard == -1 or p.dp_shard >= 1,
         f"parallel.dp_shard must be -1 (all remaining ranks) or >= 1, got {p.dp_shard}",
     )

@@ -62,6 +62,12 @@ class DataSection:
     max_tokens: int | None = arg(
         None, "stop reading the source after this many tokens (None = read all of it)", gt=0
     )
+    document_mask: bool = arg(
+        False, "attend only within each packed document (causal inside it), not across EOS"
+    )
+    reset_positions: bool = arg(
+        False, "restart position ids (RoPE) at 0 for each packed document, after every EOS"
+    )
     shuffle: bool = arg(True, "shuffle the sample order each epoch (seeded by train.seed)")
     num_workers: int = arg(0, "dataloader worker processes", ge=0)
     verify: str = arg(
@@ -115,6 +121,12 @@ class TrainSection:
     )
     device: str = arg(
         "auto", "auto (cuda if available) | cuda | cpu", choices=("auto", "cuda", "cpu")
+    )
+    activation_checkpoint: str = arg(
+        "none",
+        "recompute blocks in backward to save memory: none | full (keep block inputs only) | "
+        "selective (also keep matmul, attention and all-to-all outputs)",
+        choices=("none", "full", "selective"),
     )
 
 

@@ -12,7 +12,13 @@ step boundary and still see exactly the samples it would have seen.
 from trainer.data.batch import IGNORE_INDEX, Batch, DataError
 from trainer.data.corpus import build_dataset, check_corpus, open_corpus
 from trainer.data.loader import build_dataloader
-from trainer.data.packing import CorpusSummary, PackedDataset, pack_corpus, pack_documents
+from trainer.data.packing import (
+    CorpusSummary,
+    PackedDataset,
+    document_positions,
+    pack_corpus,
+    pack_documents,
+)
 from trainer.data.sampler import GlobalBatchSampler
 from trainer.data.sources import iter_documents, source_files, stdlib_files
 from trainer.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
@@ -31,6 +37,7 @@ __all__ = [
     "build_dataset",
     "build_tokenizer",
     "check_corpus",
+    "document_positions",
     "iter_documents",
     "open_corpus",
     "pack_corpus",

@@ -117,4 +117,4 @@ def open_corpus(cfg: DataSection, tokenizer: Tokenizer) -> tuple[TokenStream, Co
 def build_dataset(cfg: DataSection, tokenizer: Tokenizer) -> PackedDataset:
     """Fixed-length samples of the configured source; `.summary` says what it holds."""
     stream, summary = open_corpus(cfg, tokenizer)
-    return PackedDataset(stream, cfg.seq_len, tokenizer.eos_id, summary)
+    return PackedDataset(stream, cfg.seq_len, tokenizer.eos_id, summary, cfg.reset_positions)

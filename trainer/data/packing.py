@@ -99,6 +99,18 @@ def pack_documents(
     return torch.from_numpy(pack_corpus(documents, tokenizer, max_tokens)[0])
 
 
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 where each document starts (`data.reset_positions`):
+    document_ids [..., S] -> [..., S] int64, the index of each token within its document."""
+    seq = document_ids.shape[-1]
+    index = torch.arange(seq, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
+    # The index of the latest start at or before each token, carried forward by cummax.
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
+    return index - first
+
+
 class TokenStream(Protocol):
     """A flat token stream: its length, and contiguous slices as arrays."""
 
@@ -113,6 +125,8 @@ class PackedDataset(Dataset):
     Consecutive samples overlap by one token so that every token is a label exactly once.
     The stream is an in-memory array or tensor, or prepared shards read by memory map
     (`trainer.data.shards.ShardedTokens`): a sample reads only its own seq_len + 1 tokens.
+    `reset_positions`: position ids restart at 0 with each document (the token after an
+    EOS, and the sample's first token); otherwise 0..seq_len-1.
     """
 
     def __init__(
@@ -121,6 +135,7 @@ class PackedDataset(Dataset):
         seq_len: int,
         eos_id: int,
         summary: CorpusSummary | None = None,
+        reset_positions: bool = False,
     ):
         if isinstance(tokens, torch.Tensor | np.ndarray) and tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
@@ -130,6 +145,7 @@ class PackedDataset(Dataset):
         self.summary = summary  # what the corpus holds, for the console line
         self.seq_len = seq_len
         self.eos_id = eos_id
+        self.reset_positions = reset_positions
         self.num_samples = (len(tokens) - 1) // seq_len
         if self.num_samples < 1:
             raise DataError(
@@ -152,9 +168,14 @@ class PackedDataset(Dataset):
         # A token belongs to the document whose EOS count precedes it; the EOS itself still
         # belongs to the document it ends. Numbering restarts at 0 in every sample.
         document_ids = torch.cumsum(is_eos, 0) - is_eos
+        # Here, before any context-parallel split: positions then travel with the tokens.
+        if self.reset_positions:
+            position_ids = document_positions(document_ids)
+        else:
+            position_ids = torch.arange(self.seq_len, dtype=torch.int64)
         return Batch(
             input_ids=input_ids,
             labels=chunk[1:],
-            position_ids=torch.arange(self.seq_len, dtype=torch.int64),
+            position_ids=position_ids,
             document_ids=document_ids,
         )

@@ -1,0 +1,151 @@
+"""Peak activation memory and step time per activation-checkpointing mode, on CPU.
+
+    python benchmarks/memory.py --config configs/debug_qwen3_moe.toml [--section.key=value ...]
+
+Runs the config once per `train.activation_checkpoint` mode (none, full, selective), each
+in a fresh process of one rank, and prints one JSON object, then a one-line summary.
+Flags of this script (not config keys): --modes=none,full,selective, --warmup=K (untimed
+steps, default 1), --measure=M (timed steps, default 3).
+
+Memory is read from the allocator, not estimated: one step's forward and backward run
+under `torch.profiler` with `profile_memory=True`, which records every CPU allocation and
+free; `peak_mib` is the highest live total above what was live when the step began (the
+weights and the optimizer state). It includes the gradients (`grads_mib`, the same for
+every mode); `activations_mib = peak_mib - grads_mib` is what checkpointing changes.
+Step time is the median of the timed steps, without the profiler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MODES = ("none", "full", "selective")
+MIB = 2**20
+
+
+def _pop_flag(argv: list[str], name: str, default: str) -> str:
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{name}="):
+            argv.pop(i)
+            return arg.split("=", 1)[1]
+    return default
+
+
+def peak_bytes(fn, before=None) -> int:
+    """The peak of live CPU memory while `fn()` runs, above the level when it starts, from
+    the allocator's events (every allocation and free, in time order). `before()` runs
+    first under the same profiler, so that what `fn` frees of its allocations is seen too
+    (the profiler drops frees of blocks allocated before it started)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        if before is not None:
+            before()
+        with record_function("measured"):
+            fn()
+    events = prof.profiler.kineto_results.events()
+    (window,) = [e for e in events if e.name() == "measured"]
+    live, level, peak = 0, 0, 0
+    for start, nbytes in sorted(
+        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"
+    ):
+        if start > window.end_ns():
+            break
+        live += nbytes
+        if start < window.start_ns():
+            level = live
+        else:
+            peak = max(peak, live - level)
+    return peak
+
+
+def measure_mode(argv: list[str], mode: str, warmup: int, measure: int) -> dict:
+    """One rank, this process: a Trainer with `mode`, timed steps, then one profiled step."""
+    from parallelisms.mesh import ParallelDims
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+    from trainer.setup import preflight
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(
+            [
+                *argv,
+                f"--train.activation_checkpoint={mode}",
+                "--train.device=cpu",
+                "--metrics.jsonl=false",
+                "--metrics.progress=false",
+                f"--job.output_dir={tmp}",
+            ]
+        )
+        p = cfg.parallel
+        dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, 1)
+        cfg.train.steps = warmup + measure + 2
+        cfg.train.warmup_steps = min(cfg.train.warmup_steps, cfg.train.steps)
+        preflight(cfg, dims)
+        trainer = Trainer(cfg, dims)
+        times = []
+        for i in range(warmup + measure):
+            batches = trainer.next_micro_batches()
+            start = time.perf_counter()
+            trainer.train_step(batches)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        before, batches = trainer.next_micro_batches(), trainer.next_micro_batches()
+        peak = peak_bytes(
+            lambda: trainer.forward_backward(batches), lambda: trainer.train_step(before)
+        )
+        grads = sum(q.numel() * q.element_size() for q in trainer.params)
+        return {
+            "mode": mode,
+            "config": cfg.job.name,
+            "tokens_per_step": cfg.train.global_batch_size * cfg.data.seq_len,
+            "micro_batch": [cfg.train.micro_batch_size, cfg.data.seq_len],
+            "step_time_s": statistics.median(times),
+            "peak_mib": peak / MIB,
+            "grads_mib": grads / MIB,
+            "activations_mib": (peak - grads) / MIB,
+        }
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    child = _pop_flag(argv, "child-mode", "")
+    warmup = int(_pop_flag(argv, "warmup", "1"))
+    measure = int(_pop_flag(argv, "measure", "3"))
+    if child:  # one mode, in this process
+        print(json.dumps(measure_mode(argv, child, warmup, measure)))
+        return
+    modes = _pop_flag(argv, "modes", ",".join(MODES)).split(",")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    results = {}
+    for mode in modes:  # a fresh process each: no allocation of one mode outlives it
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), *argv, f"--child-mode={mode}",
+             f"--warmup={warmup}", f"--measure={measure}"],
+            check=True, capture_output=True, text=True, env=env,
+        )  # fmt: skip
+        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    first = results[modes[0]]
+    print(json.dumps({"config": first["config"], "modes": results}))
+    base = results.get("none")
+
+    def part(mode: str) -> str:
+        r = results[mode]
+        text = f"{mode} {r['activations_mib']:.1f} MiB"
+        if base is not None and mode != "none":
+            text += f" ({100 * (r['activations_mib'] / base['activations_mib'] - 1):+.0f}%)"
+        return f"{text}, {1000 * r['step_time_s']:.0f} ms/step"
+
+    print(f"{first['config']} activation memory (peak - grads): {'; '.join(map(part, modes))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Activation checkpointing changes memory and time, never numbers or state (DESIGN §13).
+
+`train.activation_checkpoint` = full and selective against none, on the same layout, fp32
+on CPU, 3 steps: losses, aux and MTP losses, grad norms, every gradient and updated
+parameter, the routers' biases and counts, and the expert-load metrics are bit-equal
+(`==`, `torch.equal`). The math is the same op for op: a replay recomputes the dropped
+activations with the same kernels on the same inputs, selective's kept outputs are the
+forward's own tensors, and backward runs the forward's autograd graph, so there is no
+exception to bitwise equality to explain.
+
+Traffic: under selective the replay gets the all-to-all and ring outputs back without
+running them, so `a2a_bytes` and ring operations equal none's; under full the replayed
+forward dispatches and combines again, which adds exactly the forward's share: half of the
+per-step bytes (summed over ranks: half of the expected bytes counted independently from
+the routers' outputs, dispatch + combine, forward + backward), and 2(cp-1) ring operations
+per attention call. Each mode's three runs share one spawn per layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks.memory import peak_bytes
+from models import get_model_spec
+from models.common.moe import GroupLimitedRouter
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.plan import match_modules
+from tests.distributed import run_distributed
+from tests.parity import TINY, TINY_DSV3, layout_worker
+from trainer.config import load_config
+
+MODES = ("none", "full", "selective")
+EP2, CP2 = "--parallel.ep=2", "--parallel.cp=2"
+LOAD = "--metrics.expert_load_interval=1"  # the expert-load metric in every step's record
+CASES = {  # name: (model, world, layout)
+    "fsdp2": (TINY, 2, []),
+    "ep2_efsdp2": (TINY, 4, [EP2]),
+    "cp2_ep2": (TINY, 4, [CP2, EP2]),
+    # MLA, group-limited routing with the bias update, the MTP module (a block of its own).
+    "dsv3_mtp_ep2_efsdp2": (TINY_DSV3, 4, [EP2]),
+}
+
+
+def _modes_worker(rank: int, world: int, argv: list[str], out_dir: str) -> None:
+    """The three modes one after the other on the same ranks (one spawn per layout)."""
+    for mode in MODES:
+        mode_argv = [*argv, f"--train.activation_checkpoint={mode}"]
+        layout_worker(rank, world, mode_argv, f"{out_dir}/{mode}.pt", None)
+
+
+def _assert_same_state(ours: list[dict], ref: list[dict], mode: str) -> None:
+    for step, (o, r) in enumerate(zip(ours, ref, strict=True), start=1):
+        where = f"{mode}, step {step}"
+        for key in ("loss", "aux_loss", "mtp_loss", "grad_norm", "expert_load", "tokens"):
+            assert o.get(key) == r.get(key), f"{key} differs ({where})"
+        for kind in ("grads", "params", "buffers"):
+            assert o[kind].keys() == r[kind].keys()
+            for name, tensor in r[kind].items():
+                assert torch.equal(o[kind][name], tensor), f"{kind} {name} differs ({where})"
+        assert ("bias_load" in o) == ("bias_load" in r)
+        if "bias_load" in r:
+            assert torch.equal(o["bias_load"], r["bias_load"]), f"bias load ({where})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_checkpointing_is_invisible(name, tmp_path):
+    model, world, layout = CASES[name]
+    run_distributed(_modes_worker, world, [*model, *layout, LOAD], str(tmp_path))
+    runs = {mode: torch.load(tmp_path / f"{mode}.pt") for mode in MODES}
+    none = runs["none"]
+    for mode in ("full", "selective"):
+        _assert_same_state(runs[mode]["records"], none["records"], mode)
+
+    if model is TINY_DSV3:  # the bias moved and the counts it used are real, in 3 routers
+        load, bias = none["records"][-1]["bias_load"], none["records"][-1]["buffers"]
+        assert load.shape[0] == 3 and (load.sum(1) > 0).all()
+        assert all(b.abs().max() > 0 for n, b in bias.items() if n.endswith("correction_bias"))
+
+    per_rank = {mode: runs[mode]["per_rank"] for mode in MODES}  # [rank][step] -> dict
+    for step in range(len(none["records"])):
+        sent = {m: [rank[step]["a2a_bytes"] for rank in per_rank[m]] for m in MODES}
+        if EP2 not in layout:
+            assert all(b is None for m in MODES for b in sent[m])
+            continue
+        # A rank sends the same in forward and backward (its dispatch rows and the combine
+        # rows it owes others, then their gradients the other way): per rank, full's
+        # replayed forward adds half of none's step.
+        for rank in range(world):
+            assert sent["selective"][rank] == sent["none"][rank], f"re-sent, rank {rank}"
+            assert 2 * sent["full"][rank] == 3 * sent["none"][rank], f"rank {rank}"
+        # Independently, from the routers' outputs (4 crossings of each remote assignment
+        # per step, counted once per forward, not per replay: the same in every run).
+        expected = [rank[step]["a2a_expected"] for rank in per_rank["none"]]
+        assert all([r[step]["a2a_expected"] for r in per_rank[m]] == expected for m in MODES)
+        assert sum(sent["none"]) == sum(expected) > 0, f"step {step}"
+        assert sum(sent["selective"]) == sum(expected), f"step {step}"
+        assert sum(sent["full"]) == sum(expected) + sum(expected) // 2, f"step {step}"
+    if CP2 in layout:  # ring attention: cumulative point-to-point operations, per rank
+        for rank in range(world):
+            p2p = {mode: per_rank[mode][rank][-1]["p2p_ops"] for mode in MODES}
+            # per attention call: forward 2(cp-1) = 2, backward 2(cp-1) + 2cp = 6
+            assert p2p["none"] > 0 and p2p["selective"] == p2p["none"], f"rank {rank}"
+            assert p2p["full"] == p2p["none"] + p2p["none"] * 2 // 8, f"rank {rank}"
+
+
+# --- one process, no process group: the model with checkpointed blocks --------------------
+
+
+def _forward_backward(model: nn.Module, argv: list[str]) -> dict:
+    g = torch.Generator().manual_seed(1)
+    args = load_config(argv).model.args
+    ids = torch.randint(0, args.vocab_size, (2, 32), generator=g)
+    depth = getattr(args, "num_nextn_predict_layers", 0)
+    mtp = torch.randint(0, args.vocab_size, (2, 32, depth), generator=g) if depth else None
+    extra = {"mtp_input_ids": mtp} if depth else {}
+    out = model(ids, **extra)
+    loss = out.logits.logsumexp(-1).mean() + out.router_stats.prob_sum.square().mean()
+    for logits in out.mtp_logits or []:
+        loss = loss + logits.logsumexp(-1).mean()
+    loss.backward()
+    return {
+        "loss": loss.detach(),
+        "stats": out.router_stats.tokens_per_expert,
+        "grads": {n: p.grad for n, p in model.named_parameters()},
+        "buffers": dict(model.named_buffers()),
+    }
+
+
+def _model(argv: list[str], mode: str) -> nn.Module:
+    cfg = load_config(argv)
+    spec = get_model_spec(cfg.model.name)
+    model = spec.build(cfg.model.args)
+    model.init_weights(cfg.train.seed)
+    apply_activation_checkpointing(match_modules(model, spec.plan.blocks, "blocks"), mode)
+    return model.train()
+
+
+@pytest.mark.parametrize("argv", [TINY, TINY_DSV3], ids=["qwen3", "dsv3_mtp"])
+def test_single_process_checkpointing_is_invisible(argv):
+    ref = _forward_backward(_model(argv, "none"), argv)
+    for mode in ("full", "selective"):
+        model = _model(argv, mode)
+        assert [n for n, _ in model.named_parameters()] == list(ref["grads"])  # same FQNs
+        ours = _forward_backward(model, argv)
+        assert torch.equal(ours["loss"], ref["loss"]) and torch.equal(ours["stats"], ref["stats"])
+        for kind in ("grads", "buffers"):
+            for name, tensor in ref[kind].items():
+                assert torch.equal(ours[kind][name], tensor), f"{mode}: {kind} {name}"
+        routers = [m for m in model.modules() if isinstance(m, GroupLimitedRouter)]
+        for router in routers:  # each assignment counted once: 2 x 32 tokens, top-k each
+            assert router.tokens_per_expert.sum() == 2 * 32 * router.top_k
+
+
+def test_checkpointing_lowers_peak_memory():
+    """Peak memory of one forward + backward (allocator events), debug Qwen3-MoE blocks."""
+    argv = ["--config=configs/debug_qwen3_moe.toml"]
+    peak = {}
+    for mode in MODES:
+        model = _model(argv, mode)
+        peak[mode] = peak_bytes(lambda m=model: _forward_backward(m, argv))
+    assert peak["full"] < peak["none"] and peak["selective"] < peak["none"], peak
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="activation_checkpoint"):
+        apply_activation_checkpointing([], "sometimes")
