@@ -56,7 +56,8 @@ def main() -> None:
         saved = time.perf_counter() - start
         path = complete_checkpoints(os.path.join(root, mode))[-1][1]
         start = time.perf_counter()
-        trainer.checkpointer.load(path, trainer.model, trainer.optimizer)
+        trainer.checkpointer.read(path)
+        trainer.checkpointer.load_weights(path, trainer.model, trainer.optimizer)
         dist.barrier()
         result[mode] = {"stall_s": stall, "save_s": saved, "load_s": time.perf_counter() - start}
     size = sum(f.stat().st_size for f in os.scandir(path) if f.is_file())

@@ -29,8 +29,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from models.common.attention import block_mask
 from parallelisms.attention_kernels import BlockKernel, resolve_kernel
-from parallelisms.cp_schedule import block_mask, document_blocks, local_positions, ring_blocks
+from parallelisms.cp_schedule import document_blocks, local_positions, ring_blocks
 
 # --- ring communication ----------------------------------------------------------------
 
@@ -109,6 +110,14 @@ class Ring:
         # reused by backward, so both skip the same block pairs (and backward reads no mask
         # bounds back from the device).
         self.pieces: list[list[tuple[slice, slice]]] = []
+        self._positions: dict[int, torch.Tensor] = {}
+
+    def positions(self, rank: int, seq: int, device: torch.device) -> torch.Tensor:
+        """Global positions of `rank`'s local rows (computed once per ring and rank)."""
+        if rank not in self._positions:
+            cp = self.group.size()
+            self._positions[rank] = local_positions(rank, cp, seq, self.zigzag).to(device)
+        return self._positions[rank]
 
 
 def _step_blocks(ring: Ring, step: int, src: int, seq: int, ids, k_ids):
@@ -121,7 +130,7 @@ def _step_blocks(ring: Ring, step: int, src: int, seq: int, ids, k_ids):
         ]
     if step == len(ring.pieces):  # forward: which pieces does any query see into?
         ring.pieces.append(document_blocks(rank, src, cp, ids, k_ids, ring.causal, ring.zigzag))
-    q_pos, k_pos = (local_positions(r, cp, seq, ring.zigzag).to(ids.device) for r in (rank, src))
+    q_pos, k_pos = (ring.positions(r, seq, ids.device) for r in (rank, src))
     return [
         (
             rows,

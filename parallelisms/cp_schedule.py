@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from models.common.attention import block_mask
+
 Block = tuple[slice, slice, bool]  # (query rows, key rows, causal within the block)
 
 
@@ -65,21 +67,6 @@ def _chunks(rank: int, cp: int, seq_local: int, zigzag: bool) -> list[tuple[int,
 def local_positions(rank: int, cp: int, seq_local: int, zigzag: bool) -> torch.Tensor:
     """Global sequence index of each of this rank's local rows, [seq_local] int64."""
     return split_for_cp(torch.arange(seq_local * cp)[None], rank, cp, zigzag)[0]
-
-
-def block_mask(
-    q_ids: torch.Tensor,
-    k_ids: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    causal: bool,
-) -> torch.Tensor:
-    """Which queries see which keys: q_ids [B, nq], k_ids [B, nk] document ids, q_pos [nq],
-    k_pos [nk] global positions -> [B, nq, nk] bool (same document, key not after query)."""
-    mask = q_ids[:, :, None] == k_ids[:, None, :]
-    if causal:
-        mask = mask & (q_pos[:, None] >= k_pos[None, :])
-    return mask
 
 
 def document_blocks(

@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -263,20 +262,14 @@ class Checkpointer:
                 f"when it was saved ({len(bad)} file(s) differ){hint}"
             )
 
-    def load(
-        self,
-        path: str,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        accept: Callable[[dict[str, Any]], None] | None = None,
-    ) -> dict[str, Any]:
-        """Verify the files, read the trainer state and let `accept` refuse it (cheaply,
-        before the weights), then restore model and optimizer in place (any layout).
-        Returns the trainer state."""
+    def read(self, path: str) -> dict[str, Any]:
+        """The trainer state of a verified checkpoint (all ranks call): cheap, so a caller
+        can refuse the checkpoint on it before `load_weights` reads the weights."""
         self.verify(path)
-        trainer_state = read_trainer_state(path)
-        if accept is not None:
-            accept(trainer_state)
+        return read_trainer_state(path)
+
+    def load_weights(self, path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Restore model and optimizer in place from `path` (any layout; call `read` first)."""
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
@@ -287,4 +280,3 @@ class Checkpointer:
             optim_state_dict=state["optim"],
             options=_OPTIONS,
         )
-        return trainer_state

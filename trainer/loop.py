@@ -245,32 +245,33 @@ class Trainer:
                 "with the checkpoint's model keys, or start a new job.output_dir"
             )
 
-    def _accept(self, path: str, state: dict) -> None:
-        """Before any weight is read: refuse another model, or other data unless allowed."""
+    def _accept(self, path: str, state: dict) -> bool:
+        """Before any weight is read: refuse another model, a position that is not at a step
+        boundary, or other data unless allowed. Returns whether the data differs."""
         self._accept_model(path, state)
-        saved, ours = state.get("data_identity"), self._data_identity()
-        if saved and saved["fingerprint"] != ours["fingerprint"]:
-            if not self.cfg.checkpoint.allow_data_change:
-                raise DataError(
-                    f"{path} was trained on other data ({saved['source']}, {saved['tokens']:,} "
-                    f"tokens) than this run's ({ours['source']}, {ours['tokens']:,} tokens; "
-                    "content fingerprints differ); resume on its data, or pass "
-                    "--checkpoint.allow_data_change=true to continue on this data on purpose"
-                )
-            self._notes.append(f"resuming on other data than {path}'s, as allowed")
-
-    def _restore(self, path: str) -> None:
-        state = self.checkpointer.load(
-            path, self.model, self.optimizer, accept=lambda s: self._accept(path, s)
-        )
-        saved, ours = state.get("data_identity"), self._data_identity()
-        self.step = state["step"]
         if state["data"]["micro_batches_into_step"]:
             # The trainer saves at step boundaries only; a mid-step position would put its
             # own count of consumed samples out of step with the sampler's.
             raise DataError(f"{path}: its data position is not at a step boundary")
-        if saved and saved["fingerprint"] != ours["fingerprint"]:
-            # Other data, on purpose: continue the global sample count in its order.
+        saved, ours = state.get("data_identity"), self._data_identity()
+        if not saved or saved["fingerprint"] == ours["fingerprint"]:
+            return False
+        if not self.cfg.checkpoint.allow_data_change:
+            raise DataError(
+                f"{path} was trained on other data ({saved['source']}, {saved['tokens']:,} "
+                f"tokens) than this run's ({ours['source']}, {ours['tokens']:,} tokens; "
+                "content fingerprints differ); resume on its data, or pass "
+                "--checkpoint.allow_data_change=true to continue on this data on purpose"
+            )
+        self._notes.append(f"resuming on other data than {path}'s, as allowed")
+        return True
+
+    def _restore(self, path: str) -> None:
+        state = self.checkpointer.read(path)
+        other_data = self._accept(path, state)
+        self.checkpointer.load_weights(path, self.model, self.optimizer)
+        self.step = state["step"]
+        if other_data:  # on purpose: continue the global sample count in the new data's order
             self.sampler.consumed_samples = int(state["data"]["consumed_samples"])
         else:
             self.sampler.load_state_dict(state["data"])

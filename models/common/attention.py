@@ -10,14 +10,26 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def block_mask(
+    q_ids: torch.Tensor,
+    k_ids: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    causal: bool,
+) -> torch.Tensor:
+    """Which queries see which keys: q_ids [B, nq], k_ids [B, nk] document ids, q_pos [nq],
+    k_pos [nk] global positions -> [B, nq, nk] bool (same document, key not after query)."""
+    mask = q_ids[:, :, None] == k_ids[:, None, :]
+    if causal:
+        mask = mask & (q_pos[:, None] >= k_pos[None, :])
+    return mask
+
+
 def document_mask(document_ids: torch.Tensor, causal: bool) -> torch.Tensor:
     """document_ids [B, S] -> [B, 1, S, S] bool, True where query i may see key j: same
     document (and j <= i if causal). Every query sees at least itself."""
-    mask = document_ids[:, :, None] == document_ids[:, None, :]  # [B, S, S]
-    if causal:
-        seq = document_ids.shape[1]
-        mask = mask & torch.ones(seq, seq, dtype=torch.bool, device=mask.device).tril()
-    return mask[:, None]
+    positions = torch.arange(document_ids.shape[1], device=document_ids.device)
+    return block_mask(document_ids, document_ids, positions, positions, causal)[:, None]
 
 
 class AttentionCore(nn.Module):
