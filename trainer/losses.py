@@ -161,7 +161,11 @@ class StepLoss:
     def begin(self, micro_batches: list[Batch]) -> None:
         if len(micro_batches) != self.rounds:  # the aux-loss shares are scaled by it
             raise ValueError(f"expected {self.rounds} micro-batches, got {len(micro_batches)}")
-        self.counts = global_counts(micro_batches, self.terms.mtp_depth, self.device)
+        self.start(global_counts(micro_batches, self.terms.mtp_depth, self.device))
+
+    def start(self, counts: GlobalCounts) -> None:
+        """Begin a step whose global counts are known (the dry-run planner's meta trace)."""
+        self.counts = counts
         # [sum of token losses, sum of aux shares, sum over depths of mean MTP losses]
         self._sums = torch.zeros(3, device=self.device)
         self._expert_load: torch.Tensor | None = None

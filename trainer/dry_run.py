@@ -1,0 +1,233 @@
+"""Will it fit? Plan a launch on one CPU process, before paying for the GPUs.
+
+    python -m trainer.dry_run --world-size N --config X.toml [--section.key=value ...]
+        [--json FILE] [--gpu-memory GiB]
+
+The real mesh is built over PyTorch's fake process group (one process plays rank 0 of N;
+collectives do nothing), the model on the meta device, the real plan applied. What it
+prints, per rank: parameter, gradient and optimizer bytes (from the local shard shapes),
+the activation peak of one micro-batch for each `train.activation_checkpoint` mode and the
+rank's peak estimate; per step: FSDP all-gather and reduce-scatter bytes, the EP
+all-to-all bytes under balanced routing and the CP ring bytes. Every refusal of a real
+launch applies (`trainer.setup.preflight`, exit 2). With --gpu-memory it says whether the
+layout fits and, if not, which knob brings it in. How each figure is measured:
+`trainer.footprint` and docs/architecture.md ("Will it fit?").
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+
+from trainer.layout_cost import MODES, Layout, measure_layout, peak_bytes, step_bytes
+
+GIB = 2**30
+
+
+# --- the report --------------------------------------------------------------------------
+
+
+def _ranges(values: list[str]) -> list[tuple[str, str]]:
+    """Collapse equal consecutive per-rank values: [('0-6', v), ('7', w)]."""
+    out, start = [], 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[start]:
+            out.append((f"{start}" if i - start == 1 else f"{start}-{i - 1}", values[start]))
+            start = i
+    return out
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str, int]]) -> dict:
+    cfg, dims, s = layout.cfg, layout.dims, layout.state
+    world = dims.world_size
+    per_rank = [
+        {"rank": r, "params": s.params[r], "grads": s.grads[r], "optimizer": s.optimizer[r]}
+        for r in range(world)
+    ]
+    modes = {
+        m: {
+            "activation_peak": t.activations,
+            "saved_after_forward": t.saved_after_forward,
+            "step_increase_rank0": step_bytes(layout, m),
+            "peak_rank0": peak_bytes(layout, m),
+        }
+        for m, t in layout.activations.items()
+    }
+    out = {
+        "model": cfg.model.name,
+        "world_size": world,
+        "layout": {
+            "dp_replicate": dims.dp_replicate,
+            "dp_shard": dims.dp_shard,
+            "cp": dims.cp,
+            "ep": dims.ep,
+        },  # fmt: skip
+        "micro_batch": [cfg.train.micro_batch_size, cfg.data.seq_len],
+        "activation_checkpoint": cfg.train.activation_checkpoint,
+        "per_rank": per_rank,
+        "fsdp_buffers": layout.fsdp_buffers,
+        "modes": modes,
+        "per_step": layout.comm,
+        "peak": peak_bytes(layout, cfg.train.activation_checkpoint),
+    }
+    if gpu_memory is not None:
+        out["gpu_memory_gib"] = gpu_memory
+        out["fits"] = out["peak"] <= gpu_memory * GIB
+        out["suggestions"] = [{"flag": flag, "peak": peak} for flag, peak in suggestions]
+    return out
+
+
+def format_report(r: dict) -> str:
+    # GiB for real models, MiB for the debug ones
+    unit, name = (GIB, "GiB") if r["peak"] >= GIB else (2**20, "MiB")
+    g = lambda n: f"{n / unit:8.2f}"  # noqa: E731
+    lay = r["layout"]
+    lines = [
+        f"{r['model']} on {r['world_size']} ranks: dp_replicate {lay['dp_replicate']}, "
+        f"dp_shard {lay['dp_shard']}, cp {lay['cp']}, ep {lay['ep']}; micro-batch "
+        f"{r['micro_batch'][0]} x {r['micro_batch'][1]} tokens, "
+        f"{r['per_step']['micro_batches']} per step",
+        "",
+        f"{name} per rank   params    grads  optimizer",
+    ]
+    rows = [f"{g(p['params'])} {g(p['grads'])} {g(p['optimizer'])}" for p in r["per_rank"]]
+    for ranks, row in _ranges(rows):  # ranks whose figures print alike share a line
+        lines.append(f"ranks {ranks:<8}{row}")
+    lines += ["", "activation_checkpoint  activations  rank peak (+ FSDP buffers "
+              f"{r['fsdp_buffers'] / unit:.2f} {name})"]  # fmt: skip
+    for mode, m in r["modes"].items():
+        mark = "  <- configured" if mode == r["activation_checkpoint"] else ""
+        lines.append(f"{mode:<22}{g(m['activation_peak'])}     {g(m['peak_rank0'])}{mark}")
+    c = r["per_step"]
+    lines += [
+        "",
+        f"per step, per rank ({name}): FSDP all-gather {c['fsdp_all_gather'] / unit:.2f}, "
+        f"reduce-scatter {c['fsdp_reduce_scatter'] / unit:.2f}"
+        + (f", HSDP all-reduce {c['hsdp_all_reduce'] / unit:.2f}" if c["hsdp_all_reduce"] else "")
+        + f"; EP all-to-all {c['ep_all_to_all'] / unit:.2f} (balanced routing; "
+        f"{c['ep_all_to_all_full_ac'] / unit:.2f} with full checkpointing); CP ring "
+        f"{c['cp_ring'] / unit:.2f}",
+    ]
+    if "fits" in r:
+        verdict = "fits" if r["fits"] else "does NOT fit"
+        lines.append(f"\n--gpu-memory {r['gpu_memory_gib']:g}: peak {_size(r['peak'])}: {verdict}")
+        for s in r["suggestions"]:
+            lines.append(f"  fits with {s['flag']} ({_size(s['peak'])})")
+        if not r["fits"] and not r["suggestions"]:
+            lines.append("  no single knob tried brings it in (see docs: Will it fit?)")
+    return "\n".join(lines)
+
+
+def suggest(layout: Layout, world_size: int, budget: float) -> list[tuple[str, int]]:
+    """Single knobs that bring the rank's peak under `budget` bytes, cheapest first:
+    checkpointing, then a smaller micro-batch, then more expert parallelism, then more
+    FSDP sharding (fewer replicas)."""
+    cfg = layout.cfg
+    if peak_bytes(layout, cfg.train.activation_checkpoint) <= budget:
+        return []
+    found = []
+    for mode in MODES:
+        if mode != cfg.train.activation_checkpoint and peak_bytes(layout, mode) <= budget:
+            found.append((f"--train.activation_checkpoint={mode}", peak_bytes(layout, mode)))
+            break
+    mb = cfg.train.micro_batch_size // 2
+    while mb >= 1 and not found[1:]:
+        trial = _variant(cfg, train={"micro_batch_size": mb})
+        measured = measure_layout(trial, world_size, (cfg.train.activation_checkpoint,))
+        peak = peak_bytes(measured, cfg.train.activation_checkpoint)
+        if peak <= budget:
+            found.append((f"--train.micro_batch_size={mb}", peak))
+        mb //= 2
+    for key, value in _layout_knobs(layout):
+        trial = _variant(cfg, parallel={key: value})
+        try:
+            measured = measure_layout(trial, world_size, (cfg.train.activation_checkpoint,))
+        except ValueError:  # a layout this model or batch cannot take
+            continue
+        peak = peak_bytes(measured, cfg.train.activation_checkpoint)
+        if peak <= budget:
+            found.append((f"--parallel.{key}={value}", peak))
+            break
+    return found
+
+
+def _layout_knobs(layout: Layout) -> list[tuple[str, int]]:
+    d = layout.dims
+    knobs = [("ep", d.ep * f) for f in (2, 4) if (d.dp_shard * d.cp) % (d.ep * f) == 0]
+    if d.dp_replicate > 1:
+        knobs.append(("dp_shard", d.dp_shard * d.dp_replicate))  # pure FSDP
+    return knobs
+
+
+def _variant(cfg, **sections):
+    trial = copy.deepcopy(cfg)
+    for section, values in sections.items():
+        for key, value in values.items():
+            setattr(getattr(trial, section), key, value)
+    if "dp_shard" in sections.get("parallel", {}):
+        trial.parallel.dp_replicate = 1
+    return trial
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = {"--world-size": None, "--json": None, "--gpu-memory": None}
+    rest = []
+    while argv:
+        arg = argv.pop(0)
+        name, eq, value = arg.partition("=")
+        if name in flags:
+            flags[name] = value if eq else (argv.pop(0) if argv else None)
+        else:
+            rest.append(arg)
+    from train import USER_ERRORS
+    from trainer.config import ConfigError, load_config
+
+    try:
+        if flags["--world-size"] is None or not flags["--world-size"].isdigit():
+            raise ConfigError("give the launch's size: --world-size N (all ranks of all nodes)")
+        world_size = int(flags["--world-size"])
+        gpu_memory = float(flags["--gpu-memory"]) if flags["--gpu-memory"] else None
+        if not any(a == "--config" or a.startswith("--config=") for a in rest):
+            raise ConfigError("no --config given: pass --config FILE.toml")
+        cfg = load_config(rest)
+        p = cfg.parallel
+        from parallelisms.mesh import ParallelDims
+        from trainer.setup import preflight
+
+        dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size)
+        preflight(cfg, dims)  # every refusal of a real launch
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:  # --gpu-memory not a number
+        print(f"error: --gpu-memory: {err}", file=sys.stderr)
+        return 2
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    start = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        layout = measure_layout(cfg, world_size)
+        suggestions = suggest(layout, world_size, gpu_memory * GIB) if gpu_memory else []
+    finally:
+        dist.destroy_process_group()
+    result = report(layout, gpu_memory, suggestions)
+    result["planning_s"] = round(time.perf_counter() - start, 1)
+    print(format_report(result))
+    if flags["--json"]:
+        with open(flags["--json"], "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""What a layout costs one rank, measured on the meta device over the fake process group:
+the resting state, FSDP's buffers, the activations of each checkpointing mode, and the
+bytes each collective moves per step (`python -m trainer.dry_run` reports them).
+
+Instruments: `trainer.footprint`. The process group must be the fake one, already
+initialised with the launch's world size (the planner's `main` does that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("none", "selective", "full")
+
+
+@dataclass
+class Layout:
+    """What the planner measured for one (config, world size)."""
+
+    cfg: object
+    dims: object
+    state: object  # footprint.ShardedState
+    fsdp_buffers: int  # all-gathered/unsharded-gradient buffers alive at once (peak)
+    comm: dict  # per step, per rank, bytes
+    activations: dict  # mode -> footprint.StepTrace
+
+
+def _param_dtype(cfg):
+    import torch
+
+    on_gpu = cfg.train.device != "cpu"  # auto: the launch this plans runs on GPUs
+    bf16 = cfg.train.mixed_precision == "bf16" or (cfg.train.mixed_precision == "auto" and on_gpu)
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def _units(model, plan, param_dtype, module_weight: dict[int, float]):
+    """FSDP units: (gathered bytes, unsharded fp32 gradient bytes, resharded after forward,
+    block index or None, all-gather input bytes) of each unit, from the padded local
+    shards.
+
+    NOTE: the shard group of a parameter is its mesh dim named `fsdp` or `efsdp`
+    (`parallelisms.mesh`): the gathered size is the padded local shard times its size."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    from parallelisms.plan import match_modules
+
+    fp32 = {id(m) for _, m in match_modules(model, plan.fp32_modules, "fp32", required=False)}
+    blocks = [m for _, m in match_modules(model, plan.blocks, "blocks")]
+    owner_block = {}
+    for i, block in enumerate(blocks):
+        for m in block.modules():
+            owner_block[id(m)] = i
+    units = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        nested = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()}  # fmt: skip
+        dtype = torch.float32 if id(module) in fp32 else param_dtype
+        gathered = grads = copied = 0
+        for p in module.parameters():
+            if id(p) in nested:
+                continue
+            names = p.device_mesh.mesh_dim_names
+            group = p.device_mesh.size(names.index("efsdp" if "efsdp" in names else "fsdp"))
+            padded = p._local_tensor.untyped_storage().nbytes() // p.element_size()
+            gathered += padded * group * dtype.itemsize
+            grads += padded * group * 4  # reduced in fp32 (parallelisms.fsdp)
+            copied += padded * dtype.itemsize  # the shard, cast into the all-gather input
+        w = module_weight.get(id(module), 1.0)  # a sampled block stands for its twins
+        units.append((gathered, grads, module is not model, owner_block.get(id(module)), copied, w))
+    return units
+
+
+def measure_layout(cfg, world_size: int, modes=MODES) -> Layout:
+    """The full measurement of one layout (the process group must be the fake one)."""
+    import torch
+
+    from models import get_model_spec
+    from parallelisms.mesh import ParallelDims, build_meshes
+    from parallelisms.parallelize import parallelize
+    from trainer.footprint import sample_blocks, sharded_state
+    from trainer.optim import build_optimizer
+
+    p = cfg.parallel
+    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size)
+    meshes = build_meshes(dims, "cpu")
+    spec = get_model_spec(cfg.model.name)
+    param_dtype = _param_dtype(cfg)
+    with torch.device("meta"):
+        model = spec.build(cfg.model.args)
+    # NOTE: FSDP2's set-up costs time per parameter and rank (about 20 s for DeepSeek-V3
+    # on 2,048 ranks); blocks of one structure shard alike, so two of each stand for all.
+    sampled = sample_blocks(model, spec.plan)
+    parallelize(model, spec.plan, meshes, param_dtype, cp_zigzag=True)
+    module_weight = {
+        id(m): (len(blocks) + dropped) / len(blocks)
+        for blocks, dropped in sampled
+        for b in blocks
+        for m in b.modules()
+    }
+    param_weight = {
+        id(p): module_weight[id(b)] for blocks, _ in sampled for b in blocks for p in b.parameters()
+    }
+    state = sharded_state(build_optimizer(model, cfg.train), world_size, param_weight)
+    units = _units(model, spec.plan, param_dtype, module_weight)
+    grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
+    activations = {m: _trace(cfg, spec, dims, meshes, m, state.grads[0]) for m in modes}
+    any_trace = activations[modes[0]]
+    return Layout(
+        cfg,
+        dims,
+        state,
+        _fsdp_buffers(units),
+        _comm(units, dims, grad_accum, any_trace),
+        activations,
+    )
+
+
+def _fsdp_buffers(units) -> int:
+    """FSDP's buffers alive when activations peak (the end of forward, the loss and the
+    start of backward): the root's gathered parameters (kept from forward to backward) and
+    one block group (a block and its experts' units) gathered, with its all-gather input.
+    NOTE: later in backward two groups are gathered at once and one group's unsharded
+    gradients wait for their reduce-scatter, but by then most activations are freed; on
+    the debug config on CPU this sum matches the measured peak best (docs: Will it fit?)."""
+    root = sum(u[0] for u in units if not u[2])
+    groups: dict[int, int] = {}
+    for gathered, _grads, resharded, block, copied, _ in units:
+        if resharded and block is not None:
+            groups[block] = groups.get(block, 0) + gathered + copied
+    return root + max(groups.values(), default=0)
+
+
+def _comm(units, dims, grad_accum: int, trace) -> dict:
+    """Per step, per rank. FSDP: bytes of the gathered outputs and of the reduce-scatter
+    inputs (a ring algorithm moves (n-1)/n of each over the wire). EP: bytes this rank
+    sends to other ranks when each expert gets an equal share (dispatch and combine, in
+    forward and backward; `full` checkpointing adds the replay's forward pair). CP: the
+    K/V blocks passed on (cp-1 hops forward and backward) and the fp32 dK/dV sums (cp
+    hops)."""
+    gathers = sum(u[0] * (2 if u[2] else 1) * u[5] for u in units)
+    scatters = sum(u[1] * u[5] for u in units)
+    leaving = (dims.ep - 1) / dims.ep
+    a2a_pair = trace.routed * leaving * 2  # dispatch and combine
+    cp = dims.cp
+    ring = 0 if cp == 1 else trace.kv * (cp - 1) * 2 + trace.kv_fp32 * cp
+    return {
+        "fsdp_all_gather": int(gathers * grad_accum),
+        "fsdp_reduce_scatter": int(scatters * grad_accum),
+        "hsdp_all_reduce": int(scatters / dims.fsdp_size * grad_accum)
+        if dims.dp_replicate > 1
+        else 0,
+        "ep_all_to_all": int(a2a_pair * 2 * grad_accum),
+        "ep_all_to_all_full_ac": int(a2a_pair * 3 * grad_accum),
+        "cp_ring": int(ring * grad_accum),
+        "micro_batches": grad_accum,
+    }
+
+
+def _trace(cfg, spec, dims, meshes, mode: str, sharded_grad_bytes: int):
+    """One micro-batch of the plain model at this rank's local shapes, with `mode`."""
+    import torch
+
+    from models.common.moe import MoEOptions
+    from parallelisms.activation_checkpoint import apply_activation_checkpointing
+    from parallelisms.plan import match_modules
+    from trainer.data import Batch
+    from trainer.footprint import sample_blocks, trace_step, use_fused_attention
+    from trainer.losses import GlobalCounts, StepLoss, model_inputs, with_mtp_targets
+
+    param_dtype = _param_dtype(cfg)
+    with torch.device("meta"):
+        # NOTE: the grouped GEMM (not the per-expert loop, which reads sizes on the host)
+        # and no capacity drops: what meta tensors can run; under balanced routing the
+        # same rows reach the experts.
+        model = spec.build(cfg.model.args, MoEOptions(gemm="grouped_mm"))
+    model.to(param_dtype)
+    for _, m in match_modules(model, spec.plan.fp32_modules, "fp32", required=False):
+        m.float()
+    model.train()
+    sampled = sample_blocks(model, spec.plan)
+    use_fused_attention(model, spec.plan)  # before checkpointing: the replay runs it too
+    apply_activation_checkpointing(match_modules(model, spec.plan.blocks, "blocks"), mode)
+    terms = spec.loss_terms(cfg.model.args)
+    B, S = cfg.train.micro_batch_size, cfg.data.seq_len // dims.cp
+    ids = torch.zeros(B, S, dtype=torch.long, device="meta")
+    positions = torch.arange(S, device="meta")[None].expand(B, S)
+    batch = Batch(ids, ids, positions, ids)
+    if terms.mtp_depth:
+        batch = with_mtp_targets(batch, terms.mtp_depth)
+    grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
+    step_loss = StepLoss(
+        terms, cfg.moe.aux_loss_mode, dims, meshes.world.get_group("cp"),
+        cfg.train.global_batch_size, grad_accum, torch.device("meta"),
+    )  # fmt: skip
+
+    def run_step(mark_forward_end) -> None:
+        step_loss.start(GlobalCounts(B * S, 0, [B * S] * terms.mtp_depth))
+        inputs = model_inputs(batch, terms, cfg.data.document_mask)
+        loss = step_loss(model(batch.input_ids, batch.position_ids, **inputs), batch)
+        mark_forward_end()
+        loss.backward()
+
+    return trace_step(model, spec.plan, run_step, sharded_grad_bytes, sampled)
+
+
+def step_bytes(layout: Layout, mode: str, rank: int = 0) -> int:
+    """What a step adds to the resting state at its highest point: activations and
+    gradients (all of them already, from the second micro-batch of an accumulation on),
+    and FSDP's buffers."""
+    trace = layout.activations[mode]
+    if layout.comm["micro_batches"] > 1:
+        working = trace.activations + layout.state.grads[rank]
+    else:
+        working = trace.peak
+    return working + layout.fsdp_buffers
+
+
+def peak_bytes(layout: Layout, mode: str, rank: int = 0) -> int:
+    s = layout.state
+    return s.params[rank] + s.optimizer[rank] + step_bytes(layout, mode, rank)
