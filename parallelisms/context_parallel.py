@@ -329,6 +329,10 @@ class ContextParallelAttention(nn.Module):
         self.group = group
         self.stats = RingStats()
 
+    # NOTE: under train.compile the ring runs eagerly (a graph break around the attention
+    # core): each call registers its Ring under a fresh handle, which traced code would turn
+    # into a symbolic int; the ring is host-driven transfers, nothing for a compiler to fuse.
+    @torch.compiler.disable
     def forward(
         self,
         q: torch.Tensor,

@@ -157,10 +157,15 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh: DeviceMesh) -> AllToAllDi
         experts.register_parameter(name, sharded)
     dispatcher = AllToAllDispatcher(ep_mesh, num_experts)
 
+    # NOTE: under train.compile the hooks run eagerly (a graph break on each side of the
+    # experts): the dispatch reads split sizes on the host, and traced code would bake each
+    # dispatcher's handle and each step's token counts in, one recompile per layer and step.
+    @torch.compiler.disable
     def pre_hook(_module, args):
         x_sorted, tokens_per_expert = args
         return dispatcher.dispatch(x_sorted, tokens_per_expert)
 
+    @torch.compiler.disable
     def post_hook(_module, _args, y_local):
         return dispatcher.combine(y_local)
 

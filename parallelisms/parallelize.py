@@ -10,6 +10,7 @@ from torch import nn
 
 from models.common.plan import ParallelPlan
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.compile import apply_compile
 from parallelisms.context_parallel import ContextParallelAttention, apply_context_parallel
 from parallelisms.expert_parallel import TokenDispatcher, apply_expert_parallel
 from parallelisms.fsdp import apply_fsdp
@@ -33,11 +34,12 @@ def parallelize(
     cp_zigzag: bool = True,
     cp_kernel: str = "auto",
     activation_checkpoint: str = "none",
+    compile: bool = False,
 ) -> Parallelized:
     """Shard `model` (on the meta device) in place: context parallelism swaps the attention
     cores for ring attention, expert parallelism shards and wraps the routed experts,
-    activation checkpointing (none | full | selective) wraps the blocks' forwards, FSDP2
-    shards the rest."""
+    activation checkpointing (none | full | selective) wraps the blocks' forwards (compiled
+    first if `compile`), FSDP2 shards the rest."""
     out = Parallelized()
     if meshes.cp > 1:
         cores = match_modules(model, plan.attention_core, "attention_core")
@@ -50,6 +52,8 @@ def parallelize(
     # NOTE: before FSDP (as torchtitan does); FSDP's hooks on a block run around its
     # checkpointed forward, not inside the replay.
     blocks = match_modules(model, plan.blocks, "blocks")
+    if compile:  # NOTE: inside checkpointing, not around it (see parallelisms/compile.py)
+        apply_compile(blocks)
     apply_activation_checkpointing(blocks, activation_checkpoint)
     apply_fsdp(model, plan, meshes, param_dtype)
     return out

@@ -81,6 +81,7 @@ class Trainer:
             cp_zigzag=cfg.parallel.cp_layout == "zigzag",
             cp_kernel=cfg.parallel.cp_kernel,
             activation_checkpoint=cfg.train.activation_checkpoint,
+            compile=cfg.train.compile,
         )
         self.dispatchers = self.parallel.dispatchers
         self.model.to_empty(device=self.device)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from models.common.grouped_gemm import grouped_mm_op
 from models.common.mlp import SwiGLU
 from models.common.replay import is_replay
 
@@ -64,6 +65,12 @@ def grouped_mm(
     """
     if impl == "auto":
         impl = "grouped_mm" if _grouped_mm_supported(x, w) else "loop"
+    native_bf16 = impl == "grouped_mm" and x.dtype == torch.bfloat16
+    if torch.compiler.is_compiling() and impl in ("grouped_mm", "loop") and not native_bf16:
+        # NOTE: traced by torch.compile: the same kernels as one opaque op, because
+        # `_grouped_mm`'s fake kernel refuses all but bf16 and the loop's host read breaks
+        # the graph (models/common/grouped_gemm.py). Eager runs never come here.
+        return grouped_mm_op(x, w, tokens_per_expert, impl)
     if impl == "grouped_mm":
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
         return torch._grouped_mm(x, w, offs=offsets)
@@ -143,8 +150,10 @@ class GroupLimitedRouter(nn.Module):
         # replay of it in backward routes the same tokens again (models.common.replay).
         if self.training and torch.is_grad_enabled() and not is_replay():
             with torch.no_grad():
-                counts = torch.bincount(top_experts.flatten(), minlength=self.num_experts)
-                self.tokens_per_expert += counts
+                # NOTE: not bincount: its output length depends on the data, which breaks
+                # a torch.compile graph; this one is [E] by construction.
+                chosen = top_experts.flatten()
+                self.tokens_per_expert.index_add_(0, chosen, torch.ones_like(chosen))
         return scores / scores.sum(-1, keepdim=True), top_weights, top_experts
 
 

@@ -74,6 +74,12 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
         "kernel) or math",
     )
     need(
+        not (t.compile and t.activation_checkpoint == "selective"),
+        "train.compile=true cannot compile under train.activation_checkpoint=selective (its "
+        "keep/reuse dispatch modes make torch.compile run the blocks eagerly); use "
+        "activation_checkpoint=full or none with compile, or set train.compile=false",
+    )
+    need(
         p.dp_shard == -1 or p.dp_shard >= 1,
         f"parallel.dp_shard must be -1 (all remaining ranks) or >= 1, got {p.dp_shard}",
     )

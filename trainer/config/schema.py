@@ -128,6 +128,12 @@ class TrainSection:
         "selective (also keep matmul, attention and all-to-all outputs)",
         choices=("none", "full", "selective"),
     )
+    compile: bool = arg(
+        False,
+        "torch.compile each block (regional, inductor on CPU and CUDA); the EP all-to-all "
+        "hooks and the CP ring run eagerly (graph breaks); not with "
+        "activation_checkpoint=selective",
+    )
 
 
 @dataclass

@@ -1,0 +1,83 @@
+"""The experts' grouped GEMM as one opaque op, for code that `torch.compile` traces.
+
+Why: `torch._grouped_mm` runs in fp32 (and fp16) on CPU, but its fake kernel, the shape
+function `torch.compile` traces with, copies the CUDA kernel's checks and refuses any
+dtype but bf16. So a compiled block fails on the fp32 path. The per-expert loop does not
+fail, but its split sizes are a host read (`.tolist()`), which breaks the graph at every
+GEMM.
+
+`moetrain::grouped_mm` wraps both eager kernels, unchanged, in a custom op with a fake
+kernel that only computes the output shape: the compiler keeps it as one call (as it
+keeps `aten._grouped_mm` on CPU, an extern kernel), no graph break, and the numbers are
+those of eager (same kernel, same inputs). Its gradients are the same op on transposed
+weights (dx) and `moetrain::grouped_mm_wgrad` (dw): the formulas of `_grouped_mm`'s own
+autograd, so a compiled step matches an eager one. `models.common.moe.grouped_mm` calls
+it only while compiling and not on bf16's native path; eager runs never reach it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _offsets(tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+
+
+@torch.library.custom_op("moetrain::grouped_mm", mutates_args=())
+def grouped_mm_op(
+    x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor, impl: str
+) -> torch.Tensor:
+    """x [N, K] expert-major, w [E, K, M] -> [N, M]; impl: "grouped_mm" or "loop"."""
+    if impl == "grouped_mm":
+        out = torch._grouped_mm(x, w, offs=_offsets(tokens_per_expert))
+    else:
+        chunks = torch.split(x, tokens_per_expert.tolist())
+        out = torch.cat([chunk @ w[e] for e, chunk in enumerate(chunks)], dim=0)
+    # NOTE: the fake kernel says contiguous; the compiled code around it relies on that.
+    return out.contiguous()
+
+
+@grouped_mm_op.register_fake
+def _(x, w, tokens_per_expert, impl):
+    return x.new_empty((x.shape[0], w.shape[-1]))
+
+
+@torch.library.custom_op("moetrain::grouped_mm_wgrad", mutates_args=())
+def grouped_mm_wgrad(
+    x: torch.Tensor, grad: torch.Tensor, tokens_per_expert: torch.Tensor, impl: str
+) -> torch.Tensor:
+    """The weight gradient of `grouped_mm_op`: x [N, K], grad [N, M] -> [E, K, M], expert e
+    gets x_e^T @ grad_e over its rows (zeros for an expert without tokens)."""
+    if impl == "grouped_mm":
+        out = torch._grouped_mm(x.t(), grad, offs=_offsets(tokens_per_expert))
+    else:
+        xs = torch.split(x, tokens_per_expert.tolist())
+        gs = torch.split(grad, tokens_per_expert.tolist())
+        out = torch.stack([xe.t() @ ge for xe, ge in zip(xs, gs, strict=True)])
+    return out.contiguous()
+
+
+@grouped_mm_wgrad.register_fake
+def _(x, grad, tokens_per_expert, impl):
+    return x.new_empty((tokens_per_expert.shape[0], x.shape[1], grad.shape[1]))
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, w, tokens_per_expert, impl = inputs
+    ctx.save_for_backward(x, w, tokens_per_expert)
+    ctx.impl = impl
+
+
+def _backward(ctx, grad):
+    x, w, tokens_per_expert = ctx.saved_tensors
+    grad = grad.contiguous()
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = grouped_mm_op(grad, w.transpose(-2, -1), tokens_per_expert, ctx.impl)
+    if ctx.needs_input_grad[1]:
+        dw = grouped_mm_wgrad(x, grad, tokens_per_expert, ctx.impl)
+    return dx, dw, None, None
+
+
+grouped_mm_op.register_autograd(_backward, setup_context=_setup)
