@@ -115,6 +115,23 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
+def stepped_records(trainer, steps: int):
+    """Run `steps` steps through `trainer.train_step` (its record is what metrics.jsonl
+    gets) and yield each record with the gradients the optimizer stepped with (after
+    clipping, captured by a pre-step hook) and the updated parameters, as full tensors."""
+    seen = {}
+    trainer.optimizer.register_step_pre_hook(
+        lambda *_: seen.update(
+            grads={n: _full(q.grad) for n, q in trainer.model.named_parameters()}
+        )
+    )
+    for _ in range(steps):
+        out = trainer.train_step(trainer.next_micro_batches())
+        out["grads"] = seen["grads"]
+        out["params"] = {n: _full(q) for n, q in trainer.model.named_parameters()}
+        yield out
+
+
 def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing: str | None):
     from trainer.loop import Trainer
     from trainer.setup import preflight
@@ -131,19 +148,8 @@ def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing
         counter = RemoteAssignmentCounter(
             trainer.model, dims.ep, ep_rank, num_experts_of(cfg.model.args)
         )
-    # Gradients as the optimizer sees them (after clipping), captured by a pre-step hook, so
-    # the step itself runs through trainer.train_step: its record is what metrics.jsonl gets.
-    seen = {}
-    trainer.optimizer.register_step_pre_hook(
-        lambda *_: seen.update(
-            grads={n: _full(q.grad) for n, q in trainer.model.named_parameters()}
-        )
-    )
     records = []
-    for _ in range(STEPS):
-        out = trainer.train_step(trainer.next_micro_batches())
-        out["grads"] = seen["grads"]
-        out["params"] = {n: _full(q) for n, q in trainer.model.named_parameters()}
+    for out in stepped_records(trainer, STEPS):
         out["buffers"] = {n: b.clone() for n, b in trainer.model.named_buffers()}
         if trainer.bias_update is not None and trainer.bias_update.last_load is not None:
             # the routers' counts over the world that the bias update used, [L, E]

@@ -19,7 +19,7 @@ from models.common.grouped_gemm import grouped_mm_op
 from models.common.moe import grouped_mm
 from parallelisms.mesh import ParallelDims
 from tests.distributed import run_distributed
-from tests.parity import STEPS, TINY, _full
+from tests.parity import STEPS, TINY, stepped_records
 from trainer.config import ConfigError, load_config
 
 TOL = 1e-5
@@ -40,19 +40,7 @@ def _train(world: int, argv: list[str]) -> list[dict]:
     p = cfg.parallel
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
     preflight(cfg, dims)
-    trainer = Trainer(cfg, dims)
-    seen = {}
-    trainer.optimizer.register_step_pre_hook(
-        lambda *_: seen.update(
-            grads={n: _full(q.grad) for n, q in trainer.model.named_parameters()}
-        )
-    )
-    records = []
-    for _ in range(STEPS):
-        record = trainer.train_step(trainer.next_micro_batches())
-        params = {n: _full(q) for n, q in trainer.model.named_parameters()}
-        records.append({**record, "grads": seen["grads"], "params": params})
-    return records
+    return list(stepped_records(Trainer(cfg, dims), STEPS))
 
 
 def _modes_worker(rank: int, world: int, argv: list[str], modes: list[str], out: str) -> None:
