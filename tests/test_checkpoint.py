@@ -142,10 +142,11 @@ def _wait_for(predicate, proc, timeout=300):
 
 @pytest.mark.slow
 def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
-    # A model large enough (~90M parameters, ~1 GB of state) that a save takes a while.
+    # A model large enough (~25M parameters, ~300 MB of state with its checksums) that a
+    # save takes a while; the watcher polls every 5 ms.
     big = FOUR_STEPS + [
-        "--model.hidden_size=1024",
-        "--model.moe_intermediate_size=1024",
+        "--model.hidden_size=512",
+        "--model.moe_intermediate_size=512",
         "--model.num_attention_heads=8",
         "--model.head_dim=128",
         "--data.seq_len=16",
