@@ -10,15 +10,9 @@ import os
 import sys
 import time
 
-from models import HFFormatError
-from parallelisms.mesh import LayoutError, ParallelDims, world_size_from_env
-from parallelisms.plan import PlanError
-from trainer.checkpoint import CheckpointError
+from parallelisms.mesh import ParallelDims, world_size_from_env
 from trainer.config import ConfigError, format_help, load_config
-from trainer.data import DataError
-
-USER_ERRORS = (ConfigError, LayoutError, DataError, HFFormatError, PlanError, CheckpointError)
-
+from trainer.errors import USER_ERRORS
 
 # How long ranks other than 0 hold back their refusal (see _fail).
 QUIET_S = 5.0

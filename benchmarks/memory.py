@@ -27,16 +27,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.step_time import pop_flag  # noqa: E402
+
 MODES = ("none", "full", "selective")
 MIB = 2**20
-
-
-def _pop_flag(argv: list[str], name: str, default: str) -> str:
-    for i, arg in enumerate(argv):
-        if arg.startswith(f"--{name}="):
-            argv.pop(i)
-            return arg.split("=", 1)[1]
-    return default
 
 
 def peak_bytes(fn, before=None) -> int:
@@ -117,13 +111,13 @@ def measure_mode(argv: list[str], mode: str, warmup: int, measure: int) -> dict:
 
 def main() -> None:
     argv = sys.argv[1:]
-    child = _pop_flag(argv, "child-mode", "")
-    warmup = int(_pop_flag(argv, "warmup", "1"))
-    measure = int(_pop_flag(argv, "measure", "3"))
+    child = pop_flag(argv, "child-mode", "")
+    warmup = int(pop_flag(argv, "warmup", "1"))
+    measure = int(pop_flag(argv, "measure", "3"))
     if child:  # one mode, in this process
         print(json.dumps(measure_mode(argv, child, warmup, measure)))
         return
-    modes = _pop_flag(argv, "modes", ",".join(MODES)).split(",")
+    modes = pop_flag(argv, "modes", ",".join(MODES)).split(",")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     results = {}
     for mode in modes:  # a fresh process each: no allocation of one mode outlives it

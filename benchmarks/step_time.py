@@ -26,7 +26,8 @@ from parallelisms.mesh import ParallelDims, world_size_from_env  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 
 
-def _pop_flag(argv: list[str], name: str, default: str) -> str:
+def pop_flag(argv: list[str], name: str, default: str) -> str:
+    """Take `--name=value` (a flag of the script, not a config key) out of argv."""
     for i, arg in enumerate(argv):
         if arg.startswith(f"--{name}="):
             argv.pop(i)
@@ -113,15 +114,15 @@ def compare_with_transformers(cfg, iters: int) -> dict:
 
 def main() -> None:
     argv = sys.argv[1:]
-    warmup = int(_pop_flag(argv, "warmup", "2"))
-    measure = int(_pop_flag(argv, "measure", "5"))
+    warmup = int(pop_flag(argv, "warmup", "2"))
+    measure = int(pop_flag(argv, "measure", "5"))
     try:
         import transformers  # noqa: F401
 
         has_hf = True
     except ImportError:
         has_hf = False
-    hf_compare = _pop_flag(argv, "hf-compare", str(has_hf)).lower() == "true"
+    hf_compare = pop_flag(argv, "hf-compare", str(has_hf)).lower() == "true"
     cfg = load_config(argv)
     result = {"config": cfg.job.name, **measure_steps(cfg, warmup, measure)}
     import torch.distributed as dist

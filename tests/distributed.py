@@ -117,3 +117,14 @@ def run_train(args: list[str], out_dir: Path, nproc: int = 1) -> list[dict]:
     output = finish(proc, out_dir)
     assert proc.returncode == 0, output[-3000:]
     return read_metrics(out_dir)
+
+
+def run_per_world(fn: Callable, worlds: tuple[int, ...], tmp_dir_factory, tag: str) -> dict:
+    """fn(rank, world_size, out_path) on each world size (one spawn each) -> {world size:
+    what it saved to out_path with torch.save}."""
+    results = {}
+    for world in worlds:
+        path = tmp_dir_factory.mktemp(f"{tag}{world}") / "out.pt"
+        run_distributed(fn, world, str(path))
+        results[world] = torch.load(path)
+    return results

@@ -24,7 +24,7 @@ from parallelisms import context_parallel as ring_impl
 from parallelisms.attention_kernels import KERNELS, resolve_kernel
 from parallelisms.context_parallel import RingStats, ring_attention
 from parallelisms.cp_schedule import attention_work, document_attention_work, split_for_cp
-from tests.distributed import ROOT, run_distributed, run_train
+from tests.distributed import ROOT, run_distributed, run_per_world, run_train
 from tests.parity import TINY_DSV3, assert_same_training, layout_worker, reference_run
 from trainer.data import PackedDataset, document_positions
 
@@ -158,12 +158,7 @@ def _ring_case(rank, cp, mesh, q, k, v, grad, ids, causal, zigzag) -> dict:
 
 @pytest.fixture(scope="module")
 def ring_results(tmp_path_factory):
-    results = {}
-    for cp in (2, 4):
-        path = tmp_path_factory.mktemp(f"doc_cp{cp}") / "out.pt"
-        run_distributed(_ring_worker, cp, str(path))
-        results[cp] = torch.load(path)
-    return results
+    return run_per_world(_ring_worker, (2, 4), tmp_path_factory, "doc_cp")
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 from parallelisms.attention_kernels import KERNELS
 from parallelisms.context_parallel import RingStats, ring_attention
 from parallelisms.cp_schedule import attention_work, split_for_cp
-from tests.distributed import run_distributed
+from tests.distributed import run_per_world
 
 B, S, HQ, HKV, D = 2, 48, 8, 2, 12  # GQA 8:2, head_dim not a power of two; S % (2 * 4) == 0
 SCALE = D**-0.5
@@ -80,12 +80,7 @@ def _ring_worker(rank: int, cp: int, out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def ring_results(tmp_path_factory):
-    results = {}
-    for cp in (2, 4):
-        path = tmp_path_factory.mktemp(f"cp{cp}") / "out.pt"
-        run_distributed(_ring_worker, cp, str(path))
-        results[cp] = torch.load(path)
-    return results
+    return run_per_world(_ring_worker, (2, 4), tmp_path_factory, "cp")
 
 
 def _max_errors(per_rank):

@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             flags[name] = value if eq else (argv.pop(0) if argv else None)
         else:
             rest.append(arg)
-    from train import USER_ERRORS
     from trainer.config import ConfigError, load_config
+    from trainer.errors import USER_ERRORS
 
     try:
         if flags["--world-size"] is None or not flags["--world-size"].isdigit():

@@ -162,7 +162,8 @@ class _StorageTimeline(TorchDispatchMode):
 
 def _meta_op(func, args, kwargs):
     # NOTE: the grouped GEMM's meta kernel takes bf16 only; the shapes do not depend on the
-    # dtype, so an fp32 product is shaped by its bf16 twin.
+    # dtype, so an fp32 product is shaped by its bf16 twin. Not `moetrain::grouped_mm`
+    # (the compile path): the trace runs the op a real run runs, the one `selective` keeps.
     if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
         low = [
             a.bfloat16() if isinstance(a, torch.Tensor) and a.is_floating_point() else a

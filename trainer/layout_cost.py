@@ -9,6 +9,7 @@ initialised with the launch's world size (the planner's `main` does that).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 MODES = ("none", "selective", "full")
 
@@ -33,10 +34,19 @@ def _param_dtype(cfg):
     return torch.bfloat16 if bf16 else torch.float32
 
 
-def _units(model, plan, param_dtype, module_weight: dict[int, float]):
-    """FSDP units: (gathered bytes, unsharded fp32 gradient bytes, resharded after forward,
-    block index or None, all-gather input bytes) of each unit, from the padded local
-    shards.
+class FsdpUnit(NamedTuple):
+    """One FSDP unit's buffers, in bytes, from its padded local shards."""
+
+    gathered: int  # the all-gathered (unsharded) parameters, in the unit's compute dtype
+    grads: int  # the unsharded fp32 gradients, the reduce-scatter's input
+    resharded: bool  # freed after forward (gathered again in backward); False: the root
+    block: int | None  # index of the plan block it belongs to
+    copied: int  # the local shard cast into the all-gather input
+    weight: float  # how many blocks it stands for (sample_blocks)
+
+
+def _units(model, plan, param_dtype, module_weight: dict[int, float]) -> list[FsdpUnit]:
+    """Every FSDP unit of the parallelized meta model.
 
     NOTE: the shard group of a parameter is its mesh dim named `fsdp` or `efsdp`
     (`parallelisms.mesh`): the gathered size is the padded local shard times its size."""
@@ -67,8 +77,9 @@ def _units(model, plan, param_dtype, module_weight: dict[int, float]):
             gathered += padded * group * dtype.itemsize
             grads += padded * group * 4  # reduced in fp32 (parallelisms.fsdp)
             copied += padded * dtype.itemsize  # the shard, cast into the all-gather input
-        w = module_weight.get(id(module), 1.0)  # a sampled block stands for its twins
-        units.append((gathered, grads, module is not model, owner_block.get(id(module)), copied, w))
+        weight = module_weight.get(id(module), 1.0)  # a sampled block stands for its twins
+        block = owner_block.get(id(module))
+        units.append(FsdpUnit(gathered, grads, module is not model, block, copied, weight))
     return units
 
 
@@ -117,30 +128,30 @@ def measure_layout(cfg, world_size: int, modes=MODES) -> Layout:
     )
 
 
-def _fsdp_buffers(units) -> int:
+def _fsdp_buffers(units: list[FsdpUnit]) -> int:
     """FSDP's buffers alive when activations peak (the end of forward, the loss and the
     start of backward): the root's gathered parameters (kept from forward to backward) and
     one block group (a block and its experts' units) gathered, with its all-gather input.
     NOTE: later in backward two groups are gathered at once and one group's unsharded
     gradients wait for their reduce-scatter, but by then most activations are freed; on
     the debug config on CPU this sum matches the measured peak best (docs: Will it fit?)."""
-    root = sum(u[0] for u in units if not u[2])
+    root = sum(u.gathered for u in units if not u.resharded)
     groups: dict[int, int] = {}
-    for gathered, _grads, resharded, block, copied, _ in units:
-        if resharded and block is not None:
-            groups[block] = groups.get(block, 0) + gathered + copied
+    for u in units:
+        if u.resharded and u.block is not None:
+            groups[u.block] = groups.get(u.block, 0) + u.gathered + u.copied
     return root + max(groups.values(), default=0)
 
 
-def _comm(units, dims, grad_accum: int, trace) -> dict:
+def _comm(units: list[FsdpUnit], dims, grad_accum: int, trace) -> dict:
     """Per step, per rank. FSDP: bytes of the gathered outputs and of the reduce-scatter
     inputs (a ring algorithm moves (n-1)/n of each over the wire). EP: bytes this rank
     sends to other ranks when each expert gets an equal share (dispatch and combine, in
     forward and backward; `full` checkpointing adds the replay's forward pair). CP: the
     K/V blocks passed on (cp-1 hops forward and backward) and the fp32 dK/dV sums (cp
     hops)."""
-    gathers = sum(u[0] * (2 if u[2] else 1) * u[5] for u in units)
-    scatters = sum(u[1] * u[5] for u in units)
+    gathers = sum(u.gathered * (2 if u.resharded else 1) * u.weight for u in units)
+    scatters = sum(u.grads * u.weight for u in units)
     leaving = (dims.ep - 1) / dims.ep
     a2a_pair = trace.routed * leaving * 2  # dispatch and combine
     cp = dims.cp
