@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from parallelisms.mesh import ParallelDims, world_size_from_env
+from parallelisms.dims import ParallelDims, world_size_from_env
 from trainer.config import ConfigError, format_help, load_config
 from trainer.errors import USER_ERRORS
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv)
         p = cfg.parallel
         dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size_from_env())
-        from trainer.setup import preflight  # torch-heavy: only once the config is good
+        from trainer.loop.setup import preflight  # torch-heavy: only once the config is good
 
         preflight(cfg, dims)
     except USER_ERRORS as err:
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from trainer.loop import Trainer
+    from trainer.loop.trainer import Trainer
 
     try:
         Trainer(cfg, dims).fit()

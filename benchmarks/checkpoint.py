@@ -22,14 +22,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallelisms.mesh import ParallelDims, world_size_from_env  # noqa: E402
+from parallelisms.dims import ParallelDims, world_size_from_env  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 
 
 def main() -> None:
-    from trainer.checkpoint import Checkpointer, complete_checkpoints
-    from trainer.loop import Trainer
-    from trainer.setup import preflight
+    from trainer.checkpoint.checkpointer import Checkpointer, complete_checkpoints
+    from trainer.loop.setup import preflight
+    from trainer.loop.trainer import Trainer
 
     cfg = load_config(sys.argv[1:])
     cfg.train.steps, cfg.train.warmup_steps = 2, 1

@@ -44,7 +44,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1 << 20
-BATCH_CHARS = 1 << 20  # text per encode_batch call, as trainer/prepare_worker.py batches
+BATCH_CHARS = 1 << 20  # text per encode_batch call, as trainer/prepare/worker.py batches
 PREFIX = b'{"text": "'
 SEP = b'."}\n' + PREFIX  # ends one document and starts the next
 LETTERS = list("etaoinshrdlcumwfgypbvkéjxqüzß")  # most frequent first; some 2-byte UTF-8
@@ -233,7 +233,9 @@ def reader_child(args: argparse.Namespace) -> None:
     import torch  # noqa: F401
 
     from trainer.config import DataSection, TrainSection
-    from trainer.data import ByteTokenizer, build_dataloader, build_dataset, check_corpus
+    from trainer.data.corpus import build_dataset, check_corpus
+    from trainer.data.loader import build_dataloader
+    from trainer.data.tokenizers import ByteTokenizer
 
     result = {"imports_s": time.perf_counter() - start, "rss_after_imports": rss()}
     with open("/proc/self/clear_refs", "w") as f:
@@ -296,7 +298,7 @@ def measure(args: argparse.Namespace, tmp: str, result: dict) -> None:
     result["bpe"] = {"vocab": args.vocab, "train_mib": args.train_mb, "train_s": seconds}
     out, runs = os.path.join(tmp, "prep"), []
     # CPU of the CLI's interpreter and imports, taken off each run's CPU for its MB per CPU-s.
-    imp = child_cpu([sys.executable, "-c", "import trainer.data.prepare"])[2]
+    imp = child_cpu([sys.executable, "-c", "import trainer.prepare.run"])[2]
     result["prepare_import_cpu_s"] = imp
     for tok in ("byte", tok_json):
         runs += [run_prepare(corpora["prepare"], out, tok, w, shard_mb, args.repeats, imp)

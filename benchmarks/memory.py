@@ -63,10 +63,10 @@ def peak_bytes(fn, before=None) -> int:
 
 def measure_mode(argv: list[str], mode: str, warmup: int, measure: int) -> dict:
     """One rank, this process: a Trainer with `mode`, timed steps, then one profiled step."""
-    from parallelisms.mesh import ParallelDims
+    from parallelisms.dims import ParallelDims
     from trainer.config import load_config
-    from trainer.loop import Trainer
-    from trainer.setup import preflight
+    from trainer.loop.setup import preflight
+    from trainer.loop.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(

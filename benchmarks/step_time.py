@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallelisms.mesh import ParallelDims, world_size_from_env  # noqa: E402
+from parallelisms.dims import ParallelDims, world_size_from_env  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 
 
@@ -36,9 +36,9 @@ def pop_flag(argv: list[str], name: str, default: str) -> str:
 
 
 def measure_steps(cfg, warmup: int, measure: int) -> dict:
-    from trainer.loop import Trainer
-    from trainer.metrics import peak_memory_gib
-    from trainer.setup import preflight
+    from trainer.loop.setup import preflight
+    from trainer.loop.trainer import Trainer
+    from trainer.metrics.logger import peak_memory_gib
 
     p = cfg.parallel
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size_from_env())
@@ -75,7 +75,7 @@ def compare_with_transformers(cfg, iters: int) -> dict:
     import transformers
 
     from models import get_model_spec
-    from trainer.hf_io import load_hf_weights
+    from trainer.hf.weights import load_hf_weights
 
     spec = get_model_spec(cfg.model.name)
     args = cfg.model.args

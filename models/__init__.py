@@ -1,9 +1,13 @@
 """Model registry: a name in `[model] name = ...` -> the model's `ModelSpec`.
 
-A model is plain PyTorch. Its folder exports `SPEC`, a `models.spec.ModelSpec`: the
-typed contract (constructor, parallel plan, loss terms, FLOPs, HF adapter) through which
-the trainer reads it. Adding a model means adding one entry to `_REGISTRY`; trainer and
-parallelism code do not change.
+A model is plain PyTorch. Its folder holds `args.py` (the hyper-parameter dataclass, no
+torch) and `spec.py`, whose `SPEC` is a `models.spec.ModelSpec`: the typed contract
+(constructor, parallel plan, loss terms, FLOPs, HF adapter) through which the trainer reads
+it. Adding a model means adding one entry to `_REGISTRY`; trainer and parallelism code do
+not change.
+
+NOTE: nothing here imports torch, and `model_args_class` imports only a model's `args.py`:
+the job config is loaded and checked without torch, so a refused launch answers at once.
 """
 
 from __future__ import annotations
@@ -11,8 +15,10 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from typing import TYPE_CHECKING
 
-from models.spec import HFAdapter, LossTerms, ModelSpec
+if TYPE_CHECKING:
+    from models.spec import ModelSpec
 
 
 class HFFormatError(ValueError):
@@ -28,13 +34,13 @@ def read_config_json(model_dir: str) -> dict:
         return json.load(f)
 
 
-__all__ = ["HFAdapter", "HFFormatError", "LossTerms", "ModelSpec", "get_model_spec", "model_names"]
+__all__ = ["HFFormatError", "get_model_spec", "model_args_class", "model_names"]
 
-# name -> module path whose `SPEC` attribute is the ModelSpec (imported on demand).
+# name -> (package, the name of its hyper-parameter dataclass in `<package>.args`).
 _REGISTRY = {
-    "deepseek_v3": "models.deepseek_v3",
-    "olmoe": "models.olmoe",
-    "qwen3_moe": "models.qwen3_moe",
+    "deepseek_v3": ("models.deepseek_v3", "DeepseekV3Args"),
+    "olmoe": ("models.olmoe", "OlmoeArgs"),
+    "qwen3_moe": ("models.qwen3_moe", "Qwen3MoeArgs"),
 }
 
 
@@ -42,7 +48,18 @@ def model_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_model_spec(name: str) -> ModelSpec:
+def _entry(name: str) -> tuple[str, str]:
     if name not in _REGISTRY:
         raise KeyError(f"unknown model {name!r}; known models: {', '.join(model_names())}")
-    return importlib.import_module(_REGISTRY[name]).SPEC
+    return _REGISTRY[name]
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """The model's whole contract (imports torch and the model)."""
+    return importlib.import_module(f"{_entry(name)[0]}.spec").SPEC
+
+
+def model_args_class(name: str) -> type:
+    """The model's hyper-parameter dataclass alone (no torch): what the config needs."""
+    package, cls = _entry(name)
+    return getattr(importlib.import_module(f"{package}.args"), cls)

@@ -88,7 +88,7 @@ class HFAdapter(Protocol):
     """Hugging Face checkpoint <-> native model, by parameter name (a module or object).
 
     Native names are those of `model.named_parameters()` and `named_buffers()`. Every
-    function is pure: file I/O and sharding are `trainer.hf_io`'s business.
+    function is pure: file I/O and sharding are `trainer.hf.weights`'s business.
     """
 
     def load_hf_config(self, model_dir: str) -> Any:

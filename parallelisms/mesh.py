@@ -1,108 +1,13 @@
-"""Parallel degrees, their checks, and the device mesh built from them.
-
-Degrees (DESIGN §3): world = dp_replicate * dp_shard * cp; expert parallelism borrows
-its ranks from dp_shard * cp. Every check here is arithmetic on the config and the world
-size, so a bad layout is refused before any process group exists. This file is the one
-owner of layout arithmetic, the split of the global batch into per-rank micro-batches
-included: config, data and trainer call it rather than checking again.
-"""
+"""The device meshes of a layout (`parallelisms.dims.ParallelDims`): the batch view, the
+dense parameters' FSDP mesh and, under expert parallelism, the experts' (efsdp, ep) mesh."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-
-class LayoutError(ValueError):
-    """A parallel layout that cannot run; the message names the keys and the fix."""
-
-
-def world_size_from_env() -> int:
-    """The world size torchrun will give us (1 for a plain `python train.py`)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def grad_accum_steps(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
-    """Micro-batches each data-parallel rank runs per optimizer step: G / (micro * dp)."""
-    for key, value in (
-        ("train.global_batch_size", global_batch_size),
-        ("train.micro_batch_size", micro_batch_size),
-        ("the data-parallel size", dp_size),
-    ):
-        if value < 1:
-            raise LayoutError(f"{key} must be >= 1, got {value}")
-    if global_batch_size % micro_batch_size:
-        raise LayoutError(
-            f"train.global_batch_size ({global_batch_size}) must be a multiple of "
-            f"train.micro_batch_size ({micro_batch_size})"
-        )
-    per_step = micro_batch_size * dp_size
-    if global_batch_size % per_step:
-        fit = max(per_step, global_batch_size // per_step * per_step)
-        raise LayoutError(
-            f"train.global_batch_size={global_batch_size} must be divisible by "
-            f"train.micro_batch_size ({micro_batch_size}) x data-parallel ranks ({dp_size}) = "
-            f"{per_step}, so each rank runs a whole number of micro-batches per step; e.g. use "
-            f"train.global_batch_size={fit}, or change train.micro_batch_size or the degrees"
-        )
-    return global_batch_size // per_step
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    ep: int
-    world_size: int
-
-    @classmethod
-    def resolve(
-        cls, dp_replicate: int, dp_shard: int, cp: int, ep: int, world_size: int
-    ) -> ParallelDims:
-        fixed = dp_replicate * cp
-        if dp_shard == -1:
-            if world_size % fixed:
-                raise LayoutError(
-                    f"world size {world_size} is not divisible by parallel.dp_replicate * "
-                    f"parallel.cp = {dp_replicate} * {cp}; launch a multiple of {fixed} ranks "
-                    "or change the degrees"
-                )
-            dp_shard = world_size // fixed
-        if dp_replicate * dp_shard * cp != world_size:
-            raise LayoutError(
-                f"parallel.dp_replicate * dp_shard * cp = {dp_replicate} * {dp_shard} * {cp} = "
-                f"{dp_replicate * dp_shard * cp}, but the world size is {world_size}; set "
-                "parallel.dp_shard=-1 to use the rest, or launch that many ranks "
-                "(torchrun --nproc_per_node=N)"
-            )
-        if (dp_shard * cp) % ep:
-            raise LayoutError(
-                f"parallel.ep={ep} must divide parallel.dp_shard * cp = {dp_shard * cp} "
-                "(expert parallelism borrows its ranks from them)"
-            )
-        return cls(dp_replicate, dp_shard, cp, ep, world_size)
-
-    def grad_accum(self, global_batch_size: int, micro_batch_size: int) -> int:
-        """Micro-batches per rank per step; refuses a global batch this layout cannot split."""
-        return grad_accum_steps(global_batch_size, micro_batch_size, self.dp_size)
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel ranks: each reads a different slice of the global batch."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def fsdp_size(self) -> int:
-        """Ranks that shard one copy of the dense parameters."""
-        return self.dp_shard * self.cp
-
-    @property
-    def efsdp_size(self) -> int:
-        """Ranks that shard one expert-parallel slice of the routed experts."""
-        return self.fsdp_size // self.ep
+from parallelisms.dims import ParallelDims
 
 
 @dataclass

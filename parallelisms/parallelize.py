@@ -1,5 +1,5 @@
 """Apply a model's parallel plan: context and expert parallelism, activation checkpointing,
-then FSDP2 (DESIGN §4-§9, §13)."""
+then FSDP2 (docs/architecture.md, "Principles")."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from models.common.plan import ParallelPlan
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import apply_compile
 from parallelisms.context_parallel import ContextParallelAttention, apply_context_parallel
+from parallelisms.dims import LayoutError, ParallelDims
 from parallelisms.expert_parallel import TokenDispatcher, apply_expert_parallel
 from parallelisms.fsdp import apply_fsdp
-from parallelisms.mesh import LayoutError, Meshes, ParallelDims
+from parallelisms.mesh import Meshes
 from parallelisms.plan import match_modules
 
 

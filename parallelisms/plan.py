@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # PlanError is a user error that train.py imports before torch
+    from torch import nn
 
 
 class PlanError(ValueError):

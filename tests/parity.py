@@ -23,11 +23,14 @@ from models.common.moe import (
     sequence_balance_loss,
 )
 from models.common.replay import is_replay
-from parallelisms.mesh import ParallelDims
+from parallelisms.dims import ParallelDims
 from trainer.config import load_config
-from trainer.data import IGNORE_INDEX, Batch, GlobalBatchSampler, build_dataset, build_tokenizer
-from trainer.losses import with_mtp_targets
-from trainer.optim import build_optimizer, lr_factor
+from trainer.data.batch import IGNORE_INDEX, Batch
+from trainer.data.corpus import build_dataset
+from trainer.data.sampler import GlobalBatchSampler
+from trainer.data.tokenizers import build_tokenizer
+from trainer.loop.losses import with_mtp_targets
+from trainer.loop.optim import build_optimizer, lr_factor
 
 STEPS = 3
 TINY = [
@@ -133,8 +136,8 @@ def stepped_records(trainer, steps: int):
 
 
 def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing: str | None):
-    from trainer.loop import Trainer
-    from trainer.setup import preflight
+    from trainer.loop.setup import preflight
+    from trainer.loop.trainer import Trainer
 
     cfg = load_config(argv)
     p = cfg.parallel

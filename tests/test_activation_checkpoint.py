@@ -1,4 +1,5 @@
-"""Activation checkpointing changes memory and time, never numbers or state (DESIGN §13).
+"""Activation checkpointing changes memory and time, never numbers or state (docs/architecture.md,
+"Principles").
 
 `train.activation_checkpoint` = full and selective against none, on the same layout, fp32
 on CPU, 3 steps: losses, aux and MTP losses, grad norms, every gradient and updated

@@ -65,14 +65,14 @@ def test_resume_on_another_layout(ep_run, nproc, layout, tmp_path):
 
 def test_export_reproduces_our_logits_in_transformers(ep_run, tmp_path):
     transformers = pytest.importorskip("transformers", reason="needs the [hf] extra")
-    from trainer.export import load_checkpoint_model
+    from trainer.hf.export import load_checkpoint_model
 
     step_dir = ep_run[0] / "checkpoints" / "step-4"
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
-            "trainer.export",
+            "trainer.hf.export",
             f"--checkpoint={step_dir}",
             f"--out={tmp_path / 'hf'}",
             "--dtype=fp32",
@@ -232,7 +232,7 @@ def test_resume_from_plain_fsdp_into_expert_parallelism(tmp_path):
 def test_newest_means_last_committed(tmp_path):
     """After a rollback (resume from an older step), the abandoned run's later steps are
     older commits: resume=auto and keep_last follow the run that is going on."""
-    from trainer.checkpoint import COMPLETE, complete_checkpoints
+    from trainer.checkpoint.checkpointer import COMPLETE, complete_checkpoints
 
     for step, committed in [(200, 10.0), (100, 5.0), (110, 20.0)]:
         (tmp_path / f"step-{step}").mkdir()

@@ -14,7 +14,7 @@ import pytest
 
 import train
 from tests.distributed import ROOT, run_train
-from trainer.checkpoint import COMPLETE, TRAINER_STATE
+from trainer.checkpoint.checkpointer import COMPLETE, TRAINER_STATE
 
 RUN = [
     "--config=configs/debug_qwen3_moe.toml",

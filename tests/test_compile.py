@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from models.common.grouped_gemm import grouped_mm_op
 from models.common.moe import grouped_mm
-from parallelisms.mesh import ParallelDims
+from parallelisms.dims import ParallelDims
 from tests.distributed import run_distributed
 from tests.parity import STEPS, TINY, stepped_records
 from trainer.config import ConfigError, load_config
@@ -33,8 +33,8 @@ MODES = {  # name: extra argv
 def _train(world: int, argv: list[str]) -> list[dict]:
     """3 steps through `Trainer`: each step's record, the gradients the optimizer stepped
     with (after clipping) and the updated parameters, as full tensors."""
-    from trainer.loop import Trainer
-    from trainer.setup import preflight
+    from trainer.loop.setup import preflight
+    from trainer.loop.trainer import Trainer
 
     cfg = load_config(argv)
     p = cfg.parallel

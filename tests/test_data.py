@@ -10,23 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallelisms.mesh import LayoutError, grad_accum_steps
+from parallelisms.dims import LayoutError, grad_accum_steps
 from trainer.config import DataSection, TrainSection
-from trainer.data import (
-    IGNORE_INDEX,
-    Batch,
-    ByteTokenizer,
-    DataError,
-    GlobalBatchSampler,
-    HFTokenizer,
-    PackedDataset,
-    build_dataloader,
-    build_dataset,
-    build_tokenizer,
-    iter_documents,
-    pack_documents,
-    stdlib_files,
-)
+from trainer.data.batch import IGNORE_INDEX, Batch
+from trainer.data.corpus import build_dataset
+from trainer.data.loader import build_dataloader
+from trainer.data.packing import PackedDataset, pack_documents
+from trainer.data.sampler import GlobalBatchSampler
+from trainer.data.sources import iter_documents, stdlib_files
+from trainer.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer
+from trainer.errors import DataError
 
 EOS = ByteTokenizer.eos_id
 SAMPLER_KEY = "_index_sampler_state"  # where StatefulDataLoader keeps the batch sampler's state

@@ -19,7 +19,7 @@ from models.common.moe import MoEOptions  # noqa: E402
 from models.deepseek_v3.args import DeepseekV3Args  # noqa: E402
 from models.deepseek_v3.hf import HFFormatError, args_from_hf_config, load_hf_config  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.hf_io import load_hf_weights, save_hf_checkpoint  # noqa: E402
+from trainer.hf.weights import load_hf_weights, save_hf_checkpoint  # noqa: E402
 
 SPEC = get_model_spec("deepseek_v3")
 

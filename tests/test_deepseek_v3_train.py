@@ -13,9 +13,9 @@ from models.common.moe import GroupLimitedRouter, MoE, sequence_balance_loss
 from models.deepseek_v3.args import DeepseekV3Args
 from models.deepseek_v3.model import DeepseekV3ForCausalLM
 from tests.distributed import run_train
-from trainer.balance import BiasUpdate
-from trainer.data import IGNORE_INDEX, Batch
-from trainer.losses import with_mtp_targets
+from trainer.data.batch import IGNORE_INDEX, Batch
+from trainer.loop.balance import BiasUpdate
+from trainer.loop.losses import with_mtp_targets
 
 # --- load balancing -----------------------------------------------------------------------
 

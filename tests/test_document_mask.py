@@ -26,7 +26,7 @@ from parallelisms.context_parallel import RingStats, ring_attention
 from parallelisms.cp_schedule import attention_work, document_attention_work, split_for_cp
 from tests.distributed import ROOT, run_distributed, run_per_world, run_train
 from tests.parity import TINY_DSV3, assert_same_training, layout_worker, reference_run
-from trainer.data import PackedDataset, document_positions
+from trainer.data.packing import PackedDataset, document_positions
 
 B, S, HQ, HKV, D = 4, 48, 8, 2, 12  # S splits into 2 * 4 chunks of 6
 SCALE = D**-0.5

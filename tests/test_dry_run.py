@@ -45,9 +45,9 @@ def _real_state_bytes(rank: int, world_size: int, overrides: list[str], out: str
     state this rank really holds (distinct storages, padding included)."""
     import torch
 
-    from parallelisms.mesh import ParallelDims
+    from parallelisms.dims import ParallelDims
     from trainer.config import load_config
-    from trainer.loop import Trainer
+    from trainer.loop.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(

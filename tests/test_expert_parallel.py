@@ -9,8 +9,8 @@ from torch.distributed.tensor import DTensor
 
 from models import get_model_spec
 from models.common.moe import MoE, TopKRouter
+from parallelisms.dims import LayoutError, ParallelDims
 from parallelisms.expert_parallel import apply_expert_parallel
-from parallelisms.mesh import LayoutError, ParallelDims
 from parallelisms.parallelize import check_layout
 from parallelisms.plan import PlanError, match_modules
 from tests.distributed import run_distributed
@@ -86,7 +86,7 @@ def test_dispatch_matches_unsharded_layer_and_moves_minimum_bytes(kind, tmp_path
 
 
 def _prefetch_worker(rank: int, world: int, out_path: str) -> None:
-    from trainer.loop import Trainer
+    from trainer.loop.trainer import Trainer
 
     cfg = load_config(["--config=configs/debug_qwen3_moe.toml", "--parallel.ep=2"])
     dims = ParallelDims.resolve(1, -1, 1, 2, world)
@@ -187,8 +187,8 @@ def test_layout_refusal_through_train_py(monkeypatch, capsys):
 def _hf_load_worker(rank: int, world: int, hf_dir: str, out_path: str) -> None:
     from torch.distributed.tensor import DTensor
 
-    from trainer.hf_io import load_hf_weights
-    from trainer.loop import Trainer
+    from trainer.hf.weights import load_hf_weights
+    from trainer.loop.trainer import Trainer
 
     argv = [
         "--config=configs/debug_qwen3_moe.toml",
@@ -209,7 +209,7 @@ def _hf_load_worker(rank: int, world: int, hf_dir: str, out_path: str) -> None:
 
 
 def test_init_from_hf_reads_only_the_local_part_on_each_rank(tmp_path):
-    from trainer.hf_io import save_hf_checkpoint
+    from trainer.hf.weights import save_hf_checkpoint
 
     args = load_config(["--config=configs/debug_qwen3_moe.toml"]).model.args
     spec = get_model_spec("qwen3_moe")

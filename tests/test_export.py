@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from models import get_model_spec
 from models.common.init import init_all_
 from tests.distributed import ROOT
-from trainer.checkpoint import COMPLETE, TRAINER_STATE
+from trainer.checkpoint.checkpointer import COMPLETE, TRAINER_STATE
 from trainer.config import config_to_dict, load_config
 
 SHARD_MB = 4
@@ -42,7 +42,7 @@ def model_argv(layers: int) -> list[str]:
 # sampled from /proc every millisecond (ru_maxrss would report the import's own peak).
 MEASURE = """
 import json, os, sys, threading, time
-import trainer.export
+import trainer.hf.export
 page = os.sysconf("SC_PAGE_SIZE")
 def rss():
     with open("/proc/self/statm") as f:
@@ -54,7 +54,7 @@ def sample():
         time.sleep(0.001)
 thread = threading.Thread(target=sample)
 thread.start()
-code = trainer.export.main(sys.argv[1:])
+code = trainer.hf.export.main(sys.argv[1:])
 done.set()
 thread.join()
 print(json.dumps({"code": code, "growth_mb": (max(peak[0], rss()) - base) / 2**20}))

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers", reason="needs the [hf] extra 
 from models import get_model_spec  # noqa: E402
 from models.common.moe import MoEOptions, load_balancing_loss  # noqa: E402
 from models.qwen3_moe.hf import HFFormatError, args_from_hf_config, load_hf_config  # noqa: E402
-from trainer.hf_io import load_hf_weights, save_hf_checkpoint  # noqa: E402
+from trainer.hf.weights import load_hf_weights, save_hf_checkpoint  # noqa: E402
 
 SPEC = get_model_spec("qwen3_moe")
 

@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from models import get_model_spec
 from models.common.init import init_all_, init_tiles
+from parallelisms.dims import ParallelDims
 from parallelisms.init import init_weights_global
-from parallelisms.mesh import ParallelDims
 from tests.distributed import run_distributed
 from tests.parity import TINY, TINY_DSV3
 from trainer.config import load_config
@@ -47,7 +47,7 @@ def test_tiles_cover_every_element_once_and_stay_within_the_bound(shape, tile):
 
 
 def _worker(rank, world, argv, tile, out_path):
-    from trainer.loop import Trainer
+    from trainer.loop.trainer import Trainer
 
     cfg = load_config(argv)
     p = cfg.parallel

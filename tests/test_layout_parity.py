@@ -1,4 +1,4 @@
-"""Every parallel layout against one plain process on the same global batch (DESIGN §11).
+"""Every parallel layout against one plain process on the same global batch (docs/architecture.md, "Principles").
 
 One table: each row is a layout (FSDP, HSDP, EP x FSDP, CP, CP x EP) of a tiny model,
 run for 3 steps on real gloo ranks through `Trainer.train_step` and compared with

@@ -9,7 +9,7 @@ import pytest
 
 import train
 from tests.distributed import ROOT, run_train
-from trainer.plot import main as plot
+from trainer.metrics.plot import main as plot
 
 RUN = [
     "--config=configs/debug_qwen3_moe.toml",

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from models.common.moe import MoE, MoEOptions, TopKRouter, grouped_mm
 from trainer.config import TrainSection
-from trainer.optim import lr_factor
+from trainer.loop.optim import lr_factor
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 5, 2], [0, 0, 10, 0], [0, 0, 0, 0]])

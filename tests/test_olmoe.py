@@ -15,7 +15,7 @@ from models.common.moe import MoEOptions, load_balancing_loss
 from models.olmoe import hf
 from models.olmoe.args import OlmoeArgs
 from tests.distributed import ROOT, run_train
-from trainer.hf_io import load_hf_weights, save_hf_checkpoint
+from trainer.hf.weights import load_hf_weights, save_hf_checkpoint
 
 SPEC = get_model_spec("olmoe")
 CLIP = 0.8  # below the typical |q|, |k| (rms 1 after their norms) and |v|: clamping bites

@@ -1,4 +1,4 @@
-"""Tests of `python -m trainer.prepare` (trainer/data/prepare.py, trainer/prepare_worker.py):
+"""Tests of `python -m trainer.prepare` (trainer/prepare/run.py, trainer/prepare/worker.py):
 the prepared stream equals the in-memory one, determinism, resume, and the refusals."""
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 
 from trainer.config import DataSection
-from trainer.data import build_tokenizer, iter_documents, pack_documents
-from trainer.data.prepare_plan import plan_file_units
+from trainer.data.packing import pack_documents
 from trainer.data.shards import MANIFEST, ShardedTokens, read_manifest
-from trainer.prepare import main
+from trainer.data.sources import iter_documents
+from trainer.data.tokenizers import build_tokenizer
+from trainer.prepare.cli import main
+from trainer.prepare.plan import plan_file_units
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["the", "cat", "sat", "dog", "ran", "a", "héllo", "wörld", "✓", "zebra"]
@@ -237,7 +239,7 @@ def test_bad_jsonl_lines_are_named(tmp_path, capsys):
     assert f"{bad}:2: not valid JSON" in err and "fix or delete that line" in err
     bad.write_text('{"text": "ok"}\n\n{"body": "x", "id": 3}\n')
     err = refuse(capsys, [*args, "--overwrite"])
-    assert f"{bad}:3: no field 'text'" in err and "['body', 'id']" in err
+    assert f"{bad}:3: no field 'text'" in err and "'body', 'id'" in err
     assert "--text-field" in err
     bad.write_text('{"text": 5}\n')
     assert "is int, not a string" in refuse(capsys, [*args, "--overwrite"])

@@ -16,15 +16,10 @@ import torch
 import train
 from tests.distributed import ROOT, run_train
 from trainer.config import DataSection
-from trainer.data import (
-    ByteTokenizer,
-    DataError,
-    GlobalBatchSampler,
-    build_dataset,
-    check_corpus,
-    pack_corpus,
-)
+from trainer.data.corpus import build_dataset, check_corpus
+from trainer.data.packing import pack_corpus
 from trainer.data.permutation import FeistelPermutation
+from trainer.data.sampler import GlobalBatchSampler
 from trainer.data.shards import (
     MANIFEST,
     Manifest,
@@ -34,7 +29,9 @@ from trainer.data.shards import (
     file_sha256,
     read_manifest,
 )
-from trainer.prepare import main as prepare
+from trainer.data.tokenizers import ByteTokenizer
+from trainer.errors import DataError
+from trainer.prepare.cli import main as prepare
 
 EOS = ByteTokenizer.eos_id
 DOCS = [f"document {i}: " + "lorem ipsum " * (i % 7) for i in range(60)]
@@ -144,7 +141,7 @@ def _hf_tokenizer(path: Path) -> str:
 
 def test_another_tokenizer_than_the_prepared_one_is_refused(prepared, tmp_path):
     pytest.importorskip("tokenizers")
-    from trainer.data import HFTokenizer
+    from trainer.data.tokenizers import HFTokenizer
 
     tok = _hf_tokenizer(tmp_path / "tok.json")
     cfg = DataSection(source="tokens", path=str(prepared), tokenizer=tok)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import fields, is_dataclass
 
 from models.common.args import field_problems
-from parallelisms.mesh import LayoutError, grad_accum_steps
+from parallelisms.dims import LayoutError, grad_accum_steps
 from trainer.config.schema import JobConfig
 
 # data.source values that read from data.path, and what the path names for each.

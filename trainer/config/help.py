@@ -6,7 +6,7 @@ import textwrap
 from dataclasses import MISSING, Field, asdict, fields, is_dataclass
 from typing import Any
 
-from models import get_model_spec, model_names
+from models import model_args_class, model_names
 from models.common.args import bound_text
 from trainer.config.load import format_value
 from trainer.config.schema import (
@@ -38,7 +38,7 @@ def format_help() -> str:
     for section, cls in SECTIONS.items():
         groups.append((f"[{section}]", section, cls))
         if cls is ModelSection:
-            models = [(n, get_model_spec(n).args_cls) for n in model_names()]
+            models = [(n, model_args_class(n)) for n in model_names()]
             groups += [(f"[model] keys of {n}", "model", args_cls) for n, args_cls in models]
     rows: list[tuple[str, str, str] | str] = []
     for title, section, cls in groups:

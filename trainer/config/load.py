@@ -13,7 +13,7 @@ import types
 from dataclasses import fields
 from typing import Any, NamedTuple, Union, get_args, get_origin
 
-from models import get_model_spec, model_names
+from models import model_args_class, model_names
 from trainer.config.checks import config_problems
 from trainer.config.schema import (
     MODEL_OWN_KEYS,
@@ -134,7 +134,7 @@ def _build(raw: dict[str, dict[str, _Value]], errors: list[str]) -> JobConfig | 
             f"model.name: unknown model {name!r} (from {origin}); known models: {known_models}"
         )
     else:
-        args_cls = get_model_spec(name).args_cls
+        args_cls = model_args_class(name)
     known = _dotted_keys(*([args_cls] if args_cls else _all_args_classes()))
     values = {
         s: _convert_items(s, cls, raw[s], known, errors)
@@ -228,7 +228,7 @@ def format_value(value: Any) -> str:
 
 
 def _all_args_classes() -> list[type]:
-    return [get_model_spec(n).args_cls for n in model_names()]
+    return [model_args_class(n) for n in model_names()]
 
 
 def _dotted_keys(*args_classes: type) -> list[str]:

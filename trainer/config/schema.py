@@ -4,7 +4,7 @@ Every field is made with `models.common.args.arg`, like the models' hyper-parame
 a one-line doc that `train.py --help` prints, and the bounds or choices that
 `trainer.config.checks` enforces generically. Checks that relate two fields live in
 `checks.py`. The `[model]` section holds `name`, `init_from_hf` and the chosen model's
-own hyper-parameters (its `args_cls` from `models.get_model_spec`).
+own hyper-parameters (its dataclass from `models.model_args_class`).
 """
 
 from __future__ import annotations

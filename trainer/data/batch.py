@@ -1,4 +1,4 @@
-"""What the data path hands the trainer: a `Batch` of [B, S] tensors, and its errors."""
+"""What the data path hands the trainer: a `Batch` of [B, S] tensors."""
 
 from __future__ import annotations
 
@@ -11,10 +11,6 @@ import torch
 IGNORE_INDEX = -100
 
 
-class DataError(Exception):
-    """A data configuration or data content problem, worded for the person writing the config."""
-
-
 @dataclass(frozen=True, eq=False)  # tensors have no single truth value
 class Batch:
     """One micro-batch (or one sample, without the leading B). Every field is [B, S] int64
@@ -25,7 +21,7 @@ class Batch:
     labels: torch.Tensor  # input_ids shifted left by one (IGNORE_INDEX: no target)
     position_ids: torch.Tensor  # true positions, kept through any reordering of the sequence
     document_ids: torch.Tensor  # index of the packed document each token belongs to
-    # Multi-token prediction (see trainer.losses.with_mtp_targets): depth k's input and
+    # Multi-token prediction (see trainer.loop.losses.with_mtp_targets): depth k's input and
     # label at position i are token i+k and label i+k.
     mtp_input_ids: torch.Tensor | None = None
     mtp_labels: torch.Tensor | None = None

@@ -18,7 +18,6 @@ import os
 import torch
 
 from trainer.config import DataSection
-from trainer.data.batch import DataError
 from trainer.data.packing import CorpusSummary, PackedDataset, TokenStream, pack_corpus
 from trainer.data.shards import (
     ShardedTokens,
@@ -29,6 +28,7 @@ from trainer.data.shards import (
 )
 from trainer.data.sources import iter_documents, source_files
 from trainer.data.tokenizers import HFTokenizer, Tokenizer
+from trainer.errors import DataError
 
 
 def tokenizer_id(tokenizer: Tokenizer) -> TokenizerId:

@@ -6,7 +6,7 @@ import warnings
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from parallelisms.mesh import grad_accum_steps
+from parallelisms.dims import grad_accum_steps
 from trainer.config import DataSection, TrainSection
 from trainer.data.batch import Batch
 from trainer.data.corpus import build_dataset

@@ -10,8 +10,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from trainer.data.batch import Batch, DataError
+from trainer.data.batch import Batch
 from trainer.data.tokenizers import Tokenizer
+from trainer.errors import DataError
 
 
 def _encoded(documents: Iterable[str], tokenizer: Tokenizer) -> Iterator[np.ndarray]:

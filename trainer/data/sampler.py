@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from parallelisms.mesh import grad_accum_steps
-from trainer.data.batch import DataError
+from parallelisms.dims import grad_accum_steps
 from trainer.data.permutation import FeistelPermutation
+from trainer.errors import DataError
 
 
 class GlobalBatchSampler:

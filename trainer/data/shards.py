@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.data.batch import DataError
+from trainer.errors import DataError
 
 FORMAT = "moetrain-tokens/1"
 MANIFEST = "manifest.json"

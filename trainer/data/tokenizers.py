@@ -10,7 +10,7 @@ from typing import Protocol
 import numpy as np
 
 from trainer.config import DataSection
-from trainer.data.batch import DataError
+from trainer.errors import DataError
 
 
 class Tokenizer(Protocol):

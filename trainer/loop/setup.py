@@ -18,12 +18,14 @@ import torch.distributed as dist
 
 from models import get_model_spec
 from models.common.args import field_problems
-from parallelisms.mesh import LayoutError, ParallelDims
+from parallelisms.dims import LayoutError, ParallelDims
 from parallelisms.parallelize import check_layout
-from trainer.checkpoint import check_checkpoint
+from trainer.checkpoint.checkpointer import check_checkpoint
 from trainer.config import ConfigError, JobConfig
-from trainer.data import DataError, build_tokenizer, check_corpus
-from trainer.sinks import check_sinks
+from trainer.data.corpus import check_corpus
+from trainer.data.tokenizers import build_tokenizer
+from trainer.errors import DataError
+from trainer.metrics.sinks import check_sinks
 
 
 def resolve_model_args(cfg: JobConfig) -> None:

@@ -1,6 +1,6 @@
 """The training loss of one step, composed from the model's outputs and global counts.
 
-DESIGN §6: every piece is a share, so that summed over forwards and ranks it is the value
+Every piece is a share (docs/architecture.md, "Principles"), so that summed over forwards and ranks it is the value
 one device would compute on the whole global batch. Token cross-entropy sums are divided
 by the number of valid labels in the global batch (all ranks, all micro-batches); each MTP
 depth by its own count; the load-balancing loss is split by `moe.aux_loss_mode`. Gradients
@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from models import LossTerms
 from models.common.moe import RouterStats, load_balancing_loss, sequence_balance_loss
 from models.common.output import CausalLMOutput
-from parallelisms.mesh import ParallelDims
-from trainer.data import IGNORE_INDEX, Batch
+from models.spec import LossTerms
+from parallelisms.dims import ParallelDims
+from trainer.data.batch import IGNORE_INDEX, Batch
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

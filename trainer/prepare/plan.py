@@ -7,16 +7,16 @@ grouped), text units are whole files grouped up to --shard-mb, hf_datasets units
 
 from __future__ import annotations
 
-import glob
 import os
 from dataclasses import dataclass
 from typing import Any
 
-from trainer import prepare_worker as worker
-from trainer.data import shards
-from trainer.data.batch import DataError
+from trainer.data import reader, shards
+from trainer.data.reader import COMMAND_LINE
 from trainer.data.shards import TokenizerId
 from trainer.data.tokenizers import ByteTokenizer, HFTokenizer
+from trainer.errors import DataError
+from trainer.prepare import worker
 
 MIB = 1 << 20
 
@@ -60,20 +60,6 @@ def tokenizer_identity(args: PrepareArgs) -> tuple[TokenizerId, str | None]:
         ) from None
     file = str(hf.path.resolve())
     return TokenizerId("tokenizer.json", shards.file_sha256(file), hf.vocab_size, hf.eos_id), file
-
-
-def _glob_files(pattern: str, what: str) -> list[str]:
-    # The selection and order of sources._glob_files: the in-memory path reads the same files.
-    expanded = os.path.expanduser(pattern)
-    files = sorted(p for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
-    if not files:
-        hint = f"; {expanded!r} is a directory: try '{expanded.rstrip('/')}/**/*'"
-        raise DataError(
-            f"--path {pattern!r} matched no files (looked for {what} relative to "
-            f"{os.getcwd()!r} unless absolute){hint if os.path.isdir(expanded) else ''}: pass "
-            "a glob that matches them, quoted so that the shell does not expand it"
-        )
-    return [os.path.abspath(p) for p in files]
 
 
 def _line_end(path: str, pos: int, size: int) -> int:
@@ -125,7 +111,7 @@ def plan_source(args: PrepareArgs, target: int) -> tuple[dict, list[str], list[d
     """(the manifest's "source", the files workers read, the units)."""
     if args.source in ("jsonl", "text"):
         what = "JSON-lines files" if args.source == "jsonl" else "text files"
-        files = _glob_files(args.path, what)
+        files = [os.path.abspath(p) for p in reader.glob_files(args.path, what, COMMAND_LINE)]
         stats = [os.stat(f) for f in files]
         source: dict[str, Any] = {
             "kind": args.source,

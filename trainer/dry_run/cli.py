@@ -9,9 +9,9 @@ prints, per rank: parameter, gradient and optimizer bytes (from the local shard 
 the activation peak of one micro-batch for each `train.activation_checkpoint` mode and the
 rank's peak estimate; per step: FSDP all-gather and reduce-scatter bytes, the EP
 all-to-all bytes under balanced routing and the CP ring bytes. Every refusal of a real
-launch applies (`trainer.setup.preflight`, exit 2). With --gpu-memory it says whether the
+launch applies (`trainer.loop.setup.preflight`, exit 2). With --gpu-memory it says whether the
 layout fits and, if not, which knob brings it in. How each figure is measured:
-`trainer.footprint` and docs/architecture.md ("Will it fit?").
+`trainer.dry_run.footprint` and docs/architecture.md ("Will it fit?").
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 import sys
 import time
 
-from trainer.layout_cost import MODES, Layout, measure_layout, peak_bytes, step_bytes
+from trainer.dry_run.layout_cost import MODES, Layout, measure_layout, peak_bytes, step_bytes
 
 GIB = 2**30
 
@@ -198,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("no --config given: pass --config FILE.toml")
         cfg = load_config(rest)
         p = cfg.parallel
-        from parallelisms.mesh import ParallelDims
-        from trainer.setup import preflight
+        from parallelisms.dims import ParallelDims
+        from trainer.loop.setup import preflight
 
         dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size)
         preflight(cfg, dims)  # every refusal of a real launch
@@ -227,7 +227,3 @@ def main(argv: list[str] | None = None) -> int:
         with open(flags["--json"], "w") as f:
             json.dump(result, f, indent=1)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,11 +1,10 @@
 """One work unit of `python -m trainer.prepare`: read a slice of the corpus, tokenize it and
 write it as one shard (the format of trainer/data/shards.py), then a done marker.
 
-It runs in worker processes, so it imports neither torch nor the `trainer.data` package
-(whose __init__ imports torch: seconds and hundreds of MB per process); what it needs comes
-in the `job` dict that trainer/data/prepare.py builds. It must read exactly the documents of
-trainer/data/sources.py, in order: a jsonl line as text-mode iteration gives it (utf-8 with
-errors="replace", universal newlines), blank lines skipped, empty documents dropped.
+It runs in worker processes, so it never imports torch (seconds and hundreds of MB per
+process); what it needs comes in the `job` dict that trainer/prepare/run.py builds. It reads
+by the rules of `trainer.data.reader`, the same as the in-memory sources, so that both give
+the same documents in the same order.
 """
 
 from __future__ import annotations
@@ -19,23 +18,21 @@ import signal
 import traceback
 from collections.abc import Callable, Iterator
 from itertools import chain
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from trainer.data import reader
+from trainer.data.reader import COMMAND_LINE
+from trainer.data.shards import file_sha256
+from trainer.errors import DataError
+
 WORK_DIR = ".work"  # plan.json and one done-NNNNN.json per finished unit
 BATCH_CHARS = 1 << 20  # text per tokenizer call: bounds a worker's memory, amortises the call
-READ_BYTES = 1 << 20  # bytes per read of a jsonl file
-HF_ROWS = 1024  # rows per read of a datasets table
 
 Job = dict[str, Any]
 # (input bytes, documents, tokens, fresh): fresh is False for a unit found already done.
 Report = Callable[[int, int, int, bool], None]
-
-
-class UnitError(Exception):
-    """Bad input, worded for the user: names the file (and line) and the fix."""
 
 
 def shard_name(index: int) -> str:
@@ -75,151 +72,42 @@ def read_json(path: str) -> Any:
         return None
 
 
-def _sha256(path: str) -> str:  # shards.file_sha256, which this module cannot import
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-# --- reading documents -----------------------------------------------------------------------
-
-
-def _chunks(path: str, start: int, end: int) -> Iterator[bytes]:
-    """Bytes [start, end) of a file in pieces of about READ_BYTES, each cut just after a b"\\n".
-
-    Cutting after "\\n" keeps a "\\r\\n" pair and every UTF-8 sequence (which never contains
-    byte 0x0A) whole, so decoding piece by piece equals decoding the whole file."""
-    with open(path, "rb") as f:
-        f.seek(start)
-        pos, carry = start, bytearray()
-        while pos < end:
-            block = f.read(min(READ_BYTES, end - pos))
-            if not block:
-                break  # the file shrank since planning: read what is there
-            pos += len(block)
-            carry += block
-            cut = carry.rfind(b"\n") + 1
-            if cut:  # else a line longer than the block: keep reading
-                yield bytes(carry[:cut])
-                del carry[:cut]
-        if carry:
-            yield bytes(carry)
-
-
-def _lines_before(path: str, offset: int) -> int:
-    """How many lines precede byte `offset` (just after a "\\n"): only for error messages."""
-    count = 0
-    for chunk in _chunks(path, 0, offset):
-        count += chunk.count(b"\n") + chunk.count(b"\r") - chunk.count(b"\r\n")
-    return count
-
-
-def _jsonl_text(line: str, field: str, path: str, start: int, lineno: int) -> str:
-    """The document of one non-blank line; `lineno` counts from the piece's `start`."""
-
-    def where() -> str:
-        return f"{path}:{_lines_before(path, start) + lineno}"
-
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise UnitError(
-            f"{where()}: not valid JSON ({err.msg} at column {err.colno}); fix or delete that "
-            "line (every non-blank line of a .jsonl file must be one JSON object)"
-        ) from None
-    if not isinstance(record, dict):
-        raise UnitError(
-            f"{where()}: the line is a JSON {type(record).__name__}, not an object with a "
-            f"{field!r} field; each line must be an object like {{{field!r}: ...}}"
-        )
-    if field not in record:
-        raise UnitError(
-            f"{where()}: no field {field!r}; the line has fields {list(record)[:10]}: pass "
-            "--text-field with the one that holds the document text"
-        )
-    text = record[field]
-    if not isinstance(text, str):
-        raise UnitError(
-            f"{where()}: field {field!r} is {type(text).__name__}, not a string; pass "
-            "--text-field with the field that holds the document text"
-        )
-    return text
+# --- reading documents: trainer.data.reader's rules, with progress in input bytes -----------
 
 
 def _jsonl_documents(job: Job, unit: dict) -> Iterator[tuple[str, int]]:
     """(text, input bytes consumed): text "" carries only progress."""
     for file_index, start, end in unit["pieces"]:
         path = job["files"][file_index]
-        lineno = 0  # within this piece; the absolute number is worked out only for errors
-        for chunk in _chunks(path, start, end):
-            text = chunk.decode("utf-8", errors="replace")
-            if "\r" in text:  # universal newlines, as in text mode: \r\n, \r, \n end a line
-                text = text.replace("\r\n", "\n").replace("\r", "\n")
-            # After a final newline, split gives one "" that is not a line.
-            for line in text.split("\n")[: -1 if text.endswith("\n") else None]:
-                lineno += 1
-                if line.strip():
-                    yield _jsonl_text(line, job["text_field"], path, start, lineno), 0
-            yield "", len(chunk)
+        yield from reader.jsonl_documents(path, job["text_field"], COMMAND_LINE, start, end)
 
 
 def _text_documents(job: Job, unit: dict) -> Iterator[tuple[str, int]]:
     for file_index, start, end in unit["pieces"]:
-        # One document per file, read exactly as sources._read_text does.
-        text = Path(job["files"][file_index]).read_text(encoding="utf-8", errors="replace")
-        yield text, end - start
+        yield reader.read_text(job["files"][file_index]), end - start
 
 
 _HF_CACHE: dict[tuple[str, str, str], Any] = {}
 
 
 def load_hf(path: str, split: str, field: str) -> Any:
-    """The `datasets.Dataset` that sources._hf_documents reads (same choice, same refusals)."""
+    """The one-column dataset, loaded once per process."""
     key = (path, split, field)
-    if key in _HF_CACHE:
-        return _HF_CACHE[key]
-    try:
-        import datasets
-    except ImportError:
-        raise UnitError("--source hf_datasets needs `datasets` (pip install datasets)") from None
-    local = os.path.expanduser(path)
-    saved_markers = ("state.json", "dataset_dict.json")  # what Dataset(Dict).save_to_disk writes
-    if os.path.isdir(local) and any(os.path.exists(os.path.join(local, m)) for m in saved_markers):
-        ds = datasets.load_from_disk(local)
-        if isinstance(ds, datasets.DatasetDict):
-            if split not in ds:
-                raise UnitError(f"{local} has splits {list(ds)}, not {split!r}: pass --split")
-            ds = ds[split]
-    elif local.startswith(("/", ".", "~")) and not os.path.exists(local):
-        raise UnitError(f"--path {path!r} does not exist (looked for a saved dataset directory)")
-    else:
-        try:
-            ds = datasets.load_dataset(local, split=split)
-        except Exception as err:  # datasets raises many kinds; all mean the same to the user
-            raise UnitError(
-                f"datasets.load_dataset({path!r}, split={split!r}) failed: {err}; check --path "
-                "and --split"
-            ) from None
-    if field not in ds.column_names:
-        raise UnitError(f"{path} has columns {ds.column_names}, no {field!r}: pass --text-field")
-    _HF_CACHE[key] = ds.select_columns([field])
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = reader.load_hf_dataset(path, split, field, COMMAND_LINE)
     return _HF_CACHE[key]
 
 
 def _hf_documents(job: Job, unit: dict) -> Iterator[tuple[str, int]]:
-    field = job["text_field"]
-    ds = load_hf(job["hf"]["path"], job["hf"]["split"], field)
+    field, path = job["text_field"], job["hf"]["path"]
     lo, hi = unit["rows"]
-    for a in range(lo, hi, HF_ROWS):
-        b = min(a + HF_ROWS, hi)
-        for row, text in enumerate(ds[a:b][field], start=a):
-            if text and not isinstance(text, str):
-                raise UnitError(
-                    f"{job['hf']['path']} row {row}: column {field!r} holds "
-                    f"{type(text).__name__}, not text; pass --text-field with a text column"
-                )
-            yield text or "", 0  # sources.py skips None and "" alike
-        # Row ranges have no exact byte size: spread the unit's estimate over its rows.
-        yield "", unit["bytes"] * (b - a) // max(1, hi - lo)
+    # Row ranges have no exact byte size: spread the unit's estimate over its rows.
+    per_row = unit["bytes"] / max(1, hi - lo)
+    done = 0
+    ds = load_hf(path, job["hf"]["split"], field)
+    for row, (text, _) in enumerate(reader.hf_documents(ds, field, path, lo, hi), start=1):
+        yield text, int(per_row * row) - done
+        done = int(per_row * row)
 
 
 # --- tokenizing and writing ------------------------------------------------------------------
@@ -259,7 +147,7 @@ def _encode_or_explain(encode: Encoder, batch: list[str], job: Job, unit: dict) 
     except Exception as err:  # e.g. a lone surrogate ("\\ud800" in JSON) has no UTF-8 bytes
         files = {job["files"][piece[0]] for piece in unit.get("pieces", [])}
         where = ", ".join(sorted(files)) or f"{job['hf']['path']} rows {unit.get('rows')}"
-        raise UnitError(
+        raise DataError(
             f"{where}: the tokenizer failed on a document ({type(err).__name__}: {err}); "
             "repair or remove that document"
         ) from None
@@ -325,7 +213,7 @@ def intact_marker(job: Job, index: int) -> dict | None:
     except (KeyError, TypeError):
         return None  # not a marker this code wrote
     for path, size, digest in (tokens, docs):
-        if not os.path.isfile(path) or os.path.getsize(path) != size or _sha256(path) != digest:
+        if not os.path.isfile(path) or os.path.getsize(path) != size or file_sha256(path) != digest:
             return None
     return marker
 
@@ -366,7 +254,7 @@ def run_unit(
                 flush()
         flush()
         marker = {"unit": unit, **writer.finish()}
-    except UnitError as err:
+    except DataError as err:
         writer.abort()
         return {"error": str(err)}
     except BaseException:

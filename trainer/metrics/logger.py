@@ -39,7 +39,7 @@ class MetricsLogger:
         resume_step: int | None = None,
         sinks: list | None = None,
     ):
-        self.sinks = sinks or []  # trainer.sinks: TensorBoard, W&B (rank 0 only)
+        self.sinks = sinks or []  # trainer.metrics.sinks: TensorBoard, W&B (rank 0 only)
         self.total_steps = total_steps
         self.is_rank0 = is_rank0
         self.progress = progress

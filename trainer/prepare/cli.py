@@ -47,8 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from trainer.data.batch import DataError
-    from trainer.data.prepare import PrepareArgs, prepare, verify
+    from trainer.errors import DataError
+    from trainer.prepare.run import PrepareArgs, prepare, verify
 
     try:
         if args.verify:
@@ -81,7 +81,3 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     print(summary.line())
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer.data.shards import file_sha256
+from trainer.errors import CheckpointError
 
 # NOTE: per-parameter optimizer keys ("optim.state.<fqn>.exp_avg", "optim.param_groups.<fqn>
 # .lr"), not per-group ones: parameter groups differ between layouts (experts get groups of
@@ -54,10 +55,6 @@ def _fsync(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names it and why."""
 
 
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:

@@ -2,7 +2,7 @@
 the resting state, FSDP's buffers, the activations of each checkpointing mode, and the
 bytes each collective moves per step (`python -m trainer.dry_run` reports them).
 
-Instruments: `trainer.footprint`. The process group must be the fake one, already
+Instruments: `trainer.dry_run.footprint`. The process group must be the fake one, already
 initialised with the launch's world size (the planner's `main` does that).
 """
 
@@ -88,10 +88,11 @@ def measure_layout(cfg, world_size: int, modes=MODES) -> Layout:
     import torch
 
     from models import get_model_spec
-    from parallelisms.mesh import ParallelDims, build_meshes
+    from parallelisms.dims import ParallelDims
+    from parallelisms.mesh import build_meshes
     from parallelisms.parallelize import parallelize
-    from trainer.footprint import sample_blocks, sharded_state
-    from trainer.optim import build_optimizer
+    from trainer.dry_run.footprint import sample_blocks, sharded_state
+    from trainer.loop.optim import build_optimizer
 
     p = cfg.parallel
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size)
@@ -176,9 +177,9 @@ def _trace(cfg, spec, dims, meshes, mode: str, sharded_grad_bytes: int):
     from models.common.moe import MoEOptions
     from parallelisms.activation_checkpoint import apply_activation_checkpointing
     from parallelisms.plan import match_modules
-    from trainer.data import Batch
-    from trainer.footprint import sample_blocks, trace_step, use_fused_attention
-    from trainer.losses import GlobalCounts, StepLoss, model_inputs, with_mtp_targets
+    from trainer.data.batch import Batch
+    from trainer.dry_run.footprint import sample_blocks, trace_step, use_fused_attention
+    from trainer.loop.losses import GlobalCounts, StepLoss, model_inputs, with_mtp_targets
 
     param_dtype = _param_dtype(cfg)
     with torch.device("meta"):

@@ -1,4 +1,4 @@
-"""`python -m trainer.plot OUTPUT_DIR [--out DIR]`: pictures of a run from its metrics.jsonl.
+"""`python -m trainer.metrics.plot OUTPUT_DIR [--out DIR]`: pictures of a run from its metrics.jsonl.
 
 Writes PNGs next to it (or in --out): loss (with aux and MTP losses when logged), learning
 rate, grad norm, tokens/s, and one heatmap per MoE layer of its expert load over the steps
@@ -63,7 +63,7 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"{path} does not exist: trainer.plot takes a run's job.output_dir (with "
+            f"{path} does not exist: trainer.metrics.plot takes a run's job.output_dir (with "
             "metrics.jsonl, which metrics.jsonl=true writes)"
         )
     records = _read(path)
@@ -88,7 +88,7 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m trainer.plot", description=__doc__.splitlines()[0]
+        prog="python -m trainer.metrics.plot", description=__doc__.splitlines()[0]
     )
     parser.add_argument("run_dir", help="a run's job.output_dir")
     parser.add_argument("--out", default=None, help="where the PNGs go (default: run_dir)")
@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except ImportError:
-        print("error: trainer.plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+        print(
+            "error: trainer.metrics.plot needs matplotlib: pip install matplotlib", file=sys.stderr
+        )
         return 2
     print("\n".join(written))
     return 0

@@ -1,6 +1,6 @@
 """Turn a training checkpoint into a Hugging Face model directory.
 
-    python -m trainer.export --checkpoint outputs/run/checkpoints/step-1000 --out hf_model \\
+    python -m trainer.hf.export --checkpoint outputs/run/checkpoints/step-1000 --out hf_model \\
         [--dtype bf16|fp32] [--max-shard-gb 4]
 
 One process, no GPU needed, streaming: DCP reads the global tensors (from the shards of any
@@ -21,10 +21,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from models import HFFormatError, ModelSpec, get_model_spec
+from models import HFFormatError, get_model_spec
+from models.spec import ModelSpec
 from parallelisms.init import named_weights
-from trainer.checkpoint import CheckpointError, check_checkpoint, read_trainer_state
-from trainer.hf_io import SafetensorsWriter, hf_entries
+from trainer.checkpoint.checkpointer import check_checkpoint, read_trainer_state
+from trainer.errors import CheckpointError
+from trainer.hf.weights import SafetensorsWriter, hf_entries
 
 
 def checkpoint_spec(path: str) -> tuple[ModelSpec, Any]:

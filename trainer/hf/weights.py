@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models import HFAdapter, HFFormatError
+from models import HFFormatError
+from models.spec import HFAdapter
 from parallelisms.init import local_index, named_weights
 
 

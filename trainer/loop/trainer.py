@@ -1,8 +1,9 @@
 """The training loop: build (meta model -> plan -> shards -> weights), then step.
 
 One step: this rank's micro-batches of the global batch -> for each: forward, loss,
-backward (`trainer.losses.StepLoss` composes the loss, DESIGN §6) -> clip -> update.
-The set-up before the first step (checks, device, process group) is `trainer.setup`.
+backward (`trainer.loop.losses.StepLoss` composes the loss: docs/architecture.md,
+"Loss and gradient scale") -> clip -> update.
+The set-up before the first step (checks, device, process group) is `trainer.loop.setup`.
 """
 
 from __future__ import annotations
@@ -18,19 +19,22 @@ from models import get_model_spec
 from models.common.moe import MoEOptions
 from parallelisms.clip import clip_grad_norm_
 from parallelisms.cp_schedule import split_for_cp
+from parallelisms.dims import ParallelDims
 from parallelisms.init import init_weights_global
-from parallelisms.mesh import ParallelDims, build_meshes
+from parallelisms.mesh import build_meshes
 from parallelisms.parallelize import parallelize
-from trainer.balance import attach_bias_update
-from trainer.checkpoint import Checkpointer, CheckpointError
+from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import JobConfig, config_to_dict
-from trainer.data import Batch, DataError, build_dataloader
-from trainer.hf_io import load_hf_weights
-from trainer.losses import StepLoss, model_inputs, with_mtp_targets
-from trainer.metrics import MetricsLogger, peak_flops, peak_memory_gib
-from trainer.optim import build_optimizer, set_lr
-from trainer.setup import init_distributed, resolve_device
-from trainer.sinks import build_sinks
+from trainer.data.batch import Batch
+from trainer.data.loader import build_dataloader
+from trainer.errors import CheckpointError, DataError
+from trainer.hf.weights import load_hf_weights
+from trainer.loop.balance import attach_bias_update
+from trainer.loop.losses import StepLoss, model_inputs, with_mtp_targets
+from trainer.loop.optim import build_optimizer, set_lr
+from trainer.loop.setup import init_distributed, resolve_device
+from trainer.metrics.logger import MetricsLogger, peak_flops, peak_memory_gib
+from trainer.metrics.sinks import build_sinks
 
 
 class Trainer:

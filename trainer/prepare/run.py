@@ -1,7 +1,7 @@
 """Offline tokenization: a corpus -> a prepared directory (format: trainer/data/shards.py).
 
-The corpus is cut into deterministic work units (trainer/data/prepare_plan.py). Unit i
-becomes shard i, tokenized and streamed to disk by a worker process (trainer/prepare_worker.py)
+The corpus is cut into deterministic work units (trainer/prepare/plan.py). Unit i
+becomes shard i, tokenized and streamed to disk by a worker process (trainer/prepare/worker.py)
 and then recorded by a done marker in DIR/.work/. The manifest is written last, so its
 presence means complete. The bytes written depend only on
 the corpus, the tokenizer and --shard-mb (not on --workers), and a re-run of the same command
@@ -23,11 +23,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
-from trainer import prepare_worker as worker
 from trainer.data import shards
-from trainer.data.batch import DataError
-from trainer.data.prepare_plan import MIB, PrepareArgs, plan_source, tokenizer_identity
 from trainer.data.shards import MANIFEST, Manifest, ShardInfo
+from trainer.errors import DataError
+from trainer.prepare import worker
+from trainer.prepare.plan import MIB, PrepareArgs, plan_source, tokenizer_identity
 
 PLAN = "plan.json"
 
@@ -132,7 +132,7 @@ def _run_pool(job: worker.Job, workers: int, progress: Progress) -> list[dict]:
     # (Each child still re-runs the caller's __main__, as multiprocessing does: the CLI's is
     # light; a script calling prepare() should keep heavy imports under `if __name__`.)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["trainer.prepare_worker"])
+    ctx.set_forkserver_preload(["trainer.prepare.worker"])
     count = len(job["units"])
     tasks, events, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
     for index in [*range(count), *[None] * workers]:

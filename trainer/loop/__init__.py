@@ -1,0 +1,10 @@
+"""The training run that `train.py` starts.
+
+- `setup`: the checks before any process group (`preflight`), the device, the process group;
+- `trainer`: `Trainer` builds the model, data, checkpointer and metrics, then `fit()` steps;
+- `losses`: `StepLoss`, the loss of one step as shares of the global batch;
+- `optim`: AdamW and the learning rate as a function of the step;
+- `balance`: the aux-loss-free routing-bias update (an optimizer pre-step hook);
+- `guard`: skipping steps whose loss or gradient norm is not finite (or spikes);
+- `profiling`: `torch.profiler` over chosen steps, and the named ranges it records.
+"""

@@ -1,0 +1,9 @@
+"""`python -m trainer.prepare`: tokenize a corpus once into prepared token shards.
+
+- `cli`: the command line (`__main__` runs it);
+- `plan`: the tokenizer's identity, the files and the deterministic work units;
+- `run`: claim the output directory, run the units on worker processes, write the manifest;
+- `worker`: one unit in a worker process: read, tokenize, write one shard (no torch).
+
+The format written is `trainer.data.shards`'; training reads it with `data.source=tokens`.
+"""

@@ -1,0 +1,5 @@
+import sys
+
+from trainer.prepare.cli import main
+
+sys.exit(main())
