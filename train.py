@@ -1,7 +1,8 @@
 """Entry point: `torchrun --nproc_per_node=N train.py --config FILE.toml [--section.key=value ...]`.
 
 Bad configs and layouts are refused here, before any process group exists: exit code 2
-and one message, no traceback.
+and one message, no traceback. A run stopped by too many consecutive bad steps exits 3,
+after saving a checkpoint (`trainer.loop.guard`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from trainer.errors import USER_ERRORS
 QUIET_S = 5.0
 
 
-def _fail(err: Exception) -> int:
-    """Print the refusal and return exit code 2.
+def _fail(err: Exception, code: int = 2) -> int:
+    """Print the refusal and return its exit code (2: bad input; 3: too many bad steps).
 
     NOTE: under torchrun, the first rank to exit with an error makes torchrun stop the
     others, perhaps before they print. If only rank 0 printed, its message would be lost
@@ -31,7 +32,7 @@ def _fail(err: Exception) -> int:
     if os.environ.get("RANK", "0") != "0":
         time.sleep(QUIET_S)
     print(f"error: {err}", file=sys.stderr, flush=True)
-    return 2
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
+    from trainer.loop.guard import SkipLimitReached
     from trainer.loop.trainer import Trainer
 
     try:
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
     except USER_ERRORS as err:  # e.g. a data source that turns out empty
         return _fail(err)
+    except SkipLimitReached as err:  # every rank decided the same, after the save
+        return _fail(err, code=3)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

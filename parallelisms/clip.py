@@ -40,13 +40,12 @@ def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Scale gradients so their global L2 norm is at most max_norm (0 = only measure)."""
-    norm = grad_norm(params)
+def clip_grads_(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale gradients whose global L2 norm is `norm` (from `grad_norm`) to at most
+    max_norm (0 = leave them)."""
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in params:
             if p.grad is not None:
                 g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 g.mul_(scale.to(g.device))
-    return norm

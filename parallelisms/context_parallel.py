@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Shard
 from models.common.attention import block_mask
 from parallelisms.attention_kernels import BlockKernel, resolve_kernel
 from parallelisms.cp_schedule import document_blocks, local_positions, ring_blocks
+from parallelisms.trace import named_range
 
 # --- ring communication ----------------------------------------------------------------
 
@@ -155,13 +156,14 @@ def _ring_forward(q, k, v, ids, ring: Ring) -> tuple[torch.Tensor, torch.Tensor]
             next_kv, works = _pass_to_next(kv, group, 0, stats)
         k_blk, v_blk = _unpack(kv, k.shape, v.shape)
         k_ids = _unpack_ids(kv, k.shape, v.shape, ids)
-        for rows, cols, blk_causal, mask in _step_blocks(ring, step, src, seq, ids, k_ids):
-            blk_out, blk_lse = kernel.forward(
-                q[:, rows], k_blk[:, cols], v_blk[:, cols], ring.scale, blk_causal, mask
-            )
-            stats.kernel_calls += 1
-            stats.pairs += q.shape[0] * (rows.stop - rows.start) * (cols.stop - cols.start)
-            _merge(out, lse, blk_out, blk_lse, rows)
+        with named_range(f"cp.ring.step{step}"):
+            for rows, cols, blk_causal, mask in _step_blocks(ring, step, src, seq, ids, k_ids):
+                blk_out, blk_lse = kernel.forward(
+                    q[:, rows], k_blk[:, cols], v_blk[:, cols], ring.scale, blk_causal, mask
+                )
+                stats.kernel_calls += 1
+                stats.pairs += q.shape[0] * (rows.stop - rows.start) * (cols.stop - cols.start)
+                _merge(out, lse, blk_out, blk_lse, rows)
         if step + 1 < cp:
             _wait(works)
             kv = next_kv
@@ -183,15 +185,16 @@ def _ring_backward(grad_out, q, k, v, out, lse, ids, ring: Ring):
         k_ids = _unpack_ids(kv, k.shape, v.shape, ids)
         dkv = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=kv.device)
         dk_blk, dv_blk = _unpack(dkv, k.shape, v.shape)
-        for rows, cols, blk_causal, mask in _step_blocks(ring, step, src, seq, ids, k_ids):
-            dq_b, dk_b, dv_b = kernel.backward(
-                grad_out[:, rows], q[:, rows], k_blk[:, cols], v_blk[:, cols],
-                out[:, rows], lse[:, :, rows], ring.scale, blk_causal, mask,
-            )  # fmt: skip
-            stats.backward_kernel_calls += 1
-            dq[:, rows] += dq_b
-            dk_blk[:, cols] += dk_b
-            dv_blk[:, cols] += dv_b
+        with named_range(f"cp.ring.step{step}.backward"):
+            for rows, cols, blk_causal, mask in _step_blocks(ring, step, src, seq, ids, k_ids):
+                dq_b, dk_b, dv_b = kernel.backward(
+                    grad_out[:, rows], q[:, rows], k_blk[:, cols], v_blk[:, cols],
+                    out[:, rows], lse[:, :, rows], ring.scale, blk_causal, mask,
+                )  # fmt: skip
+                stats.backward_kernel_calls += 1
+                dq[:, rows] += dq_b
+                dk_blk[:, cols] += dk_b
+                dv_blk[:, cols] += dv_b
         if partial_in is not None:
             _wait(dkv_works)
             dkv += partial_in

@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from parallelisms.trace import named_range
+
 
 class TokenDispatcher(Protocol):
     """Moves expert-major tokens to the ranks that own their experts, and back.
@@ -78,7 +80,9 @@ def _all_to_all_setup(ctx, inputs, output) -> None:
 
 def _all_to_all_backward(ctx, grad):
     out_splits, in_splits, dispatcher = ctx.args
-    return all_to_all(grad, in_splits, out_splits, dispatcher, True), None, None, None, None
+    with named_range("ep.all_to_all.backward"):  # dispatch's backward combines, and back
+        grad_in = all_to_all(grad, in_splits, out_splits, dispatcher, True)
+    return grad_in, None, None, None, None
 
 
 all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
@@ -163,11 +167,13 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh: DeviceMesh) -> AllToAllDi
     @torch.compiler.disable
     def pre_hook(_module, args):
         x_sorted, tokens_per_expert = args
-        return dispatcher.dispatch(x_sorted, tokens_per_expert)
+        with named_range("ep.dispatch"):
+            return dispatcher.dispatch(x_sorted, tokens_per_expert)
 
     @torch.compiler.disable
     def post_hook(_module, _args, y_local):
-        return dispatcher.combine(y_local)
+        with named_range("ep.combine"):
+            return dispatcher.combine(y_local)
 
     experts.register_forward_pre_hook(pre_hook)
     experts.register_forward_hook(post_hook)

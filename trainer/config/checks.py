@@ -79,6 +79,12 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
         "keep/reuse dispatch modes make torch.compile run the blocks eagerly); use "
         "activation_checkpoint=full or none with compile, or set train.compile=false",
     )
+    prof = cfg.profile.steps
+    need(
+        not prof or (len(prof) == 2 and prof[0] <= prof[1] <= t.steps),
+        f"profile.steps={prof} must be [first, last] with first <= last <= train.steps "
+        f"({t.steps}), e.g. profile.steps=[3, 5] (or [] for no profiling)",
+    )
     need(
         p.dp_shard == -1 or p.dp_shard >= 1,
         f"parallel.dp_shard must be -1 (all remaining ranks) or >= 1, got {p.dp_shard}",

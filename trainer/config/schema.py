@@ -134,6 +134,24 @@ class TrainSection:
         "hooks and the CP ring run eagerly (graph breaks); not with "
         "activation_checkpoint=selective",
     )
+    max_skipped_steps: int = arg(
+        5,
+        "a step whose loss or grad norm is not finite (or spikes) is skipped: its batch is "
+        "consumed, nothing else moves; this many consecutive skips save a checkpoint and stop "
+        "the run (exit 3) (0 = never stop)",
+        ge=0,
+        note="0 = never stop",
+    )
+    skip_spike_sigma: float = arg(
+        0.0,
+        "also skip a step whose loss or grad norm exceeds the mean + S standard deviations of "
+        "the last skip_spike_window applied steps (0 = off)",
+        ge=0,
+        note="0 = off",
+    )
+    skip_spike_window: int = arg(
+        100, "applied steps the spike rule's mean and deviation are taken over", ge=2
+    )
 
 
 @dataclass
@@ -225,6 +243,31 @@ class MetricsSection:
 
 
 @dataclass
+class ProfileSection:
+    steps: list[int] = arg(
+        [],
+        "[a, b]: record steps a..b (1-based) with torch.profiler on every rank into "
+        "<job.output_dir>/profile/step-<a>-<b>/ (empty = off)",
+        ge=1,
+    )
+    top: int = arg(20, "operators rank 0 prints by self time after the profiled steps", ge=0)
+
+
+@dataclass
+class DebugSection:
+    inject_nonfinite_step: int = arg(
+        0,
+        "fault injection for tests: make the gradients of step N non-finite on every rank, "
+        "so the bad-step guard skips it (0 = off)",
+        ge=0,
+        note="0 = off",
+    )
+    inject_nonfinite_count: int = arg(
+        1, "with inject_nonfinite_step: inject into this many consecutive steps", ge=1
+    )
+
+
+@dataclass
 class JobConfig:
     job: JobSection = field(default_factory=JobSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -234,6 +277,8 @@ class JobConfig:
     moe: MoESection = field(default_factory=MoESection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
+    debug: DebugSection = field(default_factory=DebugSection)
 
 
 # --- What loading and the help text need to know about the schema ----------------------

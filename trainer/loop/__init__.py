@@ -5,6 +5,7 @@
 - `losses`: `StepLoss`, the loss of one step as shares of the global batch;
 - `optim`: AdamW and the learning rate as a function of the step;
 - `balance`: the aux-loss-free routing-bias update (an optimizer pre-step hook);
+- `resume`: which checkpoint a run may resume from (model, step boundary, data identity);
 - `guard`: skipping steps whose loss or gradient norm is not finite (or spikes);
 - `profiling`: `torch.profiler` over chosen steps, and the named ranges it records.
 """

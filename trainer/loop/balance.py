@@ -54,6 +54,13 @@ class BiasUpdate:
             router.tokens_per_expert.zero_()
         self.last_load = load
 
+    @torch.no_grad()
+    def discard(self) -> None:
+        """Forget the counts of a step that is not applied (`trainer.loop.guard`): the bias
+        moves only with an update, so a skipped step leaves it as it was."""
+        for router in self.routers:
+            router.tokens_per_expert.zero_()
+
 
 def attach_bias_update(
     model: nn.Module,

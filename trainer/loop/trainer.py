@@ -14,27 +14,42 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from models import get_model_spec
 from models.common.moe import MoEOptions
-from parallelisms.clip import clip_grad_norm_
+from parallelisms.clip import clip_grads_, grad_norm
 from parallelisms.cp_schedule import split_for_cp
 from parallelisms.dims import ParallelDims
 from parallelisms.init import init_weights_global
 from parallelisms.mesh import build_meshes
 from parallelisms.parallelize import parallelize
+from parallelisms.plan import match_modules
+from parallelisms.trace import named_range
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import JobConfig, config_to_dict
 from trainer.data.batch import Batch
 from trainer.data.loader import build_dataloader
-from trainer.errors import CheckpointError, DataError
 from trainer.hf.weights import load_hf_weights
 from trainer.loop.balance import attach_bias_update
+from trainer.loop.guard import SkipLimitReached, StepGuard
 from trainer.loop.losses import StepLoss, model_inputs, with_mtp_targets
 from trainer.loop.optim import build_optimizer, set_lr
+from trainer.loop.profiling import StepProfiler
+from trainer.loop.resume import accept_checkpoint, data_identity
 from trainer.loop.setup import init_distributed, resolve_device
 from trainer.metrics.logger import MetricsLogger, peak_flops, peak_memory_gib
 from trainer.metrics.sinks import build_sinks
+
+
+def _poison_one_gradient(params: list[torch.Tensor]) -> None:
+    """`debug.inject_nonfinite_step`: a NaN in this rank's first non-empty gradient shard,
+    on every rank, as a real overflow would leave one."""
+    for p in params:
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        if g is not None and g.numel():
+            g.view(-1)[0] = float("nan")
+            return
 
 
 class Trainer:
@@ -94,6 +109,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.train)
         # Routers with a correction bias move it before every update (world = global batch).
         self.bias_update = attach_bias_update(self.model, self.optimizer, cfg.moe.bias_update_rate)
+        t = cfg.train
+        self.guard = StepGuard(t.max_skipped_steps, t.skip_spike_sigma, t.skip_spike_window)
         self.terms = self.spec.loss_terms(self.args)
         self.grad_accum = self.dims.grad_accum(
             cfg.train.global_batch_size, cfg.train.micro_batch_size
@@ -152,6 +169,15 @@ class Trainer:
             self.logger.info(note)
         self.flops_per_token = self.spec.flops_per_token(self.model, cfg.data.seq_len)
         self.peak_flops = peak_flops(self.device)
+        self.profiler = StepProfiler(
+            cfg.profile.steps,
+            cfg.job.output_dir,
+            self.rank,
+            self.device,
+            match_modules(self.model, self.spec.plan.blocks, "blocks"),
+            self.logger.info,
+            cfg.profile.top,
+        )
 
     # --- one step ------------------------------------------------------------------------
     def forward_backward(self, micro_batches: list[Batch]) -> dict:
@@ -167,19 +193,43 @@ class Trainer:
             self.step_loss(out, mb).backward()
         return self.step_loss.end()
 
-    def optimizer_step(self) -> dict:
-        """Clip, update, advance the schedule; returns the pre-clip grad norm and the lr used."""
-        grad_norm = clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
-        lr = set_lr(self.optimizer, self.step, self.cfg.train)
-        self.optimizer.step()
+    def optimizer_step(self, loss: float) -> dict:
+        """Clip and update, or skip a bad step (`trainer.loop.guard`); returns the pre-clip
+        grad norm, the lr and whether the step was skipped.
+
+        NOTE: the step's host syncs are the global counts (`StepLoss.begin`), the loss
+        (`StepLoss.end`) and the norm's `.item()` here, plus the EP split sizes (one per MoE
+        layer and micro-batch, forward and backward) and the SIGTERM flag; the guard adds
+        none: it judges the loss and norm the step reads anyway, all-reduced, so every rank
+        decides the same from the same bits.
+        """
+        debug = self.cfg.debug
+        first = debug.inject_nonfinite_step
+        if 0 < first <= self.step + 1 < first + debug.inject_nonfinite_count:
+            _poison_one_gradient(self.params)
+        norm = grad_norm(self.params)  # all-reduced: every rank holds the global norm
+        # The schedule counts applied updates: a skipped step does not advance it.
+        lr = set_lr(self.optimizer, self.step - self.guard.skipped_total, self.cfg.train)
+        verdict = self.guard.judge(loss, norm.item())
+        if verdict.skip:
+            if self.bias_update is not None:
+                self.bias_update.discard()
+        else:
+            clip_grads_(self.params, self.cfg.train.max_grad_norm, norm)
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {"step": self.step, "grad_norm": grad_norm.item(), "lr": lr}
+        record = {"step": self.step, "grad_norm": norm.item(), "lr": lr}
+        record["skipped_steps"] = self.guard.skipped_total
+        if verdict.skip:
+            record["skipped"] = verdict.reason
+        return record
 
     def train_step(self, micro_batches: list[Batch]) -> dict:
         """One optimizer step over this rank's micro-batches of the global batch."""
         record = self.forward_backward(micro_batches)
-        record.update(self.optimizer_step())
+        with named_range("optimizer.step"):
+            record.update(self.optimizer_step(record["loss"]))
         load = record.pop("expert_load")
         interval = self.cfg.metrics.expert_load_interval
         if load is not None and interval and self.step % interval == 0:
@@ -214,68 +264,27 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {
             "step": self.step,
-            # The LR schedule is a function of the step: nothing more to save.
+            # The LR schedule is a function of the step and the skipped steps (the guard's).
+            "guard": self.guard.state_dict(),
             # The data position at this step boundary: the same on every rank and layout.
             "data": self.sampler.state_at(self.consumed_samples),
             "rng": rng,  # rank 0's; training itself draws no random numbers after init
             "config": config_to_dict(self.cfg),
-            "data_identity": self._data_identity(),
+            "data_identity": data_identity(self.loader.dataset),
         }
 
     def save_checkpoint(self) -> None:
         self.checkpointer.save(self.model, self.optimizer, self.step, self.trainer_state())
 
-    def _data_identity(self) -> dict:
-        summary = self.loader.dataset.summary
-        return {
-            "source": summary.source,
-            "tokens": summary.tokens,
-            "fingerprint": summary.fingerprint,
-        }
-
-    def _accept_model(self, path: str, state: dict) -> None:
-        """Refuse a checkpoint of another architecture before DCP meets mismatched shapes:
-        name the [model] keys that differ from the checkpoint's saved config."""
-        saved = state.get("config", {}).get("model", {})
-        ours = config_to_dict(self.cfg)["model"]
-        ignore = {"init_from_hf", *self.spec.training_fields}
-        differ = [
-            f"model.{k}: checkpoint {saved[k]!r}, this run {ours[k]!r}"
-            for k in ours
-            if k in saved and k not in ignore and saved[k] != ours[k]
-        ]
-        if differ:
-            raise CheckpointError(
-                f"{path} holds another model than this run's ({'; '.join(differ[:6])}); resume "
-                "with the checkpoint's model keys, or start a new job.output_dir"
-            )
-
-    def _accept(self, path: str, state: dict) -> bool:
-        """Before any weight is read: refuse another model, a position that is not at a step
-        boundary, or other data unless allowed. Returns whether the data differs."""
-        self._accept_model(path, state)
-        if state["data"]["micro_batches_into_step"]:
-            # The trainer saves at step boundaries only; a mid-step position would put its
-            # own count of consumed samples out of step with the sampler's.
-            raise DataError(f"{path}: its data position is not at a step boundary")
-        saved, ours = state.get("data_identity"), self._data_identity()
-        if not saved or saved["fingerprint"] == ours["fingerprint"]:
-            return False
-        if not self.cfg.checkpoint.allow_data_change:
-            raise DataError(
-                f"{path} was trained on other data ({saved['source']}, {saved['tokens']:,} "
-                f"tokens) than this run's ({ours['source']}, {ours['tokens']:,} tokens; "
-                "content fingerprints differ); resume on its data, or pass "
-                "--checkpoint.allow_data_change=true to continue on this data on purpose"
-            )
-        self._notes.append(f"resuming on other data than {path}'s, as allowed")
-        return True
-
     def _restore(self, path: str) -> None:
         state = self.checkpointer.read(path)
-        other_data = self._accept(path, state)
+        other_data = accept_checkpoint(path, state, self.cfg, self.spec, self.loader.dataset)
+        if other_data:
+            self._notes.append(f"resuming on other data than {path}'s, as allowed")
         self.checkpointer.load_weights(path, self.model, self.optimizer)
         self.step = state["step"]
+        if "guard" in state:  # checkpoints from before the guard skipped nothing
+            self.guard.load_state_dict(state["guard"])
         if other_data:  # on purpose: continue the global sample count in the new data's order
             self.sampler.consumed_samples = int(state["data"]["consumed_samples"])
         else:
@@ -303,6 +312,25 @@ class Trainer:
             signal.signal(signal.SIGTERM, previous_handler)
             self.logger.close()  # flush TensorBoard / W&B
 
+    def _on_skipped(self, reason: str) -> None:
+        g = self.guard
+        self.logger.info(
+            f"step {self.step} skipped ({reason}): its batch is consumed, nothing else moved "
+            f"({g.consecutive} in a row, {g.skipped_total} in this run)"
+        )
+        if not g.limit_reached:
+            return
+        first = self.step - g.consecutive + 1
+        self.save_checkpoint()
+        self.checkpointer.wait()
+        raise SkipLimitReached(
+            f"steps {first}-{self.step} were all skipped (train.max_skipped_steps="
+            f"{g.max_consecutive}; the last: {reason}); saved checkpoint step-{self.step} "
+            f"holding the last good state, the weights of step {first - 1}, with the data "
+            f"past the skipped batches. Lower train.lr or inspect the data of those steps, "
+            f"then resume (checkpoint.resume=auto)"
+        )
+
     def _fit(self) -> list[dict]:
         cfg = self.cfg
         n_params = sum(p.numel() for p in self.model.parameters())
@@ -321,9 +349,14 @@ class Trainer:
                 f"{self.step}); raise train.steps to train further, or use a new job.output_dir"
             )
         while self.step < cfg.train.steps:
+            self.profiler.before_step(self.step + 1)
             start = time.perf_counter()
-            record = self.train_step(self.next_micro_batches())
+            with named_range(f"step {self.step + 1}"):
+                with named_range("data.wait"):
+                    micro_batches = self.next_micro_batches()
+                record = self.train_step(micro_batches)
             elapsed = time.perf_counter() - start
+            self.profiler.after_step(self.step)
             tokens_per_s = cfg.train.global_batch_size * cfg.data.seq_len / elapsed
             record.update(
                 tokens_per_s=tokens_per_s,
@@ -337,8 +370,10 @@ class Trainer:
             )
             self.history.append(record)
             due = self.step % cfg.metrics.log_interval == 0 or self.step == cfg.train.steps
-            if due or "expert_load" in record:  # expert load is computed for logging only
-                self.logger.log(record)
+            if due or "expert_load" in record or "skipped" in record:
+                self.logger.log(record)  # expert load is computed for logging only
+            if "skipped" in record:
+                self._on_skipped(record["skipped"])
             self.checkpointer.poll()
             if self._stop_agreed():
                 self.logger.info(f"SIGTERM: saving step {self.step} and stopping")

@@ -1,0 +1,170 @@
+"""Bad steps are skipped, not applied (trainer/loop/guard.py), on every layout.
+
+A step whose gradients hold a NaN (`debug.inject_nonfinite_step`, a real NaN in a gradient
+shard on every rank) must leave parameters, optimizer state and buffers (the routing bias
+and its counts) bit-identical to the step before, and the run must then go on exactly as a
+run whose data never held that batch: same losses, bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallelisms.dims import ParallelDims
+from tests.distributed import launch_train, read_metrics, run_distributed
+from tests.parity import TINY, TINY_DSV3, _full
+from trainer.config import load_config
+from trainer.loop.guard import MIN_SPIKE_HISTORY, StepGuard
+
+# --- the rule itself ----------------------------------------------------------------------
+
+
+def test_non_finite_loss_or_norm_is_skipped_and_counted():
+    guard = StepGuard(max_consecutive=2, spike_sigma=0.0, spike_window=10)
+    assert not guard.judge(2.0, 1.0).skip
+    verdict = guard.judge(float("nan"), 1.0)
+    assert verdict.skip and "loss nan" in verdict.reason
+    assert not guard.limit_reached
+    verdict = guard.judge(2.0, float("inf"))
+    assert verdict.skip and "grad norm inf" in verdict.reason
+    assert guard.limit_reached and guard.skipped_total == 2
+    assert not guard.judge(2.0, 1.0).skip
+    assert guard.consecutive == 0 and guard.skipped_total == 2 and not guard.limit_reached
+
+
+def test_spike_rule_waits_for_history_and_judges_mean_plus_sigma():
+    guard = StepGuard(max_consecutive=0, spike_sigma=3.0, spike_window=50)
+    # Before MIN_SPIKE_HISTORY applied steps nothing spikes, however large.
+    for i in range(MIN_SPIKE_HISTORY):
+        assert not guard.judge(2.0 + 0.01 * (i % 2), 1.0 + 0.1 * (i % 2)).skip
+    # mean 1.05, sd 0.05 for the norm: 1.05 + 3 * 0.05 = 1.2 is the limit.
+    assert not guard.judge(2.0, 1.19).skip
+    verdict = guard.judge(2.0, 5.0)
+    assert verdict.skip and "grad norm 5" in verdict.reason and "mean + 3 sd" in verdict.reason
+    # A skipped value does not enter the history; the state round-trips.
+    clone = StepGuard(max_consecutive=0, spike_sigma=3.0, spike_window=50)
+    clone.load_state_dict(guard.state_dict())
+    assert clone.state_dict() == guard.state_dict() and 5.0 not in clone.norms
+    assert not guard.limit_reached  # 0 = never stop
+
+
+# --- on every layout ----------------------------------------------------------------------
+
+INJECT = 2  # the step made non-finite
+STEPS = 4
+
+
+def _snapshot(trainer) -> dict[str, torch.Tensor]:
+    """Every parameter, optimizer state tensor and buffer, as full tensors."""
+    names = {p: n for n, p in trainer.model.named_parameters()}
+    out = {f"param {n}": _full(p) for n, p in trainer.model.named_parameters()}
+    for p, state in trainer.optimizer.state.items():
+        out.update({f"optim {names[p]}.{k}": _full(v) for k, v in state.items()})
+    out.update({f"buffer {n}": b.clone() for n, b in trainer.model.named_buffers()})
+    return out
+
+
+def _guard_worker(rank: int, world: int, argv: list[str], out_path: str) -> None:
+    from trainer.loop.setup import preflight
+    from trainer.loop.trainer import Trainer
+
+    def trainer_for(extra: list[str]) -> Trainer:
+        cfg = load_config([*argv, *extra])
+        p = cfg.parallel
+        dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
+        preflight(cfg, dims)
+        return Trainer(cfg, dims)
+
+    # A: step INJECT gets a NaN gradient.
+    a = trainer_for([f"--debug.inject_nonfinite_step={INJECT}"])
+    records, states = [], [_snapshot(a)]
+    for _ in range(STEPS):
+        records.append(a.train_step(a.next_micro_batches()))
+        states.append(_snapshot(a))
+    # B: the same run, but its data skips the batch of step INJECT.
+    b = trainer_for([])
+    b_losses = []
+    for step in range(1, STEPS):
+        if step == INJECT:
+            b.next_micro_batches()  # consumed, never trained on
+        b_losses.append(b.train_step(b.next_micro_batches())["loss"])
+    flags = [None] * world
+    dist.all_gather_object(flags, [r.get("skipped") for r in records])
+    if rank == 0:
+        torch.save({"records": records, "states": states, "b": b_losses, "flags": flags}, out_path)
+
+
+GUARD_LAYOUTS = {
+    "1rank": (1, TINY),
+    "fsdp2": (2, TINY),
+    "dsv3_ep2": (2, [*TINY_DSV3, "--parallel.ep=2"]),  # routing bias and its counts
+    "cp2": (2, [*TINY, "--parallel.cp=2"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(GUARD_LAYOUTS))
+def test_injected_nan_step_is_skipped_on_every_rank_and_changes_nothing(name, tmp_path):
+    world, argv = GUARD_LAYOUTS[name]
+    run_distributed(_guard_worker, world, argv, str(tmp_path / "out.pt"))
+    out = torch.load(tmp_path / "out.pt")
+    records, states = out["records"], out["states"]
+    # Every rank skipped step INJECT, and only it.
+    for rank_flags in out["flags"]:
+        assert [f is not None for f in rank_flags] == [s == INJECT for s in range(1, STEPS + 1)]
+    assert "grad norm nan" in records[INJECT - 1]["skipped"]
+    assert [r["skipped_steps"] for r in records] == [0, 1, 1, 1]
+    # Nothing moved over the skipped step; everything moved over the others.
+    before, after = states[INJECT - 1], states[INJECT]
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), f"{key} changed over the skipped step"
+    moved = [
+        k
+        for k in states[1]
+        if k.startswith("param") and not torch.equal(states[0][k], states[1][k])
+    ]
+    assert moved, "the applied step should have moved the parameters"
+    if name == "dsv3_ep2":
+        bias = [k for k in before if k.endswith("correction_bias")]
+        assert bias and any(not torch.equal(states[0][k], states[1][k]) for k in bias)
+    # The rest of the run is the run whose data skipped that batch, bit for bit.
+    a_losses = [r["loss"] for r in records]
+    assert a_losses[: INJECT - 1] == out["b"][: INJECT - 1]
+    assert a_losses[INJECT:] == out["b"][INJECT - 1 :]
+    assert all(math.isfinite(x) for x in a_losses)
+
+
+@pytest.mark.slow
+def test_consecutive_skips_stop_with_exit_3_and_a_resumable_checkpoint(tmp_path):
+    out_dir = tmp_path / "run"
+    argv = [
+        *TINY,
+        "--train.steps=6",
+        "--train.max_skipped_steps=3",
+        "--debug.inject_nonfinite_step=2",
+        "--debug.inject_nonfinite_count=5",
+        "--metrics.jsonl=true",
+        "--metrics.log_interval=1",
+    ]
+    proc = launch_train(argv, out_dir)
+    proc.wait(timeout=300)
+    log = (tmp_path / "run.log").read_text()
+    assert proc.returncode == 3, log[-3000:]
+    assert "error: steps 2-4 were all skipped" in log and "step-4" in log
+    assert "Traceback" not in log
+    assert (out_dir / "checkpoints" / "step-4" / "COMPLETE").is_file()
+    # Resumed without the fault, the run finishes from there.
+    proc = launch_train([a for a in argv if not a.startswith("--debug.")], out_dir)
+    proc.wait(timeout=300)
+    log = (tmp_path / "run.log").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    assert "resumed from" in log and "step-4" in log
+    records = read_metrics(out_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [bool(r.get("skipped")) for r in records] == [False, True, True, True, False, False]
+    assert records[-1]["skipped_steps"] == 3 and math.isfinite(records[-1]["loss"])

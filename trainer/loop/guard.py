@@ -1,0 +1,99 @@
+"""Bad steps are skipped, not applied.
+
+Invariant: a skipped step changes nothing but the data position. Its global batch is
+consumed; the parameters, the optimizer state (AdamW's moments and its step count), the
+routers' correction bias and the learning-rate schedule stay as they were, so the run goes
+on exactly as a run whose data never held that batch (tested bitwise on every layout).
+
+A step is skipped when its loss or its global gradient norm is not finite, or, with
+`train.skip_spike_sigma=S > 0`, when either exceeds the mean plus S standard deviations of
+the last `train.skip_spike_window` applied steps. Both figures are already all-reduced
+before the decision (the loss sum in `StepLoss.end`, the norm in `clip.grad_norm`), so every
+rank takes the same decision from the same bits, with no collective and no host sync of
+its own. `train.max_skipped_steps` consecutive skips stop the run (`SkipLimitReached`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+# Applied steps the spike rule needs before it judges: a mean and deviation of fewer would
+# flag ordinary early-training noise.
+MIN_SPIKE_HISTORY = 10
+
+
+class SkipLimitReached(Exception):
+    """Too many consecutive steps were skipped: the run stops (exit 3) after saving."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    skip: bool
+    reason: str = ""  # why, for the console: "loss nan", "grad norm 41.2 > 12.3 (mean + 6 sd)"
+
+
+def _spike(name: str, value: float, history: deque[float], sigma: float) -> str:
+    n = len(history)
+    mean = sum(history) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in history) / n)
+    limit = mean + sigma * sd
+    if value > limit:
+        return f"{name} {value:.4g} > {limit:.4g} (mean + {sigma:g} sd of the last {n} steps)"
+    return ""
+
+
+class StepGuard:
+    """Judges each step from its (already global) loss and gradient norm."""
+
+    def __init__(self, max_consecutive: int, spike_sigma: float, spike_window: int) -> None:
+        self.max_consecutive = max_consecutive
+        self.spike_sigma = spike_sigma
+        self.losses: deque[float] = deque(maxlen=spike_window)
+        self.norms: deque[float] = deque(maxlen=spike_window)
+        self.skipped_total = 0  # every skipped step of the run (the LR schedule lags by it)
+        self.consecutive = 0  # skipped steps since the last applied one
+
+    def judge(self, loss: float, grad_norm: float) -> Verdict:
+        """Whether to skip this step; updates the counts (call once per step)."""
+        figures = (("loss", loss), ("grad norm", grad_norm))
+        reasons = [f"{name} {value}" for name, value in figures if not math.isfinite(value)]
+        if not reasons and self.spike_sigma > 0 and len(self.losses) >= MIN_SPIKE_HISTORY:
+            reasons = [
+                r
+                for r in (
+                    _spike("loss", loss, self.losses, self.spike_sigma),
+                    _spike("grad norm", grad_norm, self.norms, self.spike_sigma),
+                )
+                if r
+            ]
+        if reasons:
+            self.skipped_total += 1
+            self.consecutive += 1
+            return Verdict(True, "; ".join(reasons))
+        self.consecutive = 0
+        self.losses.append(loss)
+        self.norms.append(grad_norm)
+        return Verdict(False)
+
+    @property
+    def limit_reached(self) -> bool:
+        return self.max_consecutive > 0 and self.consecutive >= self.max_consecutive
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "skipped_total": self.skipped_total,
+            "consecutive": self.consecutive,
+            "losses": list(self.losses),
+            "norms": list(self.norms),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped_total = int(state["skipped_total"])
+        self.consecutive = int(state["consecutive"])
+        self.losses.clear()
+        self.losses.extend(float(v) for v in state["losses"])
+        self.norms.clear()
+        self.norms.extend(float(v) for v in state["norms"])

@@ -1,0 +1,58 @@
+"""Which checkpoint a run may resume from, judged on its trainer state before any weight is
+read: the same model (another architecture is named key by key, not left to DCP's shape
+errors), a position at a step boundary, and the same data unless
+`checkpoint.allow_data_change` says otherwise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.spec import ModelSpec
+from trainer.config import JobConfig, config_to_dict
+from trainer.data.packing import PackedDataset
+from trainer.errors import CheckpointError, DataError
+
+
+def data_identity(dataset: PackedDataset) -> dict[str, Any]:
+    """What a checkpoint records of the data it was trained on."""
+    summary = dataset.summary
+    return {"source": summary.source, "tokens": summary.tokens, "fingerprint": summary.fingerprint}
+
+
+def _accept_model(path: str, state: dict, cfg: JobConfig, spec: ModelSpec) -> None:
+    saved = state.get("config", {}).get("model", {})
+    ours = config_to_dict(cfg)["model"]
+    ignore = {"init_from_hf", *spec.training_fields}
+    differ = [
+        f"model.{k}: checkpoint {saved[k]!r}, this run {ours[k]!r}"
+        for k in ours
+        if k in saved and k not in ignore and saved[k] != ours[k]
+    ]
+    if differ:
+        raise CheckpointError(
+            f"{path} holds another model than this run's ({'; '.join(differ[:6])}); resume "
+            "with the checkpoint's model keys, or start a new job.output_dir"
+        )
+
+
+def accept_checkpoint(
+    path: str, state: dict, cfg: JobConfig, spec: ModelSpec, dataset: PackedDataset
+) -> bool:
+    """Refuse another model, a position that is not at a step boundary, or other data
+    unless allowed. Returns whether the data differs (allowed)."""
+    _accept_model(path, state, cfg, spec)
+    if state["data"]["micro_batches_into_step"]:
+        # The trainer saves at step boundaries only; a mid-step position would put its
+        # own count of consumed samples out of step with the sampler's.
+        raise DataError(f"{path}: its data position is not at a step boundary")
+    saved, ours = state.get("data_identity"), data_identity(dataset)
+    if not saved or saved["fingerprint"] == ours["fingerprint"]:
+        return False
+    if not cfg.checkpoint.allow_data_change:
+        raise DataError(
+            f"{path} was trained on other data ({saved['source']}, {saved['tokens']:,} "
+            f"tokens) than this run's ({ours['source']}, {ours['tokens']:,} tokens; "
+            "content fingerprints differ); resume on its data, or pass "
+            "--checkpoint.allow_data_change=true to continue on this data on purpose"
+        )
+    return True
