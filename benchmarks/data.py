@@ -17,7 +17,10 @@ trains a small BPE tokenizer.json on a slice of one (nothing is downloaded). The
   build_dataloader (GlobalBatchSampler, rank 0 of dp=8). `rss_growth_mib`: the peak RSS
   (VmHWM, reset after imports; ru_maxrss inherits the parent's peak across vfork+exec) less
   the RSS after imports; `rss_end` splits RSS into anonymous and file-backed (mapped shard
-  pages: shared between ranks, reclaimable).
+  pages: shared between ranks, reclaimable). `verify`: the same samples read a second time,
+  when every block they touch is verified: the difference is the cost of the block checks
+  (whole 64 KiB blocks read and CRC-32'd on first touch), per sample; also at seq 128 (the
+  debug configs' samples) on the large corpus.
 
 Sizes are MiB (flags); rates MB/s = 1e6 bytes/s, as the CLI prints them. Prints one JSON object
 (or writes --json FILE), then a one-line summary. The page cache is warm throughout.
@@ -250,7 +253,19 @@ def reader_child(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         for i in idx.tolist():
             dataset[i]
-        result["dataset_samples_per_s"] = args.samples / (time.perf_counter() - t0)
+        cold = time.perf_counter() - t0
+        result["dataset_samples_per_s"] = args.samples / cold
+        # The same samples again: every block they touch is verified now, so the difference
+        # is the cost of the first reads' block checks (read whole blocks + CRC-32).
+        t0 = time.perf_counter()
+        for i in idx.tolist():
+            dataset[i]
+        warm = time.perf_counter() - t0
+        result["verify"] = {
+            "first_read_us_per_sample": 1e6 * cold / args.samples,
+            "verified_read_us_per_sample": 1e6 * warm / args.samples,
+            "check_us_per_sample": 1e6 * (cold - warm) / args.samples,
+        }
         result["rss_after_dataset"] = rss()
         del dataset  # unmaps its shards; the loader opens its own
         mb = args.micro_batch
@@ -321,6 +336,9 @@ def measure(args: argparse.Namespace, tmp: str, result: dict) -> None:
         size = sum(e.stat().st_size for e in os.scandir(out) if e.is_file()) / MIB
         readers[name] = {"corpus_mib": gen[name]["mib"], "prepared_mib": size, "prepare": prep,
                          "read": run_reader(args, out, "size", False)}  # fmt: skip
+        if name == "large":  # the debug configs' samples: 129 tokens
+            short = argparse.Namespace(**{**vars(args), "seq_len": 128})
+            readers[name]["read_seq_128"] = run_reader(short, out, "size", False)
     if not args.no_checksum:
         large = os.path.join(tmp, "tokens-large")
         readers["large"]["checksum_startup"] = run_reader(args, large, "checksum", True)
@@ -390,7 +408,9 @@ def goals_and_summary(result: dict) -> tuple[dict, str]:
         f"({speedup:.2f}x one 1-thread worker); loader {lr['loader_samples_per_s']:,.0f} "
         f"samples/s; RSS +{sr['rss_growth_mib']:.0f} MB ({small['corpus_mib']:.0f} MB) vs "
         f"+{lr['rss_growth_mib']:.0f} MB ({large['corpus_mib']:.0f} MB); start-up "
-        f"{lr['startup_s']:.2f} s ({large['corpus_mib']:.0f} MB)"
+        f"{lr['startup_s']:.2f} s ({large['corpus_mib']:.0f} MB); block checks "
+        f"{lr['verify']['check_us_per_sample']:.0f} us/sample (seq {result['settings']['seq_len']}), "
+        f"{large['read_seq_128']['verify']['check_us_per_sample']:.0f} us/sample (seq 128)"
     )
     return goals, summary
 

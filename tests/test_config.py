@@ -404,3 +404,10 @@ def test_help_shows_bounds():
     assert "optimizer steps to run [value >= 1]" in text
     assert "AdamW beta2 [value in [0, 1)]" in text
     assert "per-head value width [value > 0]" in text  # a model arg (DeepSeek-V3)
+
+
+def test_the_registry_names_each_models_own_args_class():
+    from models import model_args_class
+
+    for name in model_names():
+        assert model_args_class(name) is get_model_spec(name).args_cls

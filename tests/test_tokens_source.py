@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,26 +44,35 @@ def write_jsonl(path: Path, docs: list[str]) -> Path:
     return path
 
 
-def write_shards_by_hand(out: Path, docs_per_shard: list[list[str]]) -> Path:
-    """An independent writer of the format (no trainer.prepare): one shard per doc list."""
+BLOCK = 64  # a tiny block, so that a small corpus has many
+
+
+def write_shards_by_hand(
+    out: Path, docs_per_shard: list[list[str]], edit=lambda flat: flat, command: str = ""
+) -> Path:
+    """An independent writer of the format (no trainer.prepare): one shard per doc list,
+    each block's CRC-32 taken whole with zlib. `edit` may change the ids before writing."""
     out.mkdir(parents=True)
     shards = []
     for i, docs in enumerate(docs_per_shard):
         flat, n_docs, _ = pack_corpus(docs, ByteTokenizer())
         ends = (np.flatnonzero(flat == EOS) + 1).astype("<u8")
         name = f"shard-{i:05d}"
-        flat.astype("<u2").tofile(out / f"{name}.tokens")
+        data = edit(flat).astype("<u2").tobytes()
+        (out / f"{name}.tokens").write_bytes(data)
         ends.tofile(out / f"{name}.docs")
+        crcs = [zlib.crc32(data[a : a + BLOCK]) for a in range(0, len(data), BLOCK)]
+        np.asarray(crcs, dtype="<u4").tofile(out / f"{name}.crc")
         shards.append(
             ShardInfo(
                 name,
                 len(flat),
                 n_docs,
-                file_sha256(str(out / f"{name}.tokens")),
-                file_sha256(str(out / f"{name}.docs")),
+                *(file_sha256(str(out / f"{name}{s}")) for s in (".tokens", ".docs", ".crc")),
             )
         )
-    manifest = Manifest(TokenizerId("byte", None, 257, EOS), "<u2", shards)
+    tok = TokenizerId("byte", None, 257, EOS)
+    manifest = Manifest(tok, "<u2", shards, block_bytes=BLOCK, command=command)
     (out / MANIFEST).write_text(manifest.to_json())
     return out
 

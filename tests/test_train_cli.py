@@ -1,6 +1,7 @@
 """train.py through the front door: refusals before any set-up, and 1 vs 2 ranks."""
 
 import json
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +72,30 @@ def test_refusal_from_the_shell_has_no_traceback():
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "train.steps" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "argv,env",
+    [
+        ([DEBUG, "--train.stpes=3"], {}),  # the config
+        ([DEBUG, "--parallel.cp=3"], {}),  # a cross-field check
+        ([DEBUG, "--parallel.dp_replicate=2"], {"WORLD_SIZE": "3"}),  # the layout
+        ([DEBUG, "--profile.steps=[3, 1]"], {}),
+    ],
+    ids=["config", "cross-field", "layout", "profile"],
+)
+def test_refusals_answer_before_torch_is_imported(argv, env):
+    """A refused launch must not pay for torch's import (seconds per rank under torchrun)."""
+    code = f"import sys, train\ncode = train.main({argv!r})\nprint(code, 'torch' in sys.modules)\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+    )
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
+    assert proc.stderr.startswith("error:")
 
 
 def test_help_lists_every_key():

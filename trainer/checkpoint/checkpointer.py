@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -30,14 +31,23 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
 
+from trainer.checkpoint.commit import (
+    cause_of,
+    directory_bytes,
+    gather_sums,
+    local_state_bytes,
+    size_text,
+)
 from trainer.data.shards import file_sha256
 from trainer.errors import CheckpointError
+from trainer.fileio import fsync_path
 
 # NOTE: per-parameter optimizer keys ("optim.state.<fqn>.exp_avg", "optim.param_groups.<fqn>
 # .lr"), not per-group ones: parameter groups differ between layouts (experts get groups of
@@ -46,15 +56,6 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def _fsync(path: str) -> None:
-    """Flush a file's (or a directory's entries') data to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:
@@ -110,15 +111,22 @@ def read_trainer_state(path: str) -> dict[str, Any]:
 class Checkpointer:
     """Saves and restores {model, optimizer} via DCP plus the trainer's own small state."""
 
-    def __init__(self, root: str, keep_last: int, async_save: bool) -> None:
+    def __init__(
+        self,
+        root: str,
+        keep_last: int,
+        async_save: bool,
+        stop_requested: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.root = root
         self.keep_last = keep_last
         self.async_save = async_save
+        self.stop_requested = stop_requested  # SIGTERM: stop waiting for a dead peer
         self.rank = dist.get_rank()
         # NOTE: async saves run collectives from a background thread; a group of their own
         # keeps them from interleaving with the training's collectives.
         self._async_group = dist.new_group(backend="gloo") if async_save else None
-        self._pending: tuple[Future, str, str, dict] | None = None
+        self._pending: tuple[Future, str, str, dict, int] | None = None
 
     # --- save ----------------------------------------------------------------------
     def _write_sums(self, tmp: str) -> None:
@@ -149,13 +157,71 @@ class Checkpointer:
         dist.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
+        needed = self._check_room(state, final)
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._async_group)
-            self._pending = (future, tmp, final, trainer_state)
-        else:
+            self._pending = (future, tmp, final, trainer_state, needed)
+            return
+        failure: BaseException | None = None
+        try:
             dcp.save(state, checkpoint_id=tmp)
             self._write_sums(tmp)
             self._commit(tmp, final, trainer_state)
+        except (Exception, CheckpointException) as err:  # a full disk, a write error
+            failure = err
+        # Every rank learns whether any failed (a commit fails on rank 0 alone).
+        failed = torch.tensor([float(failure is not None)])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
+            raise self._failed(tmp, final, needed, failure)
+
+    def _check_room(self, state: dict, final: str) -> int:
+        """The bytes this save needs (all ranks agree); refused before any write if the disk
+        lacks them. Two small collectives per save."""
+        needed = torch.tensor([float(local_state_bytes(state))], dtype=torch.float64)
+        dist.all_reduce(needed)
+        found = complete_checkpoints(self.root)
+        previous = directory_bytes(found[-1][1]) if found else 0
+        need = int(max(needed.item(), previous))
+        short = torch.tensor([0.0])
+        if self.rank == 0:
+            free = shutil.disk_usage(self.root).free
+            short[0] = float(free < need)
+        dist.all_reduce(short, op=dist.ReduceOp.MAX)
+        if short.item():
+            free = shutil.disk_usage(self.root).free
+            raise CheckpointError(
+                f"not enough disk space for checkpoint {final}: {size_text(free)} free in "
+                f"{self.root}, the save needs about {size_text(need)} (the state's size, or "
+                f"the previous checkpoint's if larger); nothing was written. {self._older()}"
+            )
+        return need
+
+    def _older(self) -> str:
+        found = complete_checkpoints(self.root)
+        older = (
+            f"{found[-1][1]} is intact: a relaunch (checkpoint.resume=auto) resumes from it"
+            if found
+            else "there is no older checkpoint"
+        )
+        return (
+            f"{older}. Free space, keep fewer checkpoints (checkpoint.keep_last), or move "
+            "job.output_dir, then relaunch"
+        )
+
+    def _failed(
+        self, tmp: str, final: str, needed: int, err: BaseException | None
+    ) -> CheckpointError:
+        """Remove the partial save (rank 0) and say why it failed."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        cause = cause_of(err) if err is not None else "it failed on another rank"
+        free = shutil.disk_usage(self.root).free if os.path.isdir(self.root) else 0
+        return CheckpointError(
+            f"could not write checkpoint {final} ({cause}); {size_text(free)} free in "
+            f"{self.root}, the save needs about {size_text(needed)}. The partial save was "
+            f"removed; {self._older()}"
+        )
 
     def poll(self) -> None:
         """Commit a finished async save (cheap; call once per step)."""
@@ -166,11 +232,16 @@ class Checkpointer:
         """Block until the save in flight, if any, is written and committed."""
         if self._pending is None:
             return
-        future, tmp, final, trainer_state = self._pending
+        future, tmp, final, trainer_state, needed = self._pending
         self._pending = None
-        future.result()
-        self._write_sums(tmp)
-        self._commit(tmp, final, trainer_state)
+        # NOTE: no collective here (ranks reach it at different steps): a rank that sees the
+        # failure raises and exits; torchrun then stops the others.
+        try:
+            future.result()
+            self._write_sums(tmp)
+            self._commit(tmp, final, trainer_state)
+        except (Exception, CheckpointException) as err:
+            raise self._failed(tmp, final, needed, err) from None
 
     def _commit(self, tmp: str, final: str, trainer_state: dict) -> None:
         """Rank 0, once every rank's data is on disk (DCP's final metadata step gathers
@@ -179,42 +250,25 @@ class Checkpointer:
             return
         state_path = os.path.join(tmp, TRAINER_STATE)
         torch.save(trainer_state, state_path)
-        _fsync(state_path)
-        files = self._gather_sums(tmp)
+        fsync_path(state_path)
+        files = gather_sums(tmp, dist.get_world_size(), self.stop_requested)
         for name in (".metadata", TRAINER_STATE):
             files[name] = file_sha256(os.path.join(tmp, name))
         marker = {"step": trainer_state["step"], "committed_at": time.time(), "files": files}
         with open(os.path.join(tmp, COMPLETE), "w") as f:
             json.dump(marker, f)
-        _fsync(os.path.join(tmp, COMPLETE))
+        fsync_path(os.path.join(tmp, COMPLETE))
         replaced = None
         if os.path.isdir(final):  # the same step saved again: keep the old one until the swap
             replaced = os.path.join(self.root, f".old-{os.path.basename(final)}")
             os.rename(final, replaced)
         os.rename(tmp, final)  # atomic on one filesystem: a checkpoint is whole or absent
-        _fsync(self.root)
+        fsync_path(self.root)
         if replaced:
             shutil.rmtree(replaced, ignore_errors=True)
         if self.keep_last > 0:
             for _, old in complete_checkpoints(self.root)[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
-
-    def _gather_sums(self, tmp: str, timeout: float = 600.0) -> dict[str, str]:
-        """Every rank's `.sums-<rank>.json`, merged (waits for ranks still hashing)."""
-        world = dist.get_world_size()
-        paths = [os.path.join(tmp, f".sums-{r}.json") for r in range(world)]
-        deadline = time.monotonic() + timeout
-        while not all(os.path.isfile(p) for p in paths):
-            if time.monotonic() > deadline:
-                missing = [p for p in paths if not os.path.isfile(p)]
-                raise RuntimeError(f"checkpoint commit: no checksums from {missing[:3]}")
-            time.sleep(0.05)
-        files: dict[str, str] = {}
-        for p in paths:
-            with open(p) as f:
-                files.update(json.load(f))
-            os.remove(p)
-        return files
 
     # --- load ----------------------------------------------------------------------
     def resolve(self, resume: str) -> str | None:

@@ -72,8 +72,9 @@ class DataSection:
     num_workers: int = arg(0, "dataloader worker processes", ge=0)
     verify: str = arg(
         "size",
-        "tokens: check the shards at start-up by size (truncation; instant) or by checksum "
-        "(reads every byte once)",
+        "tokens: check the shards at start-up by size (truncation; instant) or by sha256 "
+        "(reads every byte once); either way each 64 KiB block's CRC-32 is checked when first "
+        "read and every id against model.vocab_size",
         choices=("size", "checksum"),
     )
     max_in_memory_mb: int = arg(

@@ -81,12 +81,15 @@ def check_corpus(cfg: DataSection, tokenizer: Tokenizer) -> None:
         raise DataError(f"data.source={cfg.source!r} data.path={cfg.path!r}: the corpus is empty")
 
 
-def open_corpus(cfg: DataSection, tokenizer: Tokenizer) -> tuple[TokenStream, CorpusSummary]:
+def open_corpus(
+    cfg: DataSection, tokenizer: Tokenizer, vocab_size: int | None = None
+) -> tuple[TokenStream, CorpusSummary]:
     """The flat token stream of the configured source (cut at data.max_tokens) and what it
-    holds, for the console line."""
+    holds, for the console line. Prepared shards are verified as they are read, their ids
+    against `vocab_size` (the model's) when given."""
     if cfg.source == "tokens":
         manifest = read_manifest(cfg.path)
-        stream = ShardedTokens(cfg.path, manifest, limit=cfg.max_tokens)
+        stream = ShardedTokens(cfg.path, manifest, cfg.max_tokens, vocab_size)
         total = manifest.num_tokens
         digest = hashlib.sha256(repr(manifest.tokenizer).encode())
         for shard in manifest.shards:
@@ -114,7 +117,9 @@ def open_corpus(cfg: DataSection, tokenizer: Tokenizer) -> tuple[TokenStream, Co
     return torch.from_numpy(tokens), summary
 
 
-def build_dataset(cfg: DataSection, tokenizer: Tokenizer) -> PackedDataset:
+def build_dataset(
+    cfg: DataSection, tokenizer: Tokenizer, vocab_size: int | None = None
+) -> PackedDataset:
     """Fixed-length samples of the configured source; `.summary` says what it holds."""
-    stream, summary = open_corpus(cfg, tokenizer)
+    stream, summary = open_corpus(cfg, tokenizer, vocab_size)
     return PackedDataset(stream, cfg.seq_len, tokenizer.eos_id, summary, cfg.reset_positions)

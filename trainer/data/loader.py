@@ -20,9 +20,11 @@ def build_dataloader(
     dp_rank: int = 0,
     dp_size: int = 1,
     tokenizer: Tokenizer | None = None,
+    vocab_size: int | None = None,
 ) -> tuple[StatefulDataLoader, Tokenizer]:
     """This rank's infinite loader of micro-batches (`Batch`, [micro_batch_size, seq_len]
-    tensors), and the tokenizer it used.
+    tensors), and the tokenizer it used. Prepared token ids are checked against
+    `vocab_size` (the model's) as they are read.
 
     Call iter() once and keep the iterator (the stream is infinite): with workers, a new
     iterator drops the micro-batches the old one had prefetched. The position in the
@@ -33,7 +35,7 @@ def build_dataloader(
     grad_accum_steps(train_cfg.global_batch_size, train_cfg.micro_batch_size, dp_size)
     if tokenizer is None:
         tokenizer = build_tokenizer(data_cfg)
-    dataset = build_dataset(data_cfg, tokenizer)
+    dataset = build_dataset(data_cfg, tokenizer, vocab_size)
     sampler = GlobalBatchSampler(
         num_samples=len(dataset),
         global_batch_size=train_cfg.global_batch_size,

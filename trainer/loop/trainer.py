@@ -30,6 +30,7 @@ from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import JobConfig, config_to_dict
 from trainer.data.batch import Batch
 from trainer.data.loader import build_dataloader
+from trainer.errors import DataError
 from trainer.hf.weights import load_hf_weights
 from trainer.loop.balance import attach_bias_update
 from trainer.loop.guard import SkipLimitReached, StepGuard
@@ -127,8 +128,13 @@ class Trainer:
         )
 
     def _build_data(self) -> None:
+        # The model's vocabulary bounds every id read (part of the contract, models/spec.py).
         self.loader, _ = build_dataloader(
-            self.cfg.data, self.cfg.train, self.meshes.dp_rank(), self.dims.dp_size
+            self.cfg.data,
+            self.cfg.train,
+            self.meshes.dp_rank(),
+            self.dims.dp_size,
+            vocab_size=self.args.vocab_size,
         )
         self.sampler = self.loader.batch_sampler  # the sample order (trainer.data.sampler)
         self.consumed_samples = 0  # global samples of all completed steps
@@ -138,7 +144,10 @@ class Trainer:
         """The checkpointer, and the checkpoint to resume from (None: a fresh run)."""
         ck = self.cfg.checkpoint
         self.checkpointer = Checkpointer(
-            os.path.join(self.cfg.job.output_dir, "checkpoints"), ck.keep_last, ck.async_save
+            os.path.join(self.cfg.job.output_dir, "checkpoints"),
+            ck.keep_last,
+            ck.async_save,
+            stop_requested=lambda: self._stop_requested,
         )
         resume_from = [self.checkpointer.resolve(ck.resume) if self.rank == 0 else None]
         dist.broadcast_object_list(resume_from, src=0)  # every rank loads the same one
@@ -165,7 +174,7 @@ class Trainer:
         )
         if resumed_from is not None:
             self.logger.info(f"resumed from {resumed_from} at step {self.step}")
-        for note in self._notes:
+        for note in self._notes + self.logger.notes:
             self.logger.info(note)
         self.flops_per_token = self.spec.flops_per_token(self.model, cfg.data.seq_len)
         self.peak_flops = peak_flops(self.device)
@@ -248,7 +257,10 @@ class Trainer:
         zigzag, cp, cp_rank = self.cfg.parallel.cp_layout == "zigzag", self.dims.cp, self.cp_rank
         batches = []
         for _ in range(self.grad_accum):
-            batch = next(self._data_iter).to(self.device)
+            try:
+                batch = next(self._data_iter).to(self.device)
+            except DataError as err:  # from a loader worker: its traceback is in the message
+                raise DataError(str(err).rstrip().rpartition("DataError: ")[2]) from None
             if self.terms.mtp_depth:  # before the cp split: depth k reads tokens k ahead
                 batch = with_mtp_targets(batch, self.terms.mtp_depth)
             if cp > 1:  # this rank's part of each sequence, true positions kept

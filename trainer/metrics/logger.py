@@ -1,4 +1,8 @@
-"""Per-step console line with a progress bar (rank 0) and metrics.jsonl."""
+"""Per-step console line with a progress bar (rank 0) and metrics.jsonl.
+
+No torch at import (the device queries import it when called): `python -m
+trainer.metrics.plot` reads metrics.jsonl through `read_records` without paying for it.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,12 @@ import os
 import resource
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import torch
+from trainer.fileio import write_atomic
+
+if TYPE_CHECKING:
+    import torch
 
 # Dense bf16 peak FLOP/s by device-name fragment, for MFU.
 _PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -17,15 +25,43 @@ _PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
+    import torch
+
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in _PEAK_BF16_FLOPS.items() if k in name), None)
 
 
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.max_memory_allocated(device) / 2**30
     # CPU: the process's peak resident set size (Linux reports KiB).
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def read_records(path: str) -> tuple[list[dict], list[int]]:
+    """The records of a metrics.jsonl, and the numbers of the lines that are not one (a
+    run killed mid-write leaves its last line half written)."""
+    records, dropped = [], []
+    with open(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict) and "step" in record:
+                records.append(record)
+            else:
+                dropped.append(lineno)
+    return records, dropped
+
+
+def _lines(numbers: list[int]) -> str:
+    shown = ", ".join(map(str, numbers[:5])) + (", ..." if len(numbers) > 5 else "")
+    return f"line{'s' if len(numbers) > 1 else ''} {shown}"
 
 
 class MetricsLogger:
@@ -46,15 +82,22 @@ class MetricsLogger:
         self.path = os.path.join(output_dir, "metrics.jsonl") if jsonl else None
         self.start = time.monotonic()
         self.first_step = resume_step or 0  # for the ETA of a resumed run
+        self.notes: list[str] = []  # what the constructor has to say, on the console
         if is_rank0 and self.path:
             os.makedirs(output_dir, exist_ok=True)
-            kept = []
+            kept: list[dict] = []
             if resume_step is not None and os.path.isfile(self.path):
                 # Keep the history up to the checkpoint; steps after it will be redone.
-                with open(self.path) as f:
-                    kept = [line for line in f if json.loads(line)["step"] <= resume_step]
-            with open(self.path, "w") as f:
-                f.writelines(kept)
+                records, dropped = read_records(self.path)
+                kept = [r for r in records if r["step"] <= resume_step]
+                if dropped:
+                    self.notes.append(
+                        f"{self.path}: dropped {_lines(dropped)} that did not parse (a run "
+                        "killed while writing it); the history goes on from the checkpoint"
+                    )
+            # NOTE: replaced, not rewritten in place: a kill during the rewrite must leave
+            # the old history whole.
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def info(self, msg: str) -> None:
         if self.is_rank0:

@@ -8,14 +8,10 @@ rate, grad norm, tokens/s, and one heatmap per MoE layer of its expert load over
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-
-def _read(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+from trainer.metrics.logger import read_records
 
 
 def _curves(plt, records: list[dict], keys: list[str], title: str, out: str, log: bool) -> str:
@@ -66,7 +62,9 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
             f"{path} does not exist: trainer.metrics.plot takes a run's job.output_dir (with "
             "metrics.jsonl, which metrics.jsonl=true writes)"
         )
-    records = _read(path)
+    records, dropped = read_records(path)
+    if dropped:  # e.g. a half-written last line after a kill
+        print(f"note: {path}: skipped {len(dropped)} line(s) that do not parse", file=sys.stderr)
     if not records:
         raise FileNotFoundError(f"{path} holds no steps yet")
     import matplotlib

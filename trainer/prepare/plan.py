@@ -8,6 +8,7 @@ grouped), text units are whole files grouped up to --shard-mb, hf_datasets units
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,26 @@ class PrepareArgs:
     shard_mb: float = 256.0  # target input MiB per work unit (= per shard)
     overwrite: bool = False
     progress: bool = False
+
+
+def repeat_command(args: PrepareArgs) -> str:
+    """The command that prepares the same bytes again, without `--out` (the manifest records
+    it so that a reader finding a damaged shard can name the repair): only what decides the
+    bytes, with absolute paths, so that it does not depend on the directory or the workers."""
+
+    def absolute(path: str) -> str:
+        return os.path.abspath(os.path.expanduser(path))
+
+    words = ["python", "-m", "trainer.prepare", "--source", args.source, "--path"]
+    words.append(args.path if args.source == "hf_datasets" else absolute(args.path))
+    tokenizer = args.tokenizer if args.tokenizer == "byte" else absolute(args.tokenizer)
+    words += ["--tokenizer", tokenizer, "--text-field", args.text_field]
+    if args.source == "hf_datasets":
+        words += ["--split", args.split]
+    if args.eos_token is not None:
+        words += ["--eos-token", args.eos_token]
+    words += ["--shard-mb", f"{args.shard_mb:g}"]
+    return shlex.join(words)
 
 
 def tokenizer_identity(args: PrepareArgs) -> tuple[TokenizerId, str | None]:

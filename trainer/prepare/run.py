@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass
 from trainer.data import shards
 from trainer.data.shards import MANIFEST, Manifest, ShardInfo
 from trainer.errors import DataError
+from trainer.fileio import read_json, write_atomic
 from trainer.prepare import worker
-from trainer.prepare.plan import MIB, PrepareArgs, plan_source, tokenizer_identity
+from trainer.prepare.plan import MIB, PrepareArgs, plan_source, repeat_command, tokenizer_identity
 
 PLAN = "plan.json"
 
@@ -62,7 +63,7 @@ def _claim(out: str, plan: dict, overwrite: bool) -> None:
     """Make `out` hold this plan: a new directory, a resume of the same plan, or (only with
     --overwrite) a replacement of another one."""
     plan_path = os.path.join(out, worker.WORK_DIR, PLAN)
-    old = worker.read_json(plan_path)
+    old = read_json(plan_path)
     if old == plan:
         # Resume. The manifest means complete: drop it until every unit is checked again;
         # temporary files are what a killed run was writing.
@@ -84,7 +85,7 @@ def _claim(out: str, plan: dict, overwrite: bool) -> None:
             )
         _clear(out)
     os.makedirs(os.path.join(out, worker.WORK_DIR), exist_ok=True)
-    worker.write_atomic(plan_path, json.dumps(plan, indent=1))
+    write_atomic(plan_path, json.dumps(plan, indent=1))
 
 
 class Progress:
@@ -220,6 +221,7 @@ def prepare(args: PrepareArgs) -> Summary:
         "out": out, "kind": args.source, "files": files, "units": units, "dtype": dtype,
         "text_field": args.text_field, "tokenizer_path": tok_path, "eos_id": tok_id.eos_id,
         "hf": {"path": source.get("path"), "split": args.split},
+        "block_bytes": shards.BLOCK_BYTES,
     }  # fmt: skip
     progress = Progress(sum(u["bytes"] for u in units), args.progress)
     workers = min(args.workers or os.cpu_count() or 1, len(units))
@@ -235,17 +237,19 @@ def prepare(args: PrepareArgs) -> Summary:
                 progress.show(end="\n")
         infos = [
             ShardInfo(worker.shard_name(i), r["tokens"], r["documents"], r["sha256"],
-                      r["docs_sha256"])
+                      r["docs_sha256"], r["crc_sha256"])
             for i, r in enumerate(results)
             if r["documents"]  # a unit of blank lines only: no shard for readers to map
         ]  # fmt: skip
-        manifest = Manifest(tokenizer=tok_id, dtype=dtype, shards=infos, source=source)
+        manifest = Manifest(
+            tokenizer=tok_id, dtype=dtype, shards=infos, source=source, command=repeat_command(args)
+        )
         if manifest.num_documents == 0:
             raise DataError(
                 f"--path {args.path!r} holds no non-empty document ({len(units)} units read): "
                 "check --path, --source and --text-field"
             )
-        worker.write_atomic(os.path.join(out, MANIFEST), manifest.to_json())
+        write_atomic(os.path.join(out, MANIFEST), manifest.to_json())
     return Summary(
         documents=manifest.num_documents,
         tokens=manifest.num_tokens,

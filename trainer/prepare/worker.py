@@ -22,10 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from trainer.data import reader
+from trainer.data import reader, shards
 from trainer.data.reader import COMMAND_LINE
 from trainer.data.shards import file_sha256
 from trainer.errors import DataError
+from trainer.fileio import fsync_path, read_json, write_atomic
 
 WORK_DIR = ".work"  # plan.json and one done-NNNNN.json per finished unit
 BATCH_CHARS = 1 << 20  # text per tokenizer call: bounds a worker's memory, amortises the call
@@ -41,35 +42,6 @@ def shard_name(index: int) -> str:
 
 def marker_path(out: str, index: int) -> str:
     return os.path.join(out, WORK_DIR, f"done-{index:05d}.json")
-
-
-def fsync_dir(path: str) -> None:
-    # A rename is durable only once the directory entry itself is flushed.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Write `path` so that a reader (or a killed run) sees the old file or the new, whole."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
-
-
-def read_json(path: str) -> Any:
-    """The parsed file, or None where it is missing or not JSON (e.g. cut short by a kill)."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 # --- reading documents: trainer.data.reader's rules, with progress in input bytes -----------
@@ -156,11 +128,13 @@ def _encode_or_explain(encode: Encoder, batch: list[str], job: Job, unit: dict) 
 class ShardWriter:
     """Streams one shard to temporary files, hashing as it goes; `finish` makes it final."""
 
-    def __init__(self, out: str, name: str, dtype: str, eos_id: int) -> None:
-        self.final = [os.path.join(out, name + suffix) for suffix in (".tokens", ".docs")]
+    def __init__(self, out: str, name: str, dtype: str, eos_id: int, block_bytes: int) -> None:
+        suffixes = (shards.TOKENS_SUFFIX, shards.DOCS_SUFFIX, shards.CRC_SUFFIX)
+        self.final = [os.path.join(out, name + suffix) for suffix in suffixes]
         self.tmp = [p + ".tmp" for p in self.final]
-        self.files = [open(p, "wb") for p in self.tmp]
+        self.files = [open(p, "wb") for p in self.tmp[:2]]  # the .crc is written at the end
         self.digests = [hashlib.sha256(), hashlib.sha256()]
+        self.blocks = shards.BlockCrc(block_bytes)  # of the .tokens bytes
         self.dtype, self.eos_id = np.dtype(dtype), eos_id
         self.tokens = self.documents = 0
 
@@ -175,27 +149,34 @@ class ShardWriter:
         not_eos = np.ones(len(tokens), dtype=bool)
         not_eos[ends - 1] = False
         tokens[not_eos] = flat
-        self._write(0, tokens.tobytes())
+        data = tokens.tobytes()
+        self._write(0, data)
+        self.blocks.update(data)
         self._write(1, (ends + self.tokens).astype("<u8").tobytes())
         self.tokens += len(tokens)
         self.documents += len(lengths)
         return len(tokens)
 
     def finish(self) -> dict[str, Any]:
+        table = self.blocks.table()
+        self.files.append(open(self.tmp[2], "wb"))
+        self.files[2].write(table)
         for f in self.files:
             f.flush()
             os.fsync(f.fileno())
             f.close()
         for tmp, final in zip(self.tmp, self.final, strict=True):
             os.replace(tmp, final)
-        fsync_dir(os.path.dirname(self.final[0]))
+        fsync_path(os.path.dirname(self.final[0]))
         sha, docs_sha = (d.hexdigest() for d in self.digests)
         return {"tokens": self.tokens, "documents": self.documents, "sha256": sha,
-                "docs_sha256": docs_sha}  # fmt: skip
+                "docs_sha256": docs_sha,
+                "crc_sha256": hashlib.sha256(table).hexdigest()}  # fmt: skip
 
     def abort(self) -> None:
-        for f, tmp in zip(self.files, self.tmp, strict=True):
+        for f in self.files:
             f.close()
+        for tmp in self.tmp:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
 
@@ -208,11 +189,19 @@ def intact_marker(job: Job, index: int) -> dict | None:
     base = os.path.join(job["out"], shard_name(index))
     width = np.dtype(job["dtype"]).itemsize
     try:
-        tokens = (base + ".tokens", width * marker["tokens"], marker["sha256"])
-        docs = (base + ".docs", 8 * marker["documents"], marker["docs_sha256"])
+        nbytes = width * marker["tokens"]
+        files = [
+            (base + shards.TOKENS_SUFFIX, nbytes, marker["sha256"]),
+            (base + shards.DOCS_SUFFIX, 8 * marker["documents"], marker["docs_sha256"]),
+            (
+                base + shards.CRC_SUFFIX,
+                4 * shards.crc_entries(nbytes, job["block_bytes"]),
+                marker["crc_sha256"],
+            ),
+        ]
     except (KeyError, TypeError):
         return None  # not a marker this code wrote
-    for path, size, digest in (tokens, docs):
+    for path, size, digest in files:
         if not os.path.isfile(path) or os.path.getsize(path) != size or file_sha256(path) != digest:
             return None
     return marker
@@ -232,7 +221,9 @@ def run_unit(
     read = {"jsonl": _jsonl_documents, "text": _text_documents, "hf_datasets": _hf_documents}
     documents = read[job["kind"]](job, unit)
     encode = _encoder(job)
-    writer = ShardWriter(job["out"], shard_name(index), job["dtype"], job["eos_id"])
+    writer = ShardWriter(
+        job["out"], shard_name(index), job["dtype"], job["eos_id"], job["block_bytes"]
+    )
     batch: list[str] = []
     chars = nbytes = 0
 
