@@ -27,7 +27,8 @@ from trainer.config import load_config  # noqa: E402
 
 
 def main() -> None:
-    from trainer.checkpoint.checkpointer import Checkpointer, complete_checkpoints
+    from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.checkpoint.markers import complete_checkpoints
     from trainer.loop.setup import preflight
     from trainer.loop.trainer import Trainer
 

@@ -214,7 +214,10 @@ def test_bad_resume_path_is_refused(damage, ep_run, tmp_path, capsys, monkeypatc
         (path / "COMPLETE").unlink()
     assert train.main(FOUR_STEPS + [f"--checkpoint.resume={path}"]) == 2
     err = capsys.readouterr().err
-    assert str(path) in err and ("no such directory" in err or "incomplete or damaged" in err)
+    if damage == "missing":
+        assert str(path) in err and "no such directory" in err
+    else:
+        assert f"checkpoint {path} is damaged: {path / 'COMPLETE'} is missing" in err, err
 
 
 @pytest.mark.slow
@@ -232,7 +235,7 @@ def test_resume_from_plain_fsdp_into_expert_parallelism(tmp_path):
 def test_newest_means_last_committed(tmp_path):
     """After a rollback (resume from an older step), the abandoned run's later steps are
     older commits: resume=auto and keep_last follow the run that is going on."""
-    from trainer.checkpoint.checkpointer import COMPLETE, complete_checkpoints
+    from trainer.checkpoint.markers import COMPLETE, complete_checkpoints
 
     for step, committed in [(200, 10.0), (100, 5.0), (110, 20.0)]:
         (tmp_path / f"step-{step}").mkdir()

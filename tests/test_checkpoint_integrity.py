@@ -14,7 +14,7 @@ import pytest
 
 import train
 from tests.distributed import ROOT, run_train
-from trainer.checkpoint.checkpointer import COMPLETE, TRAINER_STATE
+from trainer.checkpoint.markers import COMPLETE, TRAINER_STATE
 
 RUN = [
     "--config=configs/debug_qwen3_moe.toml",
@@ -150,3 +150,52 @@ def test_rerunning_a_finished_run_says_there_is_nothing_to_do(
     out = _copy(finished, tmp_path)
     code = train.main(RUN + [f"--data.path={finished[1]}", f"--job.output_dir={out}"])
     assert code == 0 and "nothing to do" in capsys.readouterr().out
+
+
+def _truncate_marker(step: Path) -> str:
+    marker = step / COMPLETE
+    marker.write_bytes(marker.read_bytes()[: marker.stat().st_size // 2])
+    return "COMPLETE is truncated or garbled"
+
+
+def _garble_marker(step: Path) -> str:
+    (step / COMPLETE).write_text("\x00\x01 not a marker")
+    return "COMPLETE is truncated or garbled"
+
+
+def _delete_metadata(step: Path) -> str:
+    (step / ".metadata").unlink()
+    return ".metadata is missing"
+
+
+def _delete_distcp(step: Path) -> str:
+    shard = sorted(step.glob("*.distcp"))[0]
+    shard.unlink()
+    return f"{shard.name} is missing"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "damage", [_truncate_marker, _garble_marker, _delete_metadata, _delete_distcp]
+)
+@pytest.mark.parametrize("resume", ["auto", "path"])
+def test_damaged_files_are_refused_by_name_with_the_checkpoint_to_use(
+    finished, tmp_path, capsys, front_door, damage, resume
+):
+    out = _copy(finished, tmp_path)
+    step = out / "checkpoints" / "step-2"
+    what = damage(step)
+    argv = RUN + [f"--data.path={finished[1]}"]
+    if resume == "path":
+        argv.append(f"--checkpoint.resume={step}")
+    code, err = _resume(argv, out, capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.count("\n") == 1 and what in err and "step-2" in err, err
+    older = out / "checkpoints" / "step-1"
+    assert f"the newest intact checkpoint is {older}: resume from it with" in err, err
+    assert f"--checkpoint.resume={older}" in err
+    # The way out works: the older checkpoint resumes.
+    code, _ = _resume(
+        RUN + [f"--data.path={finished[1]}", f"--checkpoint.resume={older}"], out, capsys
+    )
+    assert code == 0

@@ -411,3 +411,40 @@ def test_the_registry_names_each_models_own_args_class():
 
     for name in model_names():
         assert model_args_class(name) is get_model_spec(name).args_cls
+
+
+def test_every_problem_of_a_toml_is_reported_at_once(tmp_path):
+    text = '[model]\nhidden_sise = 64\n\n[train]\nsteps = "ten"\nlerning_rate = 0.1\n'
+    text += "\n[data]\nseq_len = -5\n\n[parallel]\ncp_layout = 'zigzga'\n"
+    path = write_toml(tmp_path, text)
+    message = config_error(["--config", path])
+    assert message.startswith("5 problems:"), message
+    assert "train.steps: expected int, got 'ten'" in message
+    assert "unknown key 'train.lerning_rate'" in message and "(did you mean 'train.lr'?)" in message
+    assert "(did you mean 'model.hidden_size'?)" in message
+    assert "data.seq_len must be >= 1, got -5" in message
+    assert "parallel.cp_layout: 'zigzga' is not one of" in message
+    # The same problems on the command line, the same answer.
+    argv = ["--train.steps=ten", "--train.lerning_rate=0.1", "--data.seq_len=-5"]
+    message = config_error(["--config=configs/debug_qwen3_moe.toml", *argv])
+    assert message.startswith("3 problems:") and "did you mean --train.lr?" in message
+
+
+@pytest.mark.parametrize(
+    "typed,meant",
+    [
+        ("train.lerning_rate", "train.lr"),  # the initials of its words
+        ("train.learning_rate", "train.lr"),
+        ("train.stpes", "train.steps"),  # a swap is one edit
+        ("train.warmup", "train.warmup_steps"),  # its first words
+        ("trian.steps", "train.steps"),  # a misspelt section first
+        ("steps", "train.steps"),  # the first section that has it
+        ("data.seqlen", "data.seq_len"),
+        ("train.xyzzy", None),  # nothing close: no guess
+    ],
+)
+def test_did_you_mean_ranks_by_the_keys_own_name(typed, meant):
+    from trainer.config.load import _all_args_classes, _dotted_keys
+    from trainer.config.suggest import closest_key
+
+    assert closest_key(typed, _dotted_keys(*_all_args_classes())) == meant

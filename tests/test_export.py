@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from models import get_model_spec
 from models.common.init import init_all_
 from tests.distributed import ROOT
-from trainer.checkpoint.checkpointer import COMPLETE, TRAINER_STATE
+from trainer.checkpoint.markers import COMPLETE, TRAINER_STATE
 from trainer.config import config_to_dict, load_config
 
 SHARD_MB = 4

@@ -316,3 +316,14 @@ def test_verify_names_a_corrupted_shard(tmp_path, capsys):
     assert str(shard) in err and "checksum" in err and "again" in err
     err = refuse(capsys, ["--verify", "--out", str(tmp_path / "missing")])
     assert "does not exist" in err
+
+
+def test_a_refused_prepare_leaves_nothing_that_blocks_its_rerun(tmp_path, capsys):
+    corpus = tmp_path / "c" / "a.jsonl"
+    corpus.parent.mkdir()
+    corpus.write_text('{"text": "one"}\n{"text": "two"\n{"text": "three"}\n')
+    argv = ["--source", "jsonl", "--path", str(corpus), "--out", str(tmp_path / "out")]
+    assert "a.jsonl:2: not valid JSON" in refuse(capsys, argv)
+    corpus.write_text('{"text": "one"}\n{"text": "two"}\n{"text": "three"}\n')  # fixed
+    assert main(argv) == 0  # no --overwrite needed: nothing had been prepared
+    assert read_manifest(str(tmp_path / "out")).num_documents == 3

@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.distributed import finish, free_port, kill_launch, launch_train, read_metrics, run_train
-from trainer.checkpoint.checkpointer import COMPLETE
+from trainer.checkpoint.markers import COMPLETE
 from trainer.loop.setup import ROUND_STORE_KEY, round_store
 
 # Tiny and short: a launch is mostly start-up, and the test launches six times.

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -45,6 +44,15 @@ from trainer.checkpoint.commit import (
     local_state_bytes,
     size_text,
 )
+from trainer.checkpoint.markers import (
+    COMPLETE,
+    TRAINER_STATE,
+    check_checkpoint,
+    complete_checkpoints,
+    newest_damaged,
+    read_trainer_state,
+    resume_hint,
+)
 from trainer.data.shards import file_sha256
 from trainer.errors import CheckpointError
 from trainer.fileio import fsync_path
@@ -53,59 +61,6 @@ from trainer.fileio import fsync_path
 # .lr"), not per-group ones: parameter groups differ between layouts (experts get groups of
 # their own under EP), and a checkpoint must load into any layout.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-COMPLETE = "COMPLETE"
-TRAINER_STATE = "trainer_state.pt"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def complete_checkpoints(root: str) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint under `root`, in commit order (oldest first).
-
-    NOTE: commit order, not step order: after a rollback (resume from an older step), the
-    checkpoints of the abandoned future are older commits than the new ones, so
-    resume=auto and keep_last follow the run that is actually going on.
-    """
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        match = _STEP_DIR.match(name)
-        marker = os.path.join(root, name, COMPLETE)
-        if match and os.path.isfile(marker):
-            with open(marker) as f:
-                committed = json.load(f).get("committed_at", 0.0)
-            found.append((committed, int(match.group(1)), os.path.join(root, name)))
-    return [(step, path) for _, step, path in sorted(found)]
-
-
-def check_checkpoint(path: str) -> None:
-    """Refuse a checkpoint named explicitly that is missing, incomplete or damaged."""
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint.resume={path!r}: no such directory")
-    missing = [
-        f
-        for f in (COMPLETE, TRAINER_STATE, ".metadata")
-        if not os.path.isfile(os.path.join(path, f))
-    ]
-    if missing:
-        raise CheckpointError(
-            f"checkpoint {path!r} is incomplete or damaged (missing {', '.join(missing)}); it "
-            "was probably interrupted while being written. Resume from another one "
-            "(checkpoint.resume=auto picks the newest complete one)"
-        )
-
-
-def read_trainer_state(path: str) -> dict[str, Any]:
-    """The trainer state of checkpoint `path`, loaded without running any pickled code."""
-    file = os.path.join(path, TRAINER_STATE)
-    try:
-        return torch.load(file, weights_only=True)
-    except Exception as err:  # UnpicklingError for code, others for damage: both refused
-        raise CheckpointError(
-            f"{file} cannot be loaded as plain data ({type(err).__name__}: "
-            f"{str(err).splitlines()[0][:200]}); it is damaged or not from this trainer "
-            "(it would run code if unpickled: refused)"
-        ) from None
 
 
 class Checkpointer:
@@ -278,17 +233,23 @@ class Checkpointer:
             return None
         if resume == "auto":
             found = complete_checkpoints(self.root)
-            return found[-1][1] if found else None
-        check_checkpoint(resume)
+            newest = found[-1][1] if found else None
+            damaged = newest_damaged(self.root, newer_than=newest)
+            if damaged is not None:  # never passed over in silence
+                path, problem = damaged
+                raise CheckpointError(
+                    f"the newest checkpoint, {path}, is damaged: {problem}; "
+                    f"{resume_hint(self.root, path)}"
+                )
+            return newest
+        check_checkpoint(resume, self.root)
         return resume
 
     def verify(self, path: str) -> None:
         """Refuse a checkpoint whose files do not match the checksums of its commit marker,
         naming the file (and, for resume=auto, the newest older checkpoint to use instead).
         The files are shared out over the ranks; all ranks call it, and all agree."""
-        check_checkpoint(path)
-        with open(os.path.join(path, COMPLETE)) as f:
-            expected = json.load(f).get("files")
+        expected = check_checkpoint(path, self.root).get("files")
         bad: list[str] = []
         if expected is not None:  # markers before checksums were recorded: nothing to check
             world = dist.get_world_size()
@@ -301,16 +262,9 @@ class Checkpointer:
         dist.all_gather_object(everyone, bad)
         bad = sorted(f for part in everyone for f in part)
         if bad:
-            older = [p for _, p in complete_checkpoints(self.root) if p != path]
-            hint = (
-                f"; the newest other complete checkpoint is {older[-1]}: resume from it with "
-                f"--checkpoint.resume={older[-1]}"
-                if older
-                else ""
-            )
             raise CheckpointError(
                 f"checkpoint {path} is corrupted: {bad[0]} does not match the checksum recorded "
-                f"when it was saved ({len(bad)} file(s) differ){hint}"
+                f"when it was saved ({len(bad)} file(s) differ); {resume_hint(self.root, path)}"
             )
 
     def read(self, path: str) -> dict[str, Any]:

@@ -7,13 +7,13 @@ in one ConfigError so that a config is fixed in one round, not one error per lau
 
 from __future__ import annotations
 
-import difflib
 import math
 import types
 from dataclasses import fields
 from typing import Any, NamedTuple, Union, get_args, get_origin
 
 from models import model_args_class, model_names
+from models.common.args import field_problems
 from trainer.config.checks import config_problems
 from trainer.config.schema import (
     MODEL_OWN_KEYS,
@@ -24,6 +24,7 @@ from trainer.config.schema import (
     key_fields,
     type_name,
 )
+from trainer.config.suggest import closest_key
 
 try:
     import tomllib
@@ -141,14 +142,27 @@ def _build(raw: dict[str, dict[str, _Value]], errors: list[str]) -> JobConfig | 
         for s, cls in SECTIONS.items()
         if s != "model"
     }
-    if args_cls is None:
-        return None
-    model_args = {k: v for k, v in raw["model"].items() if k not in MODEL_OWN_KEYS}
-    args = args_cls(**_convert_items("model", args_cls, model_args, known, errors))
+    args = None
+    if args_cls is not None:
+        model_args = {k: v for k, v in raw["model"].items() if k not in MODEL_OWN_KEYS}
+        args = args_cls(**_convert_items("model", args_cls, model_args, known, errors))
     if errors:
+        # Report the impossible values too, in this same round: each value that converted
+        # is checked against its own bounds (relations between keys wait for a clean build).
+        for s, cls in SECTIONS.items():
+            if s != "model":
+                errors += _given_problems(cls(**values[s]), s, values[s])
+        if args is not None:
+            errors += _given_problems(args, "model", model_args)
         return None
     values["model"] = {**model_values, "args": args}
     return JobConfig(**{s: cls(**values[s]) for s, cls in SECTIONS.items()})
+
+
+def _given_problems(obj: Any, section: str, given: dict[str, Any]) -> list[str]:
+    """Bound and choice problems of the keys the user set (not of the defaults)."""
+    keys = {f"{section}.{k}" for k in given}
+    return [p for p in field_problems(obj, section) if p.split(" ", 1)[0] in keys]
 
 
 def _convert_items(
@@ -247,8 +261,8 @@ def _unknown(dotted: str, origin: str, known: list[str]) -> str:
 
 
 def _did_you_mean(word: str, candidates: list[str], style: str) -> str:
-    match = difflib.get_close_matches(word, candidates, n=1)
-    return f" (did you mean {style.format(match[0])}?)" if match else ""
+    match = closest_key(word, candidates)
+    return f" (did you mean {style.format(match)}?)" if match else ""
 
 
 def _show(value: Any) -> str:

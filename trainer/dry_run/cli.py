@@ -22,6 +22,7 @@ import sys
 import time
 
 from trainer.dry_run.layout_cost import MODES, Layout, measure_layout, peak_bytes, step_bytes
+from trainer.fileio import write_atomic
 
 GIB = 2**30
 
@@ -224,6 +225,5 @@ def main(argv: list[str] | None = None) -> int:
     result["planning_s"] = round(time.perf_counter() - start, 1)
     print(format_report(result))
     if flags["--json"]:
-        with open(flags["--json"], "w") as f:
-            json.dump(result, f, indent=1)
+        write_atomic(flags["--json"], json.dumps(result, indent=1))
     return 0

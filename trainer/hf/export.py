@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from models import HFFormatError, get_model_spec
 from models.spec import ModelSpec
 from parallelisms.init import named_weights
-from trainer.checkpoint.checkpointer import check_checkpoint, read_trainer_state
+from trainer.checkpoint.markers import check_checkpoint, read_trainer_state
 from trainer.errors import CheckpointError
 from trainer.hf.weights import SafetensorsWriter, hf_entries
 

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from models import HFFormatError
 from models.spec import HFAdapter
 from parallelisms.init import local_index, named_weights
+from trainer.fileio import write_atomic
 
 
 def _open_safetensors(path: str):
@@ -164,10 +165,10 @@ class SafetensorsWriter:
             os.replace(partial, os.path.join(self.out_dir, name))
             weight_map.update(dict.fromkeys(keys, name))
         if n > 1:
-            with open(os.path.join(self.out_dir, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
-        with open(os.path.join(self.out_dir, "config.json"), "w") as f:
-            json.dump(self.config, f, indent=2)
+            index = {"metadata": {}, "weight_map": weight_map}
+            path = os.path.join(self.out_dir, "model.safetensors.index.json")
+            write_atomic(path, json.dumps(index, indent=2))
+        write_atomic(os.path.join(self.out_dir, "config.json"), json.dumps(self.config, indent=2))
 
 
 def hf_entries(

@@ -20,7 +20,7 @@ from models import get_model_spec
 from models.common.args import field_problems
 from parallelisms.dims import LayoutError, ParallelDims
 from parallelisms.parallelize import check_layout
-from trainer.checkpoint.checkpointer import check_checkpoint
+from trainer.checkpoint.markers import check_checkpoint
 from trainer.config import ConfigError, JobConfig
 from trainer.data.corpus import check_corpus
 from trainer.data.tokenizers import build_tokenizer

@@ -14,6 +14,12 @@ import sys
 from trainer.metrics.logger import read_records
 
 
+def _save(fig, out: str) -> None:
+    """Write the PNG beside, then rename: an open viewer never reads half a picture."""
+    fig.savefig(out + ".tmp", dpi=100, format="png")
+    os.replace(out + ".tmp", out)
+
+
 def _curves(plt, records: list[dict], keys: list[str], title: str, out: str, log: bool) -> str:
     fig, ax = plt.subplots(figsize=(7, 4))
     for key in keys:
@@ -26,7 +32,7 @@ def _curves(plt, records: list[dict], keys: list[str], title: str, out: str, log
     if len(keys) > 1:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    _save(fig, out)
     plt.close(fig)
     return out
 
@@ -49,7 +55,7 @@ def _expert_load(plt, records: list[dict], out_dir: str) -> list[str]:
         ax.set(xlabel="expert", ylabel="step", title=f"expert load, MoE layer {layer}")
         fig.tight_layout()
         out = os.path.join(out_dir, f"expert_load_layer{layer}.png")
-        fig.savefig(out, dpi=100)
+        _save(fig, out)
         plt.close(fig)
         written.append(out)
     return written

@@ -59,6 +59,15 @@ def _clear(out: str) -> None:
         os.remove(path)
 
 
+def _holds_only_a_plan(out: str) -> bool:
+    """Whether `out` holds no prepared work, only the plan of a run refused before its
+    first shard (bad input that was then fixed: the rerun must not need --overwrite)."""
+    work = os.path.join(out, worker.WORK_DIR)
+    if set(os.listdir(out)) != {worker.WORK_DIR} or not os.path.isdir(work):
+        return False
+    return set(os.listdir(work)) <= {PLAN, PLAN + ".tmp"}
+
+
 def _claim(out: str, plan: dict, overwrite: bool) -> None:
     """Make `out` hold this plan: a new directory, a resume of the same plan, or (only with
     --overwrite) a replacement of another one."""
@@ -71,7 +80,7 @@ def _claim(out: str, plan: dict, overwrite: bool) -> None:
             if os.path.exists(path):
                 os.remove(path)
         return
-    if os.listdir(out):
+    if os.listdir(out) and not _holds_only_a_plan(out):
         if not overwrite:
             if isinstance(old, dict):
                 keys = ("source", "tokenizer", "shard_mb", "format")
