@@ -33,7 +33,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -272,6 +274,14 @@ class Checkpointer:
         can refuse the checkpoint on it before `load_weights` reads the weights."""
         self.verify(path)
         return read_trainer_state(path)
+
+    def load_model(self, path: str, model: nn.Module) -> None:
+        """Restore the model alone from `path` (any layout; call `read` first): what
+        `python -m trainer.evaluate` needs, without an optimizer to fill."""
+        model_sd = get_model_state_dict(model)
+        state = {"model": model_sd}
+        dcp.load(state, checkpoint_id=path)  # reads only the keys asked for
+        set_model_state_dict(model, state["model"])
 
     def load_weights(self, path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Restore model and optimizer in place from `path` (any layout; call `read` first)."""

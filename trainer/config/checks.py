@@ -27,6 +27,10 @@ def config_problems(cfg: JobConfig) -> list[str]:
     problems: list[str] = []
     for f in fields(cfg):
         problems += field_problems(getattr(cfg, f.name), f.name)
+    for section in (cfg.data, cfg.eval):  # the tables of [[data.mix]] and [[eval.mix]]
+        where = "data" if section is cfg.data else "eval"
+        for i, table in enumerate(section.mix, start=1):
+            problems += field_problems(table, f"{where}.mix[{i}]")
     args = cfg.model.args
     arg_problems = field_problems(args, "model") if is_dataclass(args) else []
     problems += arg_problems
@@ -56,6 +60,7 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
             grad_accum_steps(t.global_batch_size, t.micro_batch_size, dp_size=1)
         except LayoutError as err:
             problems.append(str(err))
+    problems += _mix_problems(cfg)
     need(
         d.source in NEEDS_PATH or d.path is None,
         f"data.path={d.path!r} is set, but data.source='{d.source}' does not read it (it would "
@@ -63,7 +68,7 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
         "remove data.path",
     )
     need(
-        d.source not in NEEDS_PATH or bool(d.path),
+        d.source not in NEEDS_PATH or bool(d.path) or bool(d.mix),
         f"data.path is required when data.source = '{d.source}' (set it to "
         f"{NEEDS_PATH.get(d.source)})",
     )
@@ -89,4 +94,49 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
         p.dp_shard == -1 or p.dp_shard >= 1,
         f"parallel.dp_shard must be -1 (all remaining ranks) or >= 1, got {p.dp_shard}",
     )
+    return problems
+
+
+def _mix_problems(cfg: JobConfig) -> list[str]:
+    """[[data.mix]], and the held-out data of [eval]."""
+    d, e = cfg.data, cfg.eval
+    problems = []
+    if d.mix and d.path:
+        problems.append(
+            "data.path and [[data.mix]] are both set: train on one corpus (data.path) or on "
+            "a blend ([[data.mix]]), not both"
+        )
+    if d.mix and d.max_tokens is not None:
+        problems.append(
+            f"data.max_tokens={d.max_tokens} caps one corpus, but [[data.mix]] blends whole "
+            "corpora by weight: remove data.max_tokens (data.max_tokens=none)"
+        )
+    if d.mix and d.source != "tokens":
+        problems.append(
+            f"[[data.mix]] blends prepared corpora, but data.source='{d.source}': set "
+            "data.source = 'tokens' (prepare each corpus with `python -m trainer.prepare`)"
+        )
+    for where, tables in (("data.mix", d.mix), ("eval.mix", e.mix)):
+        names = [t.name or t.path.rstrip("/").rsplit("/", 1)[-1] for t in tables]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            problems.append(
+                f"{where}: the name {twice[0]!r} is used by two tables; give each a "
+                "distinct name = ..."
+            )
+        problems += [
+            f"{where} (table {i}): path is required" for i, t in enumerate(tables, 1) if not t.path
+        ]
+    given = [
+        k
+        for k, v in (("eval.path", e.path), ("eval.mix", e.mix), ("eval.fraction", e.fraction))
+        if v
+    ]
+    if len(given) > 1:
+        problems.append(f"{' and '.join(given)} are all held-out data: set only one of them")
+    if e.fraction is not None and d.mix:
+        problems.append(
+            "eval.fraction holds out documents of data.path, but the run trains on "
+            "[[data.mix]]: give the held-out data as eval.path or [[eval.mix]]"
+        )
     return problems

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import types
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from typing import Any, NamedTuple, Union, get_args, get_origin
 
 from models import model_args_class, model_names
@@ -179,6 +179,9 @@ def _convert_items(
             continue
         try:
             out[key] = _convert(item.value, hints[key], item.from_cli)
+        except _TableError as err:
+            errors.append(f"{where}{err} (from {item.origin})")
+            continue
         except ValueError:
             expected = type_name(hints[key])
             errors.append(
@@ -211,7 +214,15 @@ def _convert(value: Any, tp: Any, from_cli: bool) -> Any:
             value = [part.strip() for part in text.split(",")] if text else []
         if not isinstance(value, list):
             raise ValueError(value)
-        return [_convert(v, get_args(tp)[0], from_cli) for v in value]
+        out = []
+        for i, item in enumerate(value, start=1):
+            try:
+                out.append(_convert(item, get_args(tp)[0], from_cli))
+            except _TableError as err:
+                raise _TableError(f"[{i}]: {err}") from None
+        return out
+    if is_dataclass(tp):  # a table of a list of tables ([[data.mix]])
+        return _convert_table(value, tp)
     if tp is bool and from_cli and text.lower() in _BOOLS:
         return _BOOLS[text.lower()]
     if tp in (int, float) and from_cli:
@@ -225,6 +236,29 @@ def _convert(value: Any, tp: Any, from_cli: bool) -> Any:
     if tp is float and not math.isfinite(value):
         raise ValueError(value)
     return float(value) if tp is float else value
+
+
+class _TableError(ValueError):
+    """A problem inside one table of a list of tables, worded for the user."""
+
+
+def _convert_table(value: Any, cls: type) -> Any:
+    if not isinstance(value, dict):
+        raise _TableError(f"expected a table like {{path = ..., weight = ...}}, got {_show(value)}")
+    hints, names = field_types(cls), [f.name for f in fields(cls)]
+    unknown = [k for k in value if k not in names]
+    if unknown:
+        hint = _did_you_mean(unknown[0], names, "'{}'")
+        raise _TableError(f"unknown key {unknown[0]!r}{hint}; a table has {', '.join(names)}")
+    out = {}
+    for key, item in value.items():
+        try:
+            out[key] = _convert(item, hints[key], False)
+        except ValueError:
+            raise _TableError(
+                f"{key}: expected {type_name(hints[key])}, got {_show(item)}"
+            ) from None
+    return cls(**out)
 
 
 def format_value(value: Any) -> str:

@@ -35,6 +35,15 @@ class ModelSection:
 
 
 @dataclass
+class MixSource:
+    """One `[[data.mix]]` (or `[[eval.mix]]`) table: a prepared corpus and its weight."""
+
+    path: str = arg("", "a directory written by `python -m trainer.prepare`")
+    weight: float = arg(1.0, "its share of the blend (weights are normalised)", gt=0)
+    name: str | None = arg(None, "its name in the console and metrics (default: the directory's)")
+
+
+@dataclass
 class DataSection:
     source: str = arg(
         "stdlib",
@@ -47,6 +56,12 @@ class DataSection:
     path: str | None = arg(
         None,
         "prepared directory (tokens), glob (text/jsonl), or dataset name/directory (hf_datasets)",
+    )
+    mix: list[MixSource] = arg(
+        [],
+        "[[data.mix]] tables (path, weight, name): prepared corpora blended by weight, "
+        "instead of data.path (data.source=tokens); on the command line a TOML list, "
+        "e.g. [{path='web', weight=0.7}, {path='code', weight=0.3}]",
     )
     text_field: str = arg("text", "field that holds the document text (jsonl, hf_datasets)")
     hf_split: str = arg("train", "split to read (hf_datasets)")
@@ -244,6 +259,34 @@ class MetricsSection:
 
 
 @dataclass
+class EvalSection:
+    interval: int = arg(
+        0,
+        "evaluate every N steps, and once at the end of training (0: only at the end); "
+        "needs eval data: eval.path, eval.mix or eval.fraction",
+        ge=0,
+        note="0 = only at the end",
+    )
+    path: str | None = arg(
+        None, "held-out data: a directory written by `python -m trainer.prepare`"
+    )
+    mix: list[MixSource] = arg(
+        [], "held-out data: [[eval.mix]] tables (path, weight, name), one loss per source"
+    )
+    fraction: float | None = arg(
+        None,
+        "held-out data: this fraction of the training corpus' documents (chosen by a hash of "
+        "each document's index: the same for every layout and seed), removed from training",
+        gt=0,
+        lt=1,
+    )
+    samples: int = arg(
+        64, "held-out sequences of data.seq_len evaluated each round (the same ones)", ge=1
+    )
+    micro_batch_size: int = arg(1, "sequences per rank per eval forward", ge=1)
+
+
+@dataclass
 class ProfileSection:
     steps: list[int] = arg(
         [],
@@ -278,6 +321,7 @@ class JobConfig:
     moe: MoESection = field(default_factory=MoESection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
     debug: DebugSection = field(default_factory=DebugSection)
 

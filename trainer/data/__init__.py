@@ -8,7 +8,9 @@
 - `tokenizers`, `sources` (documents of the in-memory sources), `packing`, `batch`;
 - `shards`: the prepared-token format and its reader (`python -m trainer.prepare` writes it);
 - `corpus`: which token stream a run trains on, checked before any process group;
-- `sampler` + `permutation`: the global sample order; `loader`: this rank's loader.
+- `sampler` + `permutation`: the global sample order; `loader`: this rank's loader;
+- `mixture`: `[[data.mix]]`, corpora blended by weight; `holdout`: `eval.fraction`'s held-out
+  documents; `run_data`: everything a run reads (training and held-out datasets).
 
 The sample order depends only on (seed, num_samples, global_batch_size), never on the number
 of data-parallel ranks or the micro-batch size, so a run can resume on another layout at a

@@ -18,8 +18,10 @@ import os
 import torch
 
 from trainer.config import DataSection
-from trainer.data.packing import CorpusSummary, PackedDataset, TokenStream, pack_corpus
+from trainer.data.holdout import DocumentView
+from trainer.data.packing import CorpusSummary, PackedDataset, TokenStream, pack_split
 from trainer.data.shards import (
+    Manifest,
     ShardedTokens,
     TokenizerId,
     check_shards,
@@ -52,21 +54,33 @@ def _prepare_hint(cfg: DataSection) -> str:
     )
 
 
+def check_prepared(path: str, cfg: DataSection, tokenizer: Tokenizer) -> None:
+    """Refuse a prepared directory this run cannot read: no (valid) manifest, another
+    tokenizer than the run's, missing or truncated shards, no documents."""
+    manifest = read_manifest(path)
+    ours, theirs = tokenizer_id(tokenizer), manifest.tokenizer
+    if ours != theirs:
+        raise DataError(
+            f"{path} was prepared with tokenizer {theirs.kind} (vocab {theirs.vocab_size}, "
+            f"EOS {theirs.eos_id}, sha256 {theirs.sha256}) but this run uses "
+            f"data.tokenizer={cfg.tokenizer!r} ({ours.kind}, vocab {ours.vocab_size}, EOS "
+            f"{ours.eos_id}, sha256 {ours.sha256}); use the same tokenizer or prepare again"
+        )
+    check_shards(path, manifest, checksums=cfg.verify == "checksum")
+    if manifest.num_documents == 0:
+        raise DataError(f"{path} holds no documents; prepare a non-empty corpus")
+    if manifest.num_tokens <= cfg.seq_len:
+        raise DataError(
+            f"{path} holds {manifest.num_tokens} tokens: not one sample of data.seq_len="
+            f"{cfg.seq_len}; prepare more text into it or lower data.seq_len"
+        )
+
+
 def check_corpus(cfg: DataSection, tokenizer: Tokenizer) -> None:
     """Refuse a source this run cannot use, cheaply (no tokenizing), naming the fix."""
     if cfg.source == "tokens":
-        manifest = read_manifest(cfg.path)
-        ours, theirs = tokenizer_id(tokenizer), manifest.tokenizer
-        if ours != theirs:
-            raise DataError(
-                f"{cfg.path} was prepared with tokenizer {theirs.kind} (vocab {theirs.vocab_size}, "
-                f"EOS {theirs.eos_id}, sha256 {theirs.sha256}) but this run uses "
-                f"data.tokenizer={cfg.tokenizer!r} ({ours.kind}, vocab {ours.vocab_size}, EOS "
-                f"{ours.eos_id}, sha256 {ours.sha256}); use the same tokenizer or prepare again"
-            )
-        check_shards(cfg.path, manifest, checksums=cfg.verify == "checksum")
-        if manifest.num_documents == 0:
-            raise DataError(f"{cfg.path} holds no documents; prepare a non-empty corpus")
+        for path in [t.path for t in cfg.mix] or [cfg.path]:
+            check_prepared(path, cfg, tokenizer)
         return
     files = source_files(cfg)  # None: not a file source (hf_datasets)
     if files is not None and cfg.max_tokens is None:
@@ -81,30 +95,49 @@ def check_corpus(cfg: DataSection, tokenizer: Tokenizer) -> None:
         raise DataError(f"data.source={cfg.source!r} data.path={cfg.path!r}: the corpus is empty")
 
 
+def prepared_fingerprint(manifest: Manifest) -> hashlib._Hash:
+    """A digest of a prepared corpus' content: its tokenizer and every shard's checksum."""
+    digest = hashlib.sha256(repr(manifest.tokenizer).encode())
+    for shard in manifest.shards:
+        digest.update(shard.sha256.encode())
+    return digest
+
+
 def open_corpus(
-    cfg: DataSection, tokenizer: Tokenizer, vocab_size: int | None = None
-) -> tuple[TokenStream, CorpusSummary]:
-    """The flat token stream of the configured source (cut at data.max_tokens) and what it
-    holds, for the console line. Prepared shards are verified as they are read, their ids
-    against `vocab_size` (the model's) when given."""
+    cfg: DataSection,
+    tokenizer: Tokenizer,
+    vocab_size: int | None = None,
+    holdout: float | None = None,
+) -> tuple[TokenStream, CorpusSummary, TokenStream | None]:
+    """The flat token stream of the configured source (cut at data.max_tokens), what it
+    holds (for the console line), and, with `holdout` (eval.fraction), the stream of the
+    documents held out of it (`trainer.data.holdout`). Prepared shards are verified as they
+    are read, their ids against `vocab_size` (the model's) when given."""
+    held: TokenStream | None = None
     if cfg.source == "tokens":
         manifest = read_manifest(cfg.path)
-        stream = ShardedTokens(cfg.path, manifest, cfg.max_tokens, vocab_size)
-        total = manifest.num_tokens
-        digest = hashlib.sha256(repr(manifest.tokenizer).encode())
-        for shard in manifest.shards:
-            digest.update(shard.sha256.encode())
-        digest.update(str(len(stream)).encode())  # data.max_tokens may cut it
+        documents, total = manifest.num_documents, manifest.num_tokens
+        if holdout is None:
+            stream = ShardedTokens(cfg.path, manifest, cfg.max_tokens, vocab_size)
+        else:
+            shards = ShardedTokens(cfg.path, manifest, None, vocab_size)
+            stream = DocumentView(shards, manifest, holdout, False, cfg.max_tokens)
+            held = DocumentView(shards, manifest, holdout, True, cut=stream.cut)
+            documents, total = stream.documents, stream.starts[-1]
+        digest = prepared_fingerprint(manifest)
+        digest.update(f"{len(stream)} held out {holdout}".encode())  # max_tokens, eval.fraction
         summary = CorpusSummary(
             f"tokens ({cfg.path}, {len(manifest.shards)} shards)",
-            manifest.num_documents,
+            documents,
             len(stream),
             total,
             truncated=len(stream) < total,
             fingerprint=digest.hexdigest(),
         )
-        return stream, summary
-    tokens, documents, truncated = pack_corpus(iter_documents(cfg), tokenizer, cfg.max_tokens)
+        return stream, summary, held
+    tokens, held_tokens, documents, truncated = pack_split(
+        iter_documents(cfg), tokenizer, cfg.max_tokens, holdout
+    )
     if not len(tokens):
         raise DataError(f"data.source={cfg.source!r} data.path={cfg.path!r}: the corpus is empty")
     source = cfg.source if cfg.path is None else f"{cfg.source} ({cfg.path})"
@@ -114,12 +147,14 @@ def open_corpus(
     summary = CorpusSummary(
         source, documents, len(tokens), corpus_tokens, truncated, digest.hexdigest()
     )
-    return torch.from_numpy(tokens), summary
+    if holdout is not None:
+        held = torch.from_numpy(held_tokens)
+    return torch.from_numpy(tokens), summary, held
 
 
 def build_dataset(
     cfg: DataSection, tokenizer: Tokenizer, vocab_size: int | None = None
 ) -> PackedDataset:
     """Fixed-length samples of the configured source; `.summary` says what it holds."""
-    stream, summary = open_corpus(cfg, tokenizer, vocab_size)
+    stream, summary, _ = open_corpus(cfg, tokenizer, vocab_size)
     return PackedDataset(stream, cfg.seq_len, tokenizer.eos_id, summary, cfg.reset_positions)

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from trainer.data.batch import Batch
+from trainer.data.holdout import held_out
 from trainer.data.tokenizers import Tokenizer
 from trainer.errors import DataError
 
@@ -64,33 +65,60 @@ class CorpusSummary:
         return line
 
 
+def _flatten(pieces: list[np.ndarray], eos_id: int) -> np.ndarray:
+    flat = np.empty(sum(len(ids) + 1 for ids in pieces), dtype=np.int32)
+    pos = 0
+    for ids in pieces:
+        flat[pos : pos + len(ids)] = ids
+        flat[pos + len(ids)] = eos_id
+        pos += len(ids) + 1
+    return flat
+
+
 def pack_corpus(
-    documents: Iterable[str], tokenizer: Tokenizer, max_tokens: int | None = None
+    documents: Iterable[str],
+    tokenizer: Tokenizer,
+    max_tokens: int | None = None,
+    holdout: float | None = None,
 ) -> tuple[np.ndarray, int, bool]:
     """All documents' tokens, each followed by EOS, as one flat int32 array; with the number
     of documents read and whether `max_tokens` cut the corpus.
 
     Reading stops as soon as `max_tokens` tokens are available (the last document is cut).
-    int32 halves the memory of int64 and holds any real vocabulary.
+    int32 halves the memory of int64 and holds any real vocabulary. With `holdout`
+    (`eval.fraction`), the held-out documents (`trainer.data.holdout`) are left out; see
+    `pack_split` for both sides.
     """
-    pieces: list[np.ndarray] = []
+    flat, _, documents_read, truncated = pack_split(documents, tokenizer, max_tokens, holdout)
+    return flat, documents_read, truncated
+
+
+def pack_split(
+    documents: Iterable[str],
+    tokenizer: Tokenizer,
+    max_tokens: int | None = None,
+    holdout: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, int, bool]:
+    """(training stream, held-out stream, training documents, truncated): `pack_corpus`,
+    with the documents `holdout` selects (by index, `trainer.data.holdout.held_out`) packed
+    into the second stream instead of the first."""
+    kept: list[np.ndarray] = []
+    held: list[np.ndarray] = []
     total, truncated = 0, False
     encoded = _encoded(documents, tokenizer)
-    for ids in encoded:
-        pieces.append(ids)
+    for index, ids in enumerate(encoded):
+        if holdout is not None and held_out(np.array([index]), holdout)[0]:
+            held.append(ids)
+            continue
+        kept.append(ids)
         total += len(ids) + 1
         if max_tokens is not None and total >= max_tokens:
             truncated = total > max_tokens or next(encoded, None) is not None
             break
-    flat = np.empty(total, dtype=np.int32)
-    pos = 0
-    for ids in pieces:
-        flat[pos : pos + len(ids)] = ids
-        flat[pos + len(ids)] = tokenizer.eos_id
-        pos += len(ids) + 1
+    flat = _flatten(kept, tokenizer.eos_id)
     if max_tokens is not None:
         flat = flat[:max_tokens]
-    return flat, len(pieces), truncated
+    return flat, _flatten(held, tokenizer.eos_id), len(kept), truncated
 
 
 def pack_documents(

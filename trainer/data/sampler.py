@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from parallelisms.dims import grad_accum_steps
+from trainer.data.mixture import BlendedOrder
 from trainer.data.permutation import FeistelPermutation
 from trainer.errors import DataError
 
@@ -35,6 +36,7 @@ class GlobalBatchSampler:
         dp_size: int,
         seed: int,
         shuffle: bool = True,
+        blend: BlendedOrder | None = None,
     ):
         self.grad_accum = grad_accum_steps(global_batch_size, micro_batch_size, dp_size)
         if num_samples < 1:
@@ -48,6 +50,7 @@ class GlobalBatchSampler:
         self.dp_size = dp_size
         self.seed = seed
         self.shuffle = shuffle
+        self.blend = blend  # [[data.mix]]: the blend decides which sample a position reads
         self.consumed_samples = 0  # global samples of all completed steps
         self.micro_batches_into_step = 0  # micro-batches this rank has read of the current step
         self._order_epoch = -1
@@ -83,7 +86,10 @@ class GlobalBatchSampler:
             + self.dp_rank * per_rank
             + self.micro_batches_into_step * self.micro_batch_size
         )
-        batch = [self.sample_at(p) for p in range(start, start + self.micro_batch_size)]
+        if self.blend is not None:
+            batch = self.blend.indices(start, self.micro_batch_size)
+        else:
+            batch = [self.sample_at(p) for p in range(start, start + self.micro_batch_size)]
         self.micro_batches_into_step += 1
         if self.micro_batches_into_step == self.grad_accum:
             self.consumed_samples += self.global_batch_size
@@ -112,6 +118,7 @@ class GlobalBatchSampler:
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_samples": self.num_samples,
+            "blend": self.blend.state_at(self.consumed_samples) if self.blend else None,
         }
 
     def state_at(self, consumed_samples: int) -> dict[str, Any]:
@@ -125,6 +132,7 @@ class GlobalBatchSampler:
             "consumed_samples": consumed_samples,
             "micro_batches_into_step": 0,
             "mid_step_layout": None,
+            "blend": self.blend.state_at(consumed_samples) if self.blend else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -144,3 +152,15 @@ class GlobalBatchSampler:
             )
         self.consumed_samples = int(state["consumed_samples"])
         self.micro_batches_into_step = k
+        if self.blend is not None:
+            self.blend.load(state["blend"], self.consumed_samples, same_blend=True)
+
+    def continue_on_other_data(self, state: dict[str, Any]) -> None:
+        """`checkpoint.allow_data_change`: keep the global sample count of a checkpoint made
+        on other data; a blend starts here, each of its sources that the saved blend also
+        had continuing from the samples it had given (new ones from their first)."""
+        self.consumed_samples = int(state["consumed_samples"])
+        self.micro_batches_into_step = 0
+        if self.blend is not None:
+            saved = state.get("blend") or {"origin": 0, "base": {}, "counts": {}}
+            self.blend.load(saved, self.consumed_samples, same_blend=False)

@@ -265,7 +265,7 @@ class ShardedTokens:
             f"file; to repair, {again}"
         )
 
-    def _read(self, i: int, start: int, stop: int) -> np.ndarray:
+    def read(self, i: int, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of shard i, every byte of them verified."""
         fd, width, block = self._open(i), self.dtype.itemsize, self.block
         lo, hi = start * width, stop * width
@@ -309,7 +309,7 @@ class ShardedTokens:
         while pos < stop:
             i = bisect_right(self.starts, pos) - 1  # the shard holding position `pos`
             end = min(stop, self.starts[i + 1])
-            pieces.append(self._read(i, pos - self.starts[i], end - self.starts[i]))
+            pieces.append(self.read(i, pos - self.starts[i], end - self.starts[i]))
             pos = end
         if not pieces:
             return np.empty(0, dtype=self.dtype)

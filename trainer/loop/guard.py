@@ -20,6 +20,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch.distributed.tensor import DTensor
+
 # Applied steps the spike rule needs before it judges: a mean and deviation of fewer would
 # flag ordinary early-training noise.
 MIN_SPIKE_HISTORY = 10
@@ -82,6 +85,24 @@ class StepGuard:
     def limit_reached(self) -> bool:
         return self.max_consecutive > 0 and self.consecutive >= self.max_consecutive
 
+    def note(self, step: int, reason: str) -> str:
+        """The console line of skipped step `step`."""
+        return (
+            f"step {step} skipped ({reason}): its batch is consumed, nothing else moved "
+            f"({self.consecutive} in a row, {self.skipped_total} in this run)"
+        )
+
+    def limit_error(self, step: int, reason: str) -> SkipLimitReached:
+        """What stops the run once `limit_reached` (after the trainer saved step `step`)."""
+        first = step - self.consecutive + 1
+        return SkipLimitReached(
+            f"steps {first}-{step} were all skipped (train.max_skipped_steps="
+            f"{self.max_consecutive}; the last: {reason}); saved checkpoint step-{step} holding "
+            f"the last good state, the weights of step {first - 1}, with the data past the "
+            "skipped batches. Lower train.lr or inspect the data of those steps, then resume "
+            "(checkpoint.resume=auto)"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "skipped_total": self.skipped_total,
@@ -97,3 +118,13 @@ class StepGuard:
         self.losses.extend(float(v) for v in state["losses"])
         self.norms.clear()
         self.norms.extend(float(v) for v in state["norms"])
+
+
+def poison_one_gradient(params: list[torch.Tensor]) -> None:
+    """`debug.inject_nonfinite_step`: a NaN in this rank's first non-empty gradient shard,
+    on every rank, as a real overflow would leave one."""
+    for p in params:
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        if g is not None and g.numel():
+            g.view(-1)[0] = float("nan")
+            return

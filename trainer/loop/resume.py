@@ -19,7 +19,8 @@ def data_identity(dataset: PackedDataset) -> dict[str, Any]:
     return {"source": summary.source, "tokens": summary.tokens, "fingerprint": summary.fingerprint}
 
 
-def _accept_model(path: str, state: dict, cfg: JobConfig, spec: ModelSpec) -> None:
+def accept_model(path: str, state: dict, cfg: JobConfig, spec: ModelSpec) -> None:
+    """Refuse a checkpoint of another architecture than `cfg`'s, naming the keys."""
     saved = state.get("config", {}).get("model", {})
     ours = config_to_dict(cfg)["model"]
     ignore = {"init_from_hf", *spec.training_fields}
@@ -40,7 +41,7 @@ def accept_checkpoint(
 ) -> bool:
     """Refuse another model, a position that is not at a step boundary, or other data
     unless allowed. Returns whether the data differs (allowed)."""
-    _accept_model(path, state, cfg, spec)
+    accept_model(path, state, cfg, spec)
     if state["data"]["micro_batches_into_step"]:
         # The trainer saves at step boundaries only; a mid-step position would put its
         # own count of consumed samples out of step with the sampler's.

@@ -15,14 +15,19 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from models import get_model_spec
 from models.common.args import field_problems
+from models.common.moe import MoEOptions
+from models.spec import ModelSpec
 from parallelisms.dims import LayoutError, ParallelDims
-from parallelisms.parallelize import check_layout
+from parallelisms.mesh import Meshes
+from parallelisms.parallelize import Parallelized, check_layout, parallelize
 from trainer.checkpoint.markers import check_checkpoint
 from trainer.config import ConfigError, JobConfig
 from trainer.data.corpus import check_corpus
+from trainer.data.run_data import check_held_out
 from trainer.data.tokenizers import build_tokenizer
 from trainer.errors import DataError
 from trainer.metrics.sinks import check_sinks
@@ -100,6 +105,33 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
             "or raise the limit if the model really extends to it"
         )
     check_corpus(cfg.data, tokenizer)
+    check_held_out(cfg.data, cfg.eval, tokenizer)
+
+
+def build_model(
+    cfg: JobConfig, spec: ModelSpec, meshes: Meshes, device: torch.device
+) -> tuple[nn.Module, Parallelized]:
+    """The model on the meta device -> the plan applied -> its local shards allocated on
+    `device` (not initialised: weights come from init, a checkpoint or HF), in train mode."""
+    bf16 = cfg.train.mixed_precision == "bf16" or (
+        cfg.train.mixed_precision == "auto" and device.type == "cuda"
+    )
+    moe_options = MoEOptions(gemm=cfg.moe.gemm, capacity_factor=cfg.moe.capacity_factor)
+    with torch.device("meta"):
+        model = spec.build(cfg.model.args, moe_options)
+    parallel = parallelize(
+        model,
+        spec.plan,
+        meshes,
+        torch.bfloat16 if bf16 else torch.float32,
+        cp_zigzag=cfg.parallel.cp_layout == "zigzag",
+        cp_kernel=cfg.parallel.cp_kernel,
+        activation_checkpoint=cfg.train.activation_checkpoint,
+        compile=cfg.train.compile,
+    )
+    model.to_empty(device=device)
+    model.train()
+    return model, parallel
 
 
 def resolve_device(choice: str) -> torch.device:

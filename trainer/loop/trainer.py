@@ -14,43 +14,33 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from models import get_model_spec
-from models.common.moe import MoEOptions
 from parallelisms.clip import clip_grads_, grad_norm
-from parallelisms.cp_schedule import split_for_cp
 from parallelisms.dims import ParallelDims
 from parallelisms.init import init_weights_global
 from parallelisms.mesh import build_meshes
-from parallelisms.parallelize import parallelize
 from parallelisms.plan import match_modules
 from parallelisms.trace import named_range
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import JobConfig, config_to_dict
 from trainer.data.batch import Batch
 from trainer.data.loader import build_dataloader
+from trainer.data.run_data import build_data
+from trainer.data.tokenizers import build_tokenizer
 from trainer.errors import DataError
 from trainer.hf.weights import load_hf_weights
 from trainer.loop.balance import attach_bias_update
-from trainer.loop.guard import SkipLimitReached, StepGuard
-from trainer.loop.losses import StepLoss, model_inputs, with_mtp_targets
+from trainer.loop.evaluation import Evaluator, batch_preparer
+from trainer.loop.guard import StepGuard, poison_one_gradient
+from trainer.loop.losses import StepLoss, model_inputs
 from trainer.loop.optim import build_optimizer, set_lr
 from trainer.loop.profiling import StepProfiler
+from trainer.loop.report import source_tokens, startup_lines, step_figures
 from trainer.loop.resume import accept_checkpoint, data_identity
-from trainer.loop.setup import init_distributed, resolve_device
-from trainer.metrics.logger import MetricsLogger, peak_flops, peak_memory_gib
+from trainer.loop.setup import build_model, init_distributed, resolve_device
+from trainer.metrics.logger import MetricsLogger, peak_flops
 from trainer.metrics.sinks import build_sinks
-
-
-def _poison_one_gradient(params: list[torch.Tensor]) -> None:
-    """`debug.inject_nonfinite_step`: a NaN in this rank's first non-empty gradient shard,
-    on every rank, as a real overflow would leave one."""
-    for p in params:
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        if g is not None and g.numel():
-            g.view(-1)[0] = float("nan")
-            return
 
 
 class Trainer:
@@ -87,25 +77,8 @@ class Trainer:
         """The model on the meta device -> the plan applied -> local shards allocated (not
         yet initialised); the optimizer, and the loss the model's terms ask for."""
         cfg = self.cfg
-        bf16 = cfg.train.mixed_precision == "bf16" or (
-            cfg.train.mixed_precision == "auto" and self.device.type == "cuda"
-        )
-        moe_options = MoEOptions(gemm=cfg.moe.gemm, capacity_factor=cfg.moe.capacity_factor)
-        with torch.device("meta"):
-            self.model = self.spec.build(self.args, moe_options)
-        self.parallel = parallelize(
-            self.model,
-            self.spec.plan,
-            self.meshes,
-            torch.bfloat16 if bf16 else torch.float32,
-            cp_zigzag=cfg.parallel.cp_layout == "zigzag",
-            cp_kernel=cfg.parallel.cp_kernel,
-            activation_checkpoint=cfg.train.activation_checkpoint,
-            compile=cfg.train.compile,
-        )
+        self.model, self.parallel = build_model(cfg, self.spec, self.meshes, self.device)
         self.dispatchers = self.parallel.dispatchers
-        self.model.to_empty(device=self.device)
-        self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg.train)
         # Routers with a correction bias move it before every update (world = global batch).
@@ -128,17 +101,31 @@ class Trainer:
         )
 
     def _build_data(self) -> None:
+        cfg, dp_rank, dp_size = self.cfg, self.meshes.dp_rank(), self.dims.dp_size
+        tokenizer = build_tokenizer(cfg.data)
         # The model's vocabulary bounds every id read (part of the contract, models/spec.py).
+        self.data = build_data(cfg.data, cfg.eval, tokenizer, self.args.vocab_size)
         self.loader, _ = build_dataloader(
-            self.cfg.data,
-            self.cfg.train,
-            self.meshes.dp_rank(),
-            self.dims.dp_size,
-            vocab_size=self.args.vocab_size,
+            cfg.data, cfg.train, dp_rank, dp_size, tokenizer, data=self.data
         )
         self.sampler = self.loader.batch_sampler  # the sample order (trainer.data.sampler)
         self.consumed_samples = 0  # global samples of all completed steps
         self._data_iter = None
+        zigzag = cfg.parallel.cp_layout == "zigzag"
+        self.prepare_batch = batch_preparer(
+            self.device, self.terms.mtp_depth, self.dims.cp, self.cp_rank, zigzag
+        )
+        self.evaluator = None
+        if self.data.held_out:
+            self.evaluator = Evaluator(
+                self.data.held_out,
+                cfg.eval.micro_batch_size,
+                dp_rank,
+                dp_size,
+                self.prepare_batch,
+                self.terms,
+                cfg.data.document_mask,
+            )
 
     def _resume_path(self) -> str | None:
         """The checkpointer, and the checkpoint to resume from (None: a fresh run)."""
@@ -215,7 +202,7 @@ class Trainer:
         debug = self.cfg.debug
         first = debug.inject_nonfinite_step
         if 0 < first <= self.step + 1 < first + debug.inject_nonfinite_count:
-            _poison_one_gradient(self.params)
+            poison_one_gradient(self.params)
         norm = grad_norm(self.params)  # all-reduced: every rank holds the global norm
         # The schedule counts applied updates: a skipped step does not advance it.
         lr = set_lr(self.optimizer, self.step - self.guard.skipped_total, self.cfg.train)
@@ -254,20 +241,23 @@ class Trainer:
         """This rank's micro-batches of the next global batch, on the training device."""
         if self._data_iter is None:
             self._data_iter = iter(self.loader)  # one iterator: re-iterating drops prefetch
-        zigzag, cp, cp_rank = self.cfg.parallel.cp_layout == "zigzag", self.dims.cp, self.cp_rank
         batches = []
         for _ in range(self.grad_accum):
             try:
-                batch = next(self._data_iter).to(self.device)
+                batch = next(self._data_iter)
             except DataError as err:  # from a loader worker: its traceback is in the message
                 raise DataError(str(err).rstrip().rpartition("DataError: ")[2]) from None
-            if self.terms.mtp_depth:  # before the cp split: depth k reads tokens k ahead
-                batch = with_mtp_targets(batch, self.terms.mtp_depth)
-            if cp > 1:  # this rank's part of each sequence, true positions kept
-                batch = batch.map(lambda t: split_for_cp(t, cp_rank, cp, zigzag))
-            batches.append(batch)
+            batches.append(self.prepare_batch(batch))
         self.consumed_samples += self.cfg.train.global_batch_size
         return batches
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out loss of the current weights (trainer.loop.evaluation); the training
+        state is untouched, and the EP bytes it moved are not the step's."""
+        record = self.evaluator(self.model)
+        for dispatcher in self.dispatchers:
+            dispatcher.reset_bytes()
+        return record
 
     # --- checkpoints ------------------------------------------------------------------
     def trainer_state(self) -> dict:
@@ -298,7 +288,7 @@ class Trainer:
         if "guard" in state:  # checkpoints from before the guard skipped nothing
             self.guard.load_state_dict(state["guard"])
         if other_data:  # on purpose: continue the global sample count in the new data's order
-            self.sampler.consumed_samples = int(state["data"]["consumed_samples"])
+            self.sampler.continue_on_other_data(state["data"])
         else:
             self.sampler.load_state_dict(state["data"])
         self.consumed_samples = self.sampler.consumed_samples
@@ -325,36 +315,18 @@ class Trainer:
             self.logger.close()  # flush TensorBoard / W&B
 
     def _on_skipped(self, reason: str) -> None:
-        g = self.guard
-        self.logger.info(
-            f"step {self.step} skipped ({reason}): its batch is consumed, nothing else moved "
-            f"({g.consecutive} in a row, {g.skipped_total} in this run)"
-        )
-        if not g.limit_reached:
-            return
-        first = self.step - g.consecutive + 1
-        self.save_checkpoint()
-        self.checkpointer.wait()
-        raise SkipLimitReached(
-            f"steps {first}-{self.step} were all skipped (train.max_skipped_steps="
-            f"{g.max_consecutive}; the last: {reason}); saved checkpoint step-{self.step} "
-            f"holding the last good state, the weights of step {first - 1}, with the data "
-            f"past the skipped batches. Lower train.lr or inspect the data of those steps, "
-            f"then resume (checkpoint.resume=auto)"
-        )
+        self.logger.info(self.guard.note(self.step, reason))
+        if self.guard.limit_reached:  # the weights are the last good ones: nothing moved
+            self.save_checkpoint()
+            self.checkpointer.wait()
+            raise self.guard.limit_error(self.step, reason)
 
     def _fit(self) -> list[dict]:
         cfg = self.cfg
-        n_params = sum(p.numel() for p in self.model.parameters())
-        self.logger.info(
-            f"{cfg.model.name}: {n_params / 1e6:.2f}M params | world {self.dims.world_size} "
-            f"(dp_replicate {self.dims.dp_replicate}, dp_shard {self.dims.dp_shard}, "
-            f"cp {self.dims.cp}, ep {self.dims.ep}) | "
-            f"global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens, "
-            f"micro {cfg.train.micro_batch_size}, grad accum {self.grad_accum} | {self.device}"
-        )
-        dataset = self.loader.dataset
-        self.logger.info(dataset.summary.describe(cfg.data.seq_len, len(dataset)))
+        for line in startup_lines(
+            cfg, self.dims, self.model, self.loader.dataset, self.data, self.grad_accum, self.device
+        ):
+            self.logger.info(line)
         if self.step >= cfg.train.steps:
             self.logger.info(
                 f"nothing to do: this run already reached train.steps={cfg.train.steps} (step "
@@ -369,20 +341,21 @@ class Trainer:
                 record = self.train_step(micro_batches)
             elapsed = time.perf_counter() - start
             self.profiler.after_step(self.step)
-            tokens_per_s = cfg.train.global_batch_size * cfg.data.seq_len / elapsed
             record.update(
-                tokens_per_s=tokens_per_s,
-                step_time_s=elapsed,
-                peak_mem_gib=peak_memory_gib(self.device),
-                mfu=(
-                    tokens_per_s * self.flops_per_token / (self.peak_flops * self.dims.world_size)
-                    if self.peak_flops
-                    else None
-                ),
+                step_figures(
+                    cfg, elapsed, self.device, self.flops_per_token, self.peak_flops, self.dims
+                )
             )
+            if self.sampler.blend is not None:  # exact global counts: every rank has the blend
+                record.update(source_tokens(self.sampler.blend, self.consumed_samples, cfg))
+            every = cfg.eval.interval
+            if self.evaluator and (
+                self.step == cfg.train.steps or every and self.step % every == 0
+            ):
+                record.update(self.evaluate())
             self.history.append(record)
             due = self.step % cfg.metrics.log_interval == 0 or self.step == cfg.train.steps
-            if due or "expert_load" in record or "skipped" in record:
+            if due or {"expert_load", "skipped", "eval_loss"} & record.keys():
                 self.logger.log(record)  # expert load is computed for logging only
             if "skipped" in record:
                 self._on_skipped(record["skipped"])

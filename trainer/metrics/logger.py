@@ -138,6 +138,8 @@ class MetricsLogger:
         ]
         if r.get("mfu") is not None:
             parts.append(f"mfu {100 * r['mfu']:.1f}%")
+        if r.get("eval_loss") is not None:
+            parts.append(f"eval {r['eval_loss']:.4f}")
         if r.get("skipped"):
             parts.append("SKIPPED")
         return " | ".join(parts)

@@ -1,6 +1,7 @@
 """`python -m trainer.metrics.plot OUTPUT_DIR [--out DIR]`: pictures of a run from its metrics.jsonl.
 
-Writes PNGs next to it (or in --out): loss (with aux and MTP losses when logged), learning
+Writes PNGs next to it (or in --out): loss (with the held-out loss, per source for a blend,
+and aux and MTP losses when logged), learning
 rate, grad norm, tokens/s, and one heatmap per MoE layer of its expert load over the steps
 (each step's row relative to its mean: 1 is balanced). Needs matplotlib.
 """
@@ -81,8 +82,10 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     out_dir = out_dir or run_dir
     os.makedirs(out_dir, exist_ok=True)
     figure = os.path.join
+    per_source = sorted({k for r in records for k in r if k.startswith("eval_loss/")})
+    losses = ["loss", "eval_loss", *per_source, "aux_loss", "mtp_loss"]
     return [
-        _curves(plt, records, ["loss", "aux_loss", "mtp_loss"], "losses", figure(out_dir, "loss.png"), True),
+        _curves(plt, records, losses, "losses", figure(out_dir, "loss.png"), True),
         _curves(plt, records, ["lr"], "learning rate", figure(out_dir, "lr.png"), False),
         _curves(plt, records, ["grad_norm"], "grad norm (before clipping)", figure(out_dir, "grad_norm.png"), True),
         _curves(plt, records, ["tokens_per_s"], "tokens/s", figure(out_dir, "tokens_per_s.png"), False),

@@ -1,0 +1,226 @@
+"""The held-out loss ([eval], trainer/loop/evaluation.py): the same on every layout, free of
+side effects on training, reproduced from a checkpoint by `python -m trainer.evaluate`; and
+`eval.fraction`'s hold-out of whole documents (trainer/data/holdout.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import train
+from parallelisms.dims import ParallelDims
+from tests.distributed import ROOT, run_distributed, run_train
+from tests.parity import TINY, _full
+from tests.test_tokens_source import write_jsonl
+from trainer.config import DataSection, EvalSection, load_config
+from trainer.data.holdout import held_out
+from trainer.data.run_data import build_data
+from trainer.data.tokenizers import ByteTokenizer
+from trainer.evaluate.cli import main as evaluate
+from trainer.prepare.cli import main as prepare
+
+# 5 samples: no data-parallel size here divides them (ranks get padding that counts nothing).
+EVAL = ["--eval.fraction=0.1", "--eval.samples=5", "--eval.micro_batch_size=2"]
+
+
+def _eval_worker(rank: int, world: int, argv: list[str], out_path: str) -> None:
+    from trainer.loop.setup import preflight
+    from trainer.loop.trainer import Trainer
+
+    cfg = load_config(argv)
+    p = cfg.parallel
+    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
+    preflight(cfg, dims)
+    trainer = Trainer(cfg, dims)
+    losses = [trainer.evaluate()]
+    trainer.train_step(trainer.next_micro_batches())
+    losses.append(trainer.evaluate())
+    if rank == 0:
+        torch.save(losses, out_path)
+
+
+EVAL_LAYOUTS = {
+    "1rank": (1, []),
+    "fsdp2": (2, []),
+    "hsdp2x2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"]),
+    "ep2": (2, ["--parallel.ep=2"]),
+    "cp2": (2, ["--parallel.cp=2"]),
+    "cp2_ep2": (2, ["--parallel.cp=2", "--parallel.ep=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def eval_losses(tmp_path_factory) -> dict[str, list[dict]]:
+    out = {}
+    for name, (world, layout) in EVAL_LAYOUTS.items():
+        path = tmp_path_factory.mktemp(name) / "out.pt"
+        run_distributed(_eval_worker, world, [*TINY, *EVAL, *layout], str(path))
+        out[name] = torch.load(path)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in EVAL_LAYOUTS if n != "1rank"])
+def test_the_eval_loss_is_the_same_on_every_layout(eval_losses, name):
+    reference = eval_losses["1rank"]
+    assert reference[0]["eval_tokens"] == 5 * 32  # every held-out token, counted once
+    assert reference[1]["eval_loss"] < reference[0]["eval_loss"]  # a step of training helps
+    for ours, ref in zip(eval_losses[name], reference, strict=True):
+        assert ours["eval_tokens"] == ref["eval_tokens"]
+        assert ours["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-6)
+        assert ours["eval_ppl"] == pytest.approx(math.exp(ref["eval_loss"]), rel=1e-6)
+
+
+def _interleaved_worker(rank: int, world: int, argv: list[str], out_path: str) -> None:
+    """Two trainers on the same ranks, one evaluating after every step: the training must
+    not see it (losses, grad norms and every parameter bit for bit)."""
+    from trainer.loop.setup import preflight
+    from trainer.loop.trainer import Trainer
+
+    cfg = load_config(argv)
+    p = cfg.parallel
+    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
+    preflight(cfg, dims)
+    runs = []
+    for with_eval in (True, False):
+        trainer = Trainer(cfg, dims)
+        records = []
+        for _ in range(3):
+            record = trainer.train_step(trainer.next_micro_batches())
+            if with_eval:
+                trainer.evaluate()
+            records.append((record["loss"], record["grad_norm"], record.get("a2a_bytes")))
+        params = {n: _full(q) for n, q in trainer.model.named_parameters()}
+        runs.append((records, params, trainer.sampler.state_at(trainer.consumed_samples)))
+    if rank == 0:
+        torch.save(runs, out_path)
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_evaluating_every_step_changes_nothing_of_the_training(tmp_path):
+    argv = [*TINY, *EVAL, "--parallel.cp=2", "--parallel.ep=2"]
+    run_distributed(_interleaved_worker, 2, argv, str(tmp_path / "out.pt"))
+    (with_eval, params_a, data_a), (without, params_b, data_b) = torch.load(tmp_path / "out.pt")
+    assert with_eval == without  # losses, grad norms, the step's all-to-all bytes
+    assert data_a == data_b
+    for name in params_a:
+        assert torch.equal(params_a[name], params_b[name]), name
+
+
+@pytest.mark.slow
+def test_trainer_evaluate_gives_the_loss_the_run_logged(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "run"
+    argv = [*TINY, *EVAL, "--train.steps=2", "--eval.interval=2", "--checkpoint.interval=2"]
+    records = run_train([*argv, "--metrics.jsonl=true", "--metrics.log_interval=1"], out)
+    logged = records[-1]["eval_loss"]
+    checkpoint = out / "checkpoints" / "step-2"
+    assert (
+        evaluate([*argv, "--checkpoint", str(checkpoint), "--json", str(tmp_path / "e.json")]) == 0
+    )
+    assert "eval_loss" in capsys.readouterr().out
+    assert json.loads((tmp_path / "e.json").read_text())["eval_loss"] == pytest.approx(
+        logged, rel=1e-9
+    )
+    # On another layout, through torchrun.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "-m",
+            "trainer.evaluate",
+            *argv,
+            "--parallel.ep=2",
+            "--checkpoint",
+            str(checkpoint),
+            "--json",
+            str(tmp_path / "ep.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "ep.json").read_text())["eval_loss"] == pytest.approx(
+        logged, rel=1e-6
+    )
+    # Without held-out data there is nothing to evaluate: a clear refusal.
+    assert evaluate([*TINY, "--checkpoint", str(checkpoint)]) == 2
+    assert "no held-out data" in capsys.readouterr().err
+
+
+# --- the hold-out ---------------------------------------------------------------------------
+
+
+def test_the_hold_out_is_a_function_of_the_document_index_alone():
+    index = np.arange(200_000)
+    mask = held_out(index, 0.1)
+    assert abs(mask.mean() - 0.1) < 0.005
+    assert np.array_equal(mask, held_out(index.copy(), 0.1))
+    assert not (held_out(index, 0.05) & ~mask).any()  # a smaller fraction holds out a subset
+
+
+def test_prepared_and_in_memory_corpora_hold_out_the_same_documents(tmp_path, capsys):
+    docs = [f"document {i}: " + "lorem ipsum dolor " * (i % 11 + 1) for i in range(300)]
+    corpus = write_jsonl(tmp_path / "c" / "a.jsonl", docs)
+    out = tmp_path / "prepared"
+    assert (
+        prepare(
+            ["--source", "jsonl", "--path", str(corpus), "--out", str(out), "--shard-mb", "0.004"]
+        )
+        == 0
+    )
+    eval_cfg = EvalSection(fraction=0.2, samples=4)
+    for max_tokens in (None, 9000):
+        memory = build_data(
+            DataSection(source="jsonl", path=str(corpus), seq_len=16, max_tokens=max_tokens),
+            eval_cfg,
+            ByteTokenizer(),
+        )
+        tokens = build_data(
+            DataSection(source="tokens", path=str(out), seq_len=16, max_tokens=max_tokens),
+            eval_cfg,
+            ByteTokenizer(),
+        )
+        for a, b in (
+            (memory.train, tokens.train),
+            (memory.held_out[0].dataset, tokens.held_out[0].dataset),
+        ):
+            assert len(a) == len(b) > 4
+            for i in range(len(a)):
+                assert torch.equal(a[i].input_ids, b[i].input_ids), (max_tokens, i)
+        held = held_out(np.arange(len(docs)), 0.2)
+        assert memory.train.summary.documents == tokens.train.summary.documents
+        if max_tokens is None:
+            assert memory.train.summary.documents == len(docs) - held.sum()
+            first_held = docs[int(np.flatnonzero(held)[0])]
+            text = bytes(
+                memory.held_out[0].dataset.tokens[: len(first_held.encode())].tolist()
+            ).decode()
+            assert text == first_held  # whole documents, in order
+
+
+def test_bad_held_out_data_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert train.main([*TINY, "--eval.fraction=0.1", f"--eval.path={tmp_path}"]) == 2
+    assert "eval.path and eval.fraction are all held-out data" in capsys.readouterr().err
+    assert train.main([*TINY, f"--eval.path={tmp_path / 'none'}"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    argv = [*TINY, "--eval.fraction=0.01", "--eval.samples=100000", "--train.steps=1"]
+    assert train.main([*argv, f"--job.output_dir={tmp_path / 'run'}"]) == 2
+    assert "fewer than the 100000 eval.samples" in capsys.readouterr().err

@@ -1,0 +1,5 @@
+import sys
+
+from trainer.evaluate.cli import main
+
+sys.exit(main())

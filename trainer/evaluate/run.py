@@ -1,0 +1,66 @@
+"""Build the model on the config's layout, load saved weights into it, and evaluate."""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from models import get_model_spec
+from parallelisms.dims import ParallelDims
+from parallelisms.mesh import build_meshes
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.config import JobConfig
+from trainer.data.run_data import build_data
+from trainer.data.tokenizers import build_tokenizer
+from trainer.hf.weights import load_hf_weights
+from trainer.loop.evaluation import Evaluator, batch_preparer
+from trainer.loop.resume import accept_model
+from trainer.loop.setup import build_model, init_distributed, preflight, resolve_device
+
+
+def evaluate_weights(cfg: JobConfig, dims: ParallelDims, checkpoint: str | None) -> dict | None:
+    """The eval record (rank 0; None on the others) of the weights of `checkpoint`, or of
+    `model.init_from_hf` when `checkpoint` is None."""
+    preflight(cfg, dims)
+    spec = get_model_spec(cfg.model.name)
+    device = resolve_device(cfg.train.device)
+    init_distributed(device)
+    try:
+        meshes = build_meshes(dims, device.type)
+        model, parallel = build_model(cfg, spec, meshes, device)
+        source = checkpoint
+        if checkpoint is not None:
+            loader = Checkpointer(os.path.dirname(os.path.abspath(checkpoint)), 0, False)
+            state = loader.read(checkpoint)  # verified first: a damaged one is refused
+            accept_model(checkpoint, state, cfg, spec)
+            loader.load_model(checkpoint, model)
+            source = f"{checkpoint} (step {state['step']})"
+        else:
+            load_hf_weights(model, spec.hf_adapter, cfg.model.args, cfg.model.init_from_hf)
+            source = cfg.model.init_from_hf
+        tokenizer = build_tokenizer(cfg.data)
+        data = build_data(cfg.data, cfg.eval, tokenizer, cfg.model.args.vocab_size)
+        terms = spec.loss_terms(cfg.model.args)
+        prepare = batch_preparer(
+            device,
+            terms.mtp_depth,
+            dims.cp,
+            meshes.world.get_local_rank("cp"),
+            cfg.parallel.cp_layout == "zigzag",
+        )
+        evaluator = Evaluator(
+            data.held_out,
+            cfg.eval.micro_batch_size,
+            meshes.dp_rank(),
+            dims.dp_size,
+            prepare,
+            terms,
+            cfg.data.document_mask,
+        )
+        record = {"weights": source, **evaluator(model)}
+        dist.barrier()
+        return record if dist.get_rank() == 0 else None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
