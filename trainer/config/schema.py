@@ -77,11 +77,15 @@ class DataSection:
     max_tokens: int | None = arg(
         None, "stop reading the source after this many tokens (None = read all of it)", gt=0
     )
-    document_mask: bool = arg(
-        False, "attend only within each packed document (causal inside it), not across EOS"
+    document_mask: bool | None = arg(
+        None,
+        "attend only within each packed document (causal inside it), not across EOS; none: on "
+        "for prepared shards with a loss mask (instruction data), off otherwise",
     )
-    reset_positions: bool = arg(
-        False, "restart position ids (RoPE) at 0 for each packed document, after every EOS"
+    reset_positions: bool | None = arg(
+        None,
+        "restart position ids (RoPE) at 0 for each packed document, after every EOS; none: on "
+        "for prepared shards with a loss mask, off otherwise",
     )
     shuffle: bool = arg(True, "shuffle the sample order each epoch (seeded by train.seed)")
     num_workers: int = arg(0, "dataloader worker processes", ge=0)

@@ -95,6 +95,17 @@ def check_corpus(cfg: DataSection, tokenizer: Tokenizer) -> None:
         raise DataError(f"data.source={cfg.source!r} data.path={cfg.path!r}: the corpus is empty")
 
 
+def resolve_document_flags(cfg: DataSection) -> None:
+    """`data.document_mask` and `data.reset_positions` left at none: on for prepared shards
+    with a loss mask (each conversation its own document), off for every other source."""
+    paths = ([t.path for t in cfg.mix] or [cfg.path]) if cfg.source == "tokens" else []
+    masked = any(read_manifest(p).loss_mask for p in paths)
+    if cfg.document_mask is None:
+        cfg.document_mask = masked
+    if cfg.reset_positions is None:
+        cfg.reset_positions = masked
+
+
 def prepared_fingerprint(manifest: Manifest) -> hashlib._Hash:
     """A digest of a prepared corpus' content: its tokenizer and every shard's checksum."""
     digest = hashlib.sha256(repr(manifest.tokenizer).encode())

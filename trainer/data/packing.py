@@ -53,6 +53,8 @@ class CorpusSummary:
     # A digest of the token stream's content (and the tokenizer's identity): a checkpoint
     # records it, and a resume on other data is refused unless asked for.
     fingerprint: str = ""
+    # Documents longer than a sample, left out (instruction data never cuts one).
+    left_out: int = 0
 
     def describe(self, seq_len: int, samples: int) -> str:
         line = (
@@ -62,6 +64,11 @@ class CorpusSummary:
         if self.truncated:
             whole = f" of {self.corpus_tokens:,}" if self.corpus_tokens else ""
             line += f"; data.max_tokens cut the corpus (training on {self.tokens:,}{whole} tokens)"
+        if self.left_out:
+            line += (
+                f"; {self.left_out:,} documents longer than data.seq_len + 1 = {seq_len + 1} "
+                "tokens were left out, never cut (raise data.seq_len to keep them)"
+            )
         return line
 
 

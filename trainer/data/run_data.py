@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 
 from trainer.config import DataSection, EvalSection, MixSource
+from trainer.data.conversations import PackedConversations
 from trainer.data.corpus import check_prepared, open_corpus, prepared_fingerprint
 from trainer.data.mixture import MixtureDataset, interleave
 from trainer.data.packing import CorpusSummary, PackedDataset
@@ -50,15 +51,30 @@ class HeldOut:
 
 @dataclass(frozen=True)
 class RunData:
-    train: PackedDataset | MixtureDataset  # `.summary` says what it holds
+    train: PackedDataset | PackedConversations | MixtureDataset  # `.summary`: what it holds
     sources: list[Source]  # a blend's corpora (empty for one corpus)
     held_out: list[HeldOut]  # [eval] data, one entry per source (empty without)
 
 
+def _conversations(
+    path: str, cfg: DataSection, tokenizer: Tokenizer, vocab: int | None, **kw
+) -> PackedConversations:
+    manifest = read_manifest(path)
+    digest = prepared_fingerprint(manifest)
+    digest.update(f"whole documents in {cfg.seq_len + 1} {kw}".encode())
+    return PackedConversations(
+        path, manifest, cfg.seq_len, tokenizer.eos_id, bool(cfg.reset_positions), vocab,
+        fingerprint=digest.hexdigest(), **kw,
+    )  # fmt: skip
+
+
 def _prepared(
     path: str, cfg: DataSection, tokenizer: Tokenizer, vocab: int | None
-) -> PackedDataset:
+) -> PackedDataset | PackedConversations:
+    """A prepared directory's samples: whole documents when it carries a loss mask."""
     manifest = read_manifest(path)
+    if manifest.loss_mask:
+        return _conversations(path, cfg, tokenizer, vocab)
     stream = ShardedTokens(path, manifest, None, vocab)
     summary = CorpusSummary(
         f"tokens ({path}, {len(manifest.shards)} shards)",
@@ -107,6 +123,16 @@ def build_data(
         sources = _blend(cfg.mix, cfg, tokenizer, vocab)
         datasets = [s.dataset for s in sources]
         train = MixtureDataset(datasets, [s.name for s in sources], _blend_summary(sources))
+    elif cfg.source == "tokens" and read_manifest(cfg.path).loss_mask:
+        sources, fraction = [], eval_cfg.fraction
+        train = _conversations(
+            cfg.path, cfg, tokenizer, vocab, holdout=fraction, max_tokens=cfg.max_tokens
+        )
+        if fraction is not None:  # (with data.max_tokens: every held-out document)
+            held = _conversations(
+                cfg.path, cfg, tokenizer, vocab, holdout=fraction, evaluation=True
+            )
+            held_out = [HeldOut("held_out", held, n)]
     else:
         sources = []
         stream, summary, held = open_corpus(cfg, tokenizer, vocab, eval_cfg.fraction)

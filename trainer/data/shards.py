@@ -9,6 +9,9 @@
                            of each document within its shard, ascending
     shard-00000.crc        little-endian uint32: the CRC-32 of each `block_bytes` block of
                            the .tokens file (the last block may be shorter)
+    shard-00000.mask       with `loss_mask` (instruction data): uint8 per token, 1 where the
+                           token is a target of the loss (assistant turns, completions)
+    shard-00000.maskcrc    its block CRC-32s, as .crc for .tokens
 
 The training stream is the concatenation of the shards in manifest order: exactly the
 flat stream the in-memory sources build from the same corpus, so both give the same
@@ -50,6 +53,7 @@ from trainer.errors import DataError
 FORMAT = "moetrain-tokens/2"
 MANIFEST = "manifest.json"
 TOKENS_SUFFIX, DOCS_SUFFIX, CRC_SUFFIX = ".tokens", ".docs", ".crc"
+MASK_SUFFIX, MASK_CRC_SUFFIX = ".mask", ".maskcrc"
 BLOCK_BYTES = 64 << 10
 
 
@@ -83,6 +87,8 @@ class ShardInfo:
     sha256: str  # of the .tokens file
     docs_sha256: str  # of the .docs file
     crc_sha256: str  # of the .crc file
+    mask_sha256: str | None = None  # of the .mask file (loss_mask corpora)
+    mask_crc_sha256: str | None = None  # of the .maskcrc file
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ class Manifest:
     source: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT
     block_bytes: int = BLOCK_BYTES  # the .crc files' block size
+    loss_mask: bool = False  # shards carry .mask files (`prepare --format chat|prompt_completion`)
     # `python -m trainer.prepare ...` that writes these bytes, less `--out` (a re-run resumes)
     command: str = ""
 
@@ -118,6 +125,7 @@ class Manifest:
             source=d.get("source", {}),
             format=d.get("format", "?"),
             block_bytes=d.get("block_bytes", BLOCK_BYTES),
+            loss_mask=d.get("loss_mask", False),
             command=d.get("command", ""),
         )
 
@@ -180,11 +188,18 @@ class BlockCrc:
 
 def _expected_files(manifest: Manifest, shard: ShardInfo) -> list[tuple[str, int, str]]:
     tokens = shard.tokens * np.dtype(manifest.dtype).itemsize
-    return [
+    files = [
         (TOKENS_SUFFIX, tokens, shard.sha256),
         (DOCS_SUFFIX, shard.documents * 8, shard.docs_sha256),
         (CRC_SUFFIX, 4 * crc_entries(tokens, manifest.block_bytes), shard.crc_sha256),
     ]
+    if manifest.loss_mask:
+        masks = 4 * crc_entries(shard.tokens, manifest.block_bytes)
+        files += [
+            (MASK_SUFFIX, shard.tokens, shard.mask_sha256),
+            (MASK_CRC_SUFFIX, masks, shard.mask_crc_sha256),
+        ]
+    return files
 
 
 def check_shards(directory: str, manifest: Manifest, checksums: bool) -> None:
@@ -222,9 +237,14 @@ class ShardedTokens:
         manifest: Manifest,
         limit: int | None = None,
         vocab_size: int | None = None,
+        mask: bool = False,
     ) -> None:
+        """`mask`: read the shards' loss masks (uint8 per token) instead of their tokens."""
         self.directory = directory
-        self.dtype = np.dtype(manifest.dtype)
+        self.suffix, self.crc_suffix = (
+            (MASK_SUFFIX, MASK_CRC_SUFFIX) if mask else (TOKENS_SUFFIX, CRC_SUFFIX)
+        )
+        self.dtype = np.dtype("<u1") if mask else np.dtype(manifest.dtype)
         self.names = [s.name for s in manifest.shards]
         self.starts = np.cumsum([0] + [s.tokens for s in manifest.shards]).tolist()
         total = self.starts[-1]
@@ -244,11 +264,11 @@ class ShardedTokens:
 
     def _open(self, i: int) -> int:
         if i not in self._fds:
-            self._fds[i] = os.open(self._path(i, TOKENS_SUFFIX), os.O_RDONLY)
-            crcs = np.fromfile(self._path(i, CRC_SUFFIX), dtype="<u4")
+            self._fds[i] = os.open(self._path(i, self.suffix), os.O_RDONLY)
+            crcs = np.fromfile(self._path(i, self.crc_suffix), dtype="<u4")
             size = (self.starts[i + 1] - self.starts[i]) * self.dtype.itemsize
             if len(crcs) != crc_entries(size, self.block):
-                raise self._damaged(i, f"its {CRC_SUFFIX} table has {len(crcs)} entries")
+                raise self._damaged(i, f"its {self.crc_suffix} table has {len(crcs)} entries")
             self._crcs[i], self._verified[i] = crcs, bytearray(len(crcs))
         return self._fds[i]
 
@@ -260,7 +280,7 @@ class ShardedTokens:
             else "run again the `python -m trainer.prepare` command that prepared it"
         )
         return DataError(
-            f"{self._path(i, TOKENS_SUFFIX)} is damaged: {what}; it was not trained on. "
+            f"{self._path(i, self.suffix)} is damaged: {what}; it was not trained on. "
             f"`python -m trainer.prepare --verify --out {self.directory}` lists every damaged "
             f"file; to repair, {again}"
         )
@@ -293,7 +313,7 @@ class ShardedTokens:
         if self.vocab_size is not None and len(tokens) and int(tokens.max()) >= self.vocab_size:
             at = int(np.argmax(tokens >= self.vocab_size))
             raise DataError(
-                f"{self._path(i, TOKENS_SUFFIX)}: its token {start + at} (byte "
+                f"{self._path(i, self.suffix)}: its token {start + at} (byte "
                 f"{(start + at) * width}) is id {int(tokens[at])}, not below model.vocab_size="
                 f"{self.vocab_size}; it was not trained on. The bytes match their checksums, so "
                 "they were written with ids this model cannot take: prepare the corpus again "

@@ -208,7 +208,7 @@ def _trace(cfg, spec, dims, meshes, mode: str, sharded_grad_bytes: int):
     )  # fmt: skip
 
     def run_step(mark_forward_end) -> None:
-        step_loss.start(GlobalCounts(B * S, 0, [B * S] * terms.mtp_depth))
+        step_loss.start(GlobalCounts(B * S, B * S, 0, [B * S] * terms.mtp_depth))
         inputs = model_inputs(batch, terms, cfg.data.document_mask)
         loss = step_loss(model(batch.input_ids, batch.position_ids, **inputs), batch)
         mark_forward_end()

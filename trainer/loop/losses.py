@@ -110,6 +110,7 @@ class GlobalCounts:
     """Counts over the whole global batch (every rank, every micro-batch) of one step."""
 
     tokens: int  # valid labels: the divisor of the mean token loss
+    inputs: int  # every input token, masked-in or not: what the step computes on
     # An order-independent checksum of the batch's tokens: equal between runs that train on
     # the same samples at this step, whatever the layout (logged as data_fingerprint).
     fingerprint: int
@@ -122,6 +123,7 @@ def global_counts(micro_batches: list[Batch], mtp_depth: int, device: torch.devi
         torch.stack(
             [
                 (mb.labels != IGNORE_INDEX).sum(),
+                torch.tensor(mb.input_ids.numel(), device=mb.input_ids.device),
                 (mb.input_ids * (mb.position_ids + 1)).sum(),
                 *((mb.mtp_labels != IGNORE_INDEX).sum((0, 1)) if mtp_depth else []),
             ]
@@ -130,9 +132,9 @@ def global_counts(micro_batches: list[Batch], mtp_depth: int, device: torch.devi
     )
     counts = local.to(device, torch.int64)
     dist.all_reduce(counts)
-    tokens, fingerprint, *mtp_tokens = counts.tolist()
+    tokens, inputs, fingerprint, *mtp_tokens = counts.tolist()
     # Sequences shorter than a depth leave it no label: no division by zero.
-    return GlobalCounts(tokens, fingerprint, [max(n, 1) for n in mtp_tokens])
+    return GlobalCounts(tokens, inputs, fingerprint, [max(n, 1) for n in mtp_tokens])
 
 
 class StepLoss:
@@ -173,7 +175,9 @@ class StepLoss:
     def __call__(self, out: CausalLMOutput, batch: Batch) -> torch.Tensor:
         counts, terms = self.counts, self.terms
         ce_sum = token_loss_sum(out.logits, batch.labels)
-        loss = ce_sum / counts.tokens
+        # NOTE: max(, 1): a global batch whose loss mask keeps no token (instruction data)
+        # has no token loss at all: 0, not 0/0; its aux loss still trains the routers.
+        loss = ce_sum / max(counts.tokens, 1)
         self._sums[0] += ce_sum.detach()
         for k, logits_k in enumerate(out.mtp_logits or []):
             mtp_mean = token_loss_sum(logits_k, batch.mtp_labels[..., k]) / counts.mtp_tokens[k]
@@ -195,9 +199,10 @@ class StepLoss:
         dist.all_reduce(sums)  # over the world: every rank holds a distinct part of the batch
         loss_sum, aux, mtp_sum = sums.tolist()
         record = {
-            "loss": loss_sum / self.counts.tokens,
+            "loss": loss_sum / max(self.counts.tokens, 1),
             "aux_loss": aux if self._expert_load is not None else None,
-            "tokens": self.counts.tokens,
+            "tokens": self.counts.tokens,  # in the loss (a loss mask may leave some out)
+            "tokens_all": self.counts.inputs,  # computed on
             "data_fingerprint": self.counts.fingerprint,
             "expert_load": self._expert_load,
         }

@@ -25,8 +25,8 @@ from parallelisms.dims import LayoutError, ParallelDims
 from parallelisms.mesh import Meshes
 from parallelisms.parallelize import Parallelized, check_layout, parallelize
 from trainer.checkpoint.markers import check_checkpoint
-from trainer.config import ConfigError, JobConfig
-from trainer.data.corpus import check_corpus
+from trainer.config import ConfigError, JobConfig, validate
+from trainer.data.corpus import check_corpus, resolve_document_flags
 from trainer.data.run_data import check_held_out
 from trainer.data.tokenizers import build_tokenizer
 from trainer.errors import DataError
@@ -106,6 +106,8 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
         )
     check_corpus(cfg.data, tokenizer)
     check_held_out(cfg.data, cfg.eval, tokenizer)
+    resolve_document_flags(cfg.data)
+    validate(cfg)  # again: the rules that read the flags just resolved
 
 
 def build_model(

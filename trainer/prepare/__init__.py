@@ -3,7 +3,8 @@
 - `cli`: the command line (`__main__` runs it);
 - `plan`: the tokenizer's identity, the files and the deterministic work units;
 - `run`: claim the output directory, run the units on worker processes, write the manifest;
-- `worker`: one unit in a worker process: read, tokenize, write one shard (no torch).
+- `worker`: one unit in a worker process: read, tokenize, write one shard (no torch);
+- `instructions`: `--format chat|prompt_completion`: tokens and the loss mask.
 
 The format written is `trainer.data.shards`'; training reads it with `data.source=tokens`.
 """

@@ -28,6 +28,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json")
     parser.add_argument("--out", required=True, help="the directory to write (or --verify)")
     parser.add_argument("--workers", type=int, default=None, help="processes (default: cores)")
+    parser.add_argument(
+        "--format",
+        choices=("text", "chat", "prompt_completion"),
+        default="text",
+        help="jsonl lines: text (--text-field), chat ({messages: [{role, content}]}: the loss "
+        "covers the assistant turns; --tokenizer names the model directory with its chat "
+        "template) or prompt_completion ({prompt, completion}: the loss covers the completion)",
+    )
     parser.add_argument("--text-field", default="text", help="jsonl/dataset field of the text")
     parser.add_argument("--split", default="train", help="hf_datasets split")
     parser.add_argument("--eos-token", default=None, help="token that ends each document")
@@ -42,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.verify and (args.source is None or args.path is None):
         parser.error("--source and --path are required (unless --verify)")
+    if args.format != "text" and args.source != "jsonl":
+        parser.error(f"--format {args.format} reads JSON lines: use --source jsonl")
     return args
 
 
@@ -69,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 split=args.split,
                 eos_token=args.eos_token,
                 shard_mb=args.shard_mb,
+                format=args.format,
                 overwrite=args.overwrite,
                 progress=args.progress or sys.stderr.isatty(),
             )

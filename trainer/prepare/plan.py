@@ -7,6 +7,7 @@ grouped), text units are whole files grouped up to --shard-mb, hf_datasets units
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from trainer.data.reader import COMMAND_LINE
 from trainer.data.shards import TokenizerId
 from trainer.data.tokenizers import ByteTokenizer, HFTokenizer
 from trainer.errors import DataError
-from trainer.prepare import worker
+from trainer.prepare import instructions, worker
 
 MIB = 1 << 20
 
@@ -35,6 +36,7 @@ class PrepareArgs:
     shard_mb: float = 256.0  # target input MiB per work unit (= per shard)
     overwrite: bool = False
     progress: bool = False
+    format: str = "text"  # text | chat | prompt_completion (trainer/prepare/instructions.py)
 
 
 def repeat_command(args: PrepareArgs) -> str:
@@ -49,6 +51,8 @@ def repeat_command(args: PrepareArgs) -> str:
     words.append(args.path if args.source == "hf_datasets" else absolute(args.path))
     tokenizer = args.tokenizer if args.tokenizer == "byte" else absolute(args.tokenizer)
     words += ["--tokenizer", tokenizer, "--text-field", args.text_field]
+    if args.format != "text":
+        words += ["--format", args.format]
     if args.source == "hf_datasets":
         words += ["--split", args.split]
     if args.eos_token is not None:
@@ -141,15 +145,17 @@ def plan_source(args: PrepareArgs, target: int) -> tuple[dict, list[str], list[d
                 for f, s in zip(files, stats, strict=True)
             ],
         }
-        if args.source == "jsonl":
+        if args.source == "jsonl" and args.format == "text":
             source["text_field"] = args.text_field
+        if args.format != "text":
+            source["format"] = args.format
+        if args.format == "chat":  # the template decides the tokens: a changed one is new data
+            template = instructions.chat_tokenizer(args.tokenizer).chat_template
+            source["chat_template_sha256"] = hashlib.sha256(str(template).encode()).hexdigest()
         sizes = [s.st_size for s in stats]
         return source, files, plan_file_units(files, sizes, target, args.source == "jsonl")
     if args.source == "hf_datasets":
-        try:
-            ds = worker.load_hf(args.path, args.split, args.text_field)
-        except worker.UnitError as err:
-            raise DataError(str(err)) from None
+        ds = worker.load_hf(args.path, args.split, args.text_field)
         cache = sorted({c["filename"] for c in ds.cache_files})
         local = os.path.expanduser(args.path)
         source = {

@@ -231,6 +231,8 @@ def prepare(args: PrepareArgs) -> Summary:
         "text_field": args.text_field, "tokenizer_path": tok_path, "eos_id": tok_id.eos_id,
         "hf": {"path": source.get("path"), "split": args.split},
         "block_bytes": shards.BLOCK_BYTES,
+        "format": args.format,
+        "tokenizer_arg": args.tokenizer,  # --format chat: the directory with the template
     }  # fmt: skip
     progress = Progress(sum(u["bytes"] for u in units), args.progress)
     workers = min(args.workers or os.cpu_count() or 1, len(units))
@@ -246,13 +248,15 @@ def prepare(args: PrepareArgs) -> Summary:
                 progress.show(end="\n")
         infos = [
             ShardInfo(worker.shard_name(i), r["tokens"], r["documents"], r["sha256"],
-                      r["docs_sha256"], r["crc_sha256"])
+                      r["docs_sha256"], r["crc_sha256"], r.get("mask_sha256"),
+                      r.get("mask_crc_sha256"))
             for i, r in enumerate(results)
             if r["documents"]  # a unit of blank lines only: no shard for readers to map
         ]  # fmt: skip
         manifest = Manifest(
-            tokenizer=tok_id, dtype=dtype, shards=infos, source=source, command=repeat_command(args)
-        )
+            tokenizer=tok_id, dtype=dtype, shards=infos, source=source,
+            command=repeat_command(args), loss_mask=args.format != "text",
+        )  # fmt: skip
         if manifest.num_documents == 0:
             raise DataError(
                 f"--path {args.path!r} holds no non-empty document ({len(units)} units read): "

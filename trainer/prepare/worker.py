@@ -27,6 +27,7 @@ from trainer.data.reader import COMMAND_LINE
 from trainer.data.shards import file_sha256
 from trainer.errors import DataError
 from trainer.fileio import fsync_path, read_json, write_atomic
+from trainer.prepare import instructions
 
 WORK_DIR = ".work"  # plan.json and one done-NNNNN.json per finished unit
 BATCH_CHARS = 1 << 20  # text per tokenizer call: bounds a worker's memory, amortises the call
@@ -57,6 +58,28 @@ def _jsonl_documents(job: Job, unit: dict) -> Iterator[tuple[str, int]]:
 def _text_documents(job: Job, unit: dict) -> Iterator[tuple[str, int]]:
     for file_index, start, end in unit["pieces"]:
         yield reader.read_text(job["files"][file_index]), end - start
+
+
+def _instruction_documents(job: Job, unit: dict) -> Iterator[tuple[Any, int]]:
+    """(ids and mask, input bytes consumed) of `--format chat|prompt_completion` lines;
+    None carries only progress. Lines are read as `reader.jsonl_documents` reads them."""
+    for file_index, start, end in unit["pieces"]:
+        path = job["files"][file_index]
+        lineno = 0
+        for chunk in reader._chunks(path, start, end):
+            text = chunk.decode("utf-8", errors="replace")
+            if "\r" in text:  # universal newlines, as in text mode
+                text = text.replace("\r\n", "\n").replace("\r", "\n")
+            for line in text.split("\n")[: -1 if text.endswith("\n") else None]:
+                lineno += 1
+                if line.strip():
+
+                    def where(n: int = lineno, path: str = path, start: int = start) -> str:
+                        before = reader._lines_before(path, start) if start else 0
+                        return f"{path}:{before + n}"
+
+                    yield instructions.document(job, line, where), 0
+            yield None, len(chunk)
 
 
 _HF_CACHE: dict[tuple[str, str, str], Any] = {}
@@ -128,22 +151,35 @@ def _encode_or_explain(encode: Encoder, batch: list[str], job: Job, unit: dict) 
 class ShardWriter:
     """Streams one shard to temporary files, hashing as it goes; `finish` makes it final."""
 
-    def __init__(self, out: str, name: str, dtype: str, eos_id: int, block_bytes: int) -> None:
-        suffixes = (shards.TOKENS_SUFFIX, shards.DOCS_SUFFIX, shards.CRC_SUFFIX)
+    def __init__(
+        self, out: str, name: str, dtype: str, eos_id: int, block_bytes: int, masked: bool = False
+    ) -> None:
+        """`masked`: instruction data, with a loss mask beside the tokens (.mask, .maskcrc)."""
+        suffixes = [shards.TOKENS_SUFFIX, shards.DOCS_SUFFIX, shards.CRC_SUFFIX]
+        if masked:
+            suffixes += [shards.MASK_SUFFIX, shards.MASK_CRC_SUFFIX]
         self.final = [os.path.join(out, name + suffix) for suffix in suffixes]
         self.tmp = [p + ".tmp" for p in self.final]
-        self.files = [open(p, "wb") for p in self.tmp[:2]]  # the .crc is written at the end
-        self.digests = [hashlib.sha256(), hashlib.sha256()]
-        self.blocks = shards.BlockCrc(block_bytes)  # of the .tokens bytes
-        self.dtype, self.eos_id = np.dtype(dtype), eos_id
+        # The tables (.crc, .maskcrc) are written at the end.
+        self.files = [open(p, "wb") for p in (self.tmp[:2] + self.tmp[3:4])]
+        self.digests = [hashlib.sha256() for _ in self.files]
+        self.blocks = [shards.BlockCrc(block_bytes) for _ in range(1 + masked)]  # tokens, mask
+        self.dtype, self.eos_id, self.masked = np.dtype(dtype), eos_id, masked
         self.tokens = self.documents = 0
 
     def _write(self, which: int, data: bytes) -> None:
         self.files[which].write(data)
         self.digests[which].update(data)
 
-    def add(self, flat: np.ndarray, lengths: np.ndarray) -> int:
-        """Append documents (their ids concatenated in `flat`), each followed by EOS."""
+    def add(
+        self,
+        flat: np.ndarray,
+        lengths: np.ndarray,
+        mask: np.ndarray | None = None,
+        eos_mask: int = 0,
+    ) -> int:
+        """Append documents (their ids concatenated in `flat`), each followed by EOS; with a
+        loss mask (aligned with `flat`; `eos_mask` for each EOS) when the shard has one."""
         ends = np.cumsum(lengths + 1)  # end offset of each document, its EOS included
         tokens = np.full(int(ends[-1]), self.eos_id, dtype=self.dtype)
         not_eos = np.ones(len(tokens), dtype=bool)
@@ -151,16 +187,24 @@ class ShardWriter:
         tokens[not_eos] = flat
         data = tokens.tobytes()
         self._write(0, data)
-        self.blocks.update(data)
+        self.blocks[0].update(data)
+        if self.masked:
+            full = np.full(len(tokens), eos_mask, dtype=np.uint8)
+            full[not_eos] = mask
+            self._write(2, full.tobytes())
+            self.blocks[1].update(full.tobytes())
         self._write(1, (ends + self.tokens).astype("<u8").tobytes())
         self.tokens += len(tokens)
         self.documents += len(lengths)
         return len(tokens)
 
     def finish(self) -> dict[str, Any]:
-        table = self.blocks.table()
-        self.files.append(open(self.tmp[2], "wb"))
-        self.files[2].write(table)
+        tables = [b.table() for b in self.blocks]
+        for path, table in zip((self.tmp[2], *self.tmp[4:]), tables, strict=True):
+            with open(path, "wb") as f:
+                f.write(table)
+                f.flush()
+                os.fsync(f.fileno())
         for f in self.files:
             f.flush()
             os.fsync(f.fileno())
@@ -168,10 +212,13 @@ class ShardWriter:
         for tmp, final in zip(self.tmp, self.final, strict=True):
             os.replace(tmp, final)
         fsync_path(os.path.dirname(self.final[0]))
-        sha, docs_sha = (d.hexdigest() for d in self.digests)
-        return {"tokens": self.tokens, "documents": self.documents, "sha256": sha,
-                "docs_sha256": docs_sha,
-                "crc_sha256": hashlib.sha256(table).hexdigest()}  # fmt: skip
+        done = {"tokens": self.tokens, "documents": self.documents,
+                "sha256": self.digests[0].hexdigest(), "docs_sha256": self.digests[1].hexdigest(),
+                "crc_sha256": hashlib.sha256(tables[0]).hexdigest()}  # fmt: skip
+        if self.masked:
+            done["mask_sha256"] = self.digests[2].hexdigest()
+            done["mask_crc_sha256"] = hashlib.sha256(tables[1]).hexdigest()
+        return done
 
     def abort(self) -> None:
         for f in self.files:
@@ -199,6 +246,16 @@ def intact_marker(job: Job, index: int) -> dict | None:
                 marker["crc_sha256"],
             ),
         ]
+        if job["format"] != "text":  # instruction data: the loss mask and its table too
+            n = marker["tokens"]
+            files += [
+                (base + shards.MASK_SUFFIX, n, marker["mask_sha256"]),
+                (
+                    base + shards.MASK_CRC_SUFFIX,
+                    4 * shards.crc_entries(n, job["block_bytes"]),
+                    marker["mask_crc_sha256"],
+                ),
+            ]
     except (KeyError, TypeError):
         return None  # not a marker this code wrote
     for path, size, digest in files:
@@ -218,6 +275,8 @@ def run_unit(
         return {**marker, "reused": True}
     with contextlib.suppress(FileNotFoundError):
         os.remove(marker_path(job["out"], index))  # its files are about to be replaced
+    if job["format"] != "text":
+        return _run_instruction_unit(job, index, report, alive)
     read = {"jsonl": _jsonl_documents, "text": _text_documents, "hf_datasets": _hf_documents}
     documents = read[job["kind"]](job, unit)
     encode = _encoder(job)
@@ -242,6 +301,47 @@ def run_unit(
                 batch.append(text)
                 chars += len(text)
             if chars >= BATCH_CHARS:
+                flush()
+        flush()
+        marker = {"unit": unit, **writer.finish()}
+    except DataError as err:
+        writer.abort()
+        return {"error": str(err)}
+    except BaseException:
+        writer.abort()
+        raise
+    write_atomic(marker_path(job["out"], index), json.dumps(marker, indent=1))
+    return {**marker, "reused": False}
+
+
+def _run_instruction_unit(job: Job, index: int, report: Report, alive: Callable[[], bool]) -> dict:
+    """`run_unit` for `--format chat|prompt_completion`: each line is tokenized with its loss
+    mask by `trainer.prepare.instructions`, and written with it."""
+    unit = job["units"][index]
+    name, eos_mask = shard_name(index), instructions.eos_in_loss(job["format"])
+    writer = ShardWriter(job["out"], name, job["dtype"], job["eos_id"], job["block_bytes"], True)
+    docs: list[tuple[np.ndarray, np.ndarray]] = []
+    pending = nbytes = 0
+
+    def flush() -> None:
+        nonlocal docs, pending, nbytes
+        tokens = 0
+        if docs:
+            lengths = np.fromiter((len(ids) for ids, _ in docs), np.int64, len(docs))
+            flat = np.concatenate([ids for ids, _ in docs])
+            tokens = writer.add(flat, lengths, np.concatenate([m for _, m in docs]), eos_mask)
+        report(nbytes, len(docs), tokens, True)
+        docs, pending, nbytes = [], 0, 0
+        if not alive():
+            raise SystemExit(1)
+
+    try:
+        for doc, consumed in _instruction_documents(job, unit):
+            nbytes += consumed
+            if doc is not None:
+                docs.append(doc)
+                pending += len(doc[0])
+            if pending >= BATCH_CHARS // 4:  # ~1 MB of text's tokens at a time
                 flush()
         flush()
         marker = {"unit": unit, **writer.finish()}

@@ -1,0 +1,73 @@
+"""A tiny Hugging Face Qwen3-MoE directory with a chat tokenizer, made with transformers and
+tokenizers (no download): what a user fine-tunes from, at test size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_DATA = Path(__file__).resolve().parent / "data" / "chat.jsonl"
+
+# ChatML, as Qwen's chat models use it.
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def conversations() -> list[list[dict[str, str]]]:
+    return [json.loads(line)["messages"] for line in CHAT_DATA.read_text().splitlines()]
+
+
+def save_chat_tokenizer(directory: Path, template: str | None = CHATML):
+    """A byte-level BPE trained on the test conversations, saved with transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    texts = [m["content"] for conv in conversations() for m in conv] + ["system user assistant"]
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    if template is not None:
+        fast.chat_template = template
+    directory.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(directory)
+    return fast
+
+
+def save_chat_model(directory: Path, seed: int = 0) -> None:
+    """The tokenizer above and a tiny random Qwen3-MoE whose vocabulary holds it."""
+    import torch
+    import transformers
+
+    fast = save_chat_tokenizer(directory)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=-(-len(fast) // 64) * 64,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.01,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    torch.manual_seed(seed)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(directory)

@@ -1,0 +1,118 @@
+"""Instruction data: prepared shards with a loss mask (`prepare --format chat|
+prompt_completion`), packed into samples of whole documents.
+
+Invariant: no sample holds part of a document, so no step trains on a conversation whose
+prompt was cut off. Documents (each a conversation or a prompt/completion pair, its EOS
+included) are packed in order, greedily, into windows of `data.seq_len + 1` tokens; a window
+that cannot take the next document whole is closed and padded (EOS tokens, each its own
+document, whose labels count nothing). A document longer than a window is left out, and
+the start-up line says how many were. Labels are the next tokens where the mask marks them
+(the assistant turns and their end-of-turn token; a completion and its EOS), the ignore
+index elsewhere: the loss averages over exactly the masked-in tokens of the global batch.
+
+Memory: the kept documents' stream offsets and the samples' first documents, 20 bytes per
+document: instruction sets are small next to pretraining corpora.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from trainer.data.batch import IGNORE_INDEX, Batch
+from trainer.data.holdout import held_out
+from trainer.data.packing import CorpusSummary, document_positions
+from trainer.data.shards import DOCS_SUFFIX, Manifest, ShardedTokens
+
+
+def _document_ends(directory: str, manifest: Manifest) -> np.ndarray:
+    """Every document's end offset in the concatenated stream, EOS included: int64 [docs]."""
+    ends, base = [], 0
+    for shard in manifest.shards:
+        path = os.path.join(directory, shard.name + DOCS_SUFFIX)
+        ends.append(np.fromfile(path, dtype="<u8").astype(np.int64) + base)
+        base += shard.tokens
+    return np.concatenate(ends) if ends else np.zeros(0, dtype=np.int64)
+
+
+class PackedConversations(Dataset):
+    """Windows of whole documents of a prepared corpus with a loss mask (see the module)."""
+
+    def __init__(
+        self,
+        directory: str,
+        manifest: Manifest,
+        seq_len: int,
+        eos_id: int,
+        reset_positions: bool,
+        vocab_size: int | None = None,
+        holdout: float | None = None,
+        evaluation: bool = False,
+        max_tokens: int | None = None,
+        fingerprint: str = "",
+    ) -> None:
+        """With `holdout` (eval.fraction), the documents it keeps (or, `evaluation`, the ones
+        it holds out); `max_tokens` stops taking documents once they hold that many tokens.
+        `fingerprint`: the corpus' content digest (`CorpusSummary.fingerprint`)."""
+        self.tokens = ShardedTokens(directory, manifest, None, vocab_size)
+        self.mask = ShardedTokens(directory, manifest, None, None, mask=True)
+        self.seq_len, self.eos_id, self.reset_positions = seq_len, eos_id, reset_positions
+        ends = _document_ends(directory, manifest)
+        starts = np.concatenate([[0], ends[:-1]])
+        chosen = np.ones(len(ends), dtype=bool)
+        if holdout is not None:
+            chosen = held_out(np.arange(len(ends)), holdout) == evaluation
+        lengths = ends - starts
+        fits = lengths <= seq_len + 1
+        self.left_out = int((chosen & ~fits).sum())
+        keep = np.flatnonzero(chosen & fits)
+        if max_tokens is not None:
+            keep = keep[: int(np.searchsorted(np.cumsum(lengths[keep]), max_tokens)) + 1]
+        self.starts, self.lengths = starts[keep], lengths[keep].astype(np.int32)
+        # Greedy packing: a sample's documents are [first[k], first[k + 1]).
+        first, used = [], seq_len + 2  # no open window yet
+        for d, n in enumerate(self.lengths.tolist()):
+            if used + n > seq_len + 1:
+                first.append(d)
+                used = 0
+            used += n
+        self.first = np.asarray([*first, len(keep)], dtype=np.int64)
+        tokens = int(self.lengths.sum())
+        self.summary = CorpusSummary(
+            f"tokens with loss mask ({directory}, {len(manifest.shards)} shards)",
+            len(keep),
+            tokens,
+            tokens,
+            truncated=max_tokens is not None and len(keep) < int((chosen & fits).sum()),
+            fingerprint=fingerprint,
+            left_out=self.left_out,
+        )
+
+    def __len__(self) -> int:
+        return len(self.first) - 1
+
+    def __getitem__(self, index: int) -> Batch:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} out of range [0, {len(self)})")
+        window = self.seq_len + 1
+        ids = np.full(window, self.eos_id, dtype=np.int64)
+        mask = np.zeros(window, dtype=bool)
+        pos = 0
+        for d in range(int(self.first[index]), int(self.first[index + 1])):
+            a, n = int(self.starts[d]), int(self.lengths[d])
+            ids[pos : pos + n] = self.tokens[a : a + n]
+            mask[pos : pos + n] = self.mask[a : a + n] != 0
+            pos += n
+        chunk = torch.from_numpy(ids)
+        input_ids = chunk[:-1]
+        labels = torch.where(torch.from_numpy(mask[1:]), chunk[1:], IGNORE_INDEX)
+        is_eos = (input_ids == self.eos_id).to(torch.int64)
+        document_ids = torch.cumsum(is_eos, 0) - is_eos  # the padding: one EOS document each
+        if self.reset_positions:
+            position_ids = document_positions(document_ids)
+        else:
+            position_ids = torch.arange(self.seq_len, dtype=torch.int64)
+        return Batch(input_ids, labels, position_ids, document_ids)
