@@ -10,6 +10,11 @@ Causal balance: with the zigzag layout (the sequence cut into 2*cp chunks, rank 
 chunks r and 2*cp-1-r) every ring step costs every rank the same work. Only the KV heads
 travel (GQA): nothing is repeated before the ring.
 
+Sliding windows (`window`) are a mask rule like document masks (`block_mask`): chunk pairs
+wholly outside the window get no kernel call. Sinks (`sinks` [Hq]) enter the online-softmax
+merge once per row, after every key block, as a block of output 0 and log-sum-exp = the sink;
+no message grows, and backward adds the sink's gradient, -exp(sink - lse) * rowsum(dO * O).
+
 Document masks (`document_ids`): each K/V message also carries its block's document ids
 (their bits appended to the same buffer: one message per hop, exact). Per ring step the
 rank computes only the chunk pairs in which some query sees some key (`document_blocks`,
@@ -101,12 +106,15 @@ def _merge(out, lse, block_out, block_lse, rows: slice) -> None:
 
 
 class Ring:
-    """What a ring needs besides q, k, v: its process group, the attention's shape and the
-    block kernel; `stats` counts the point-to-point operations it posts."""
+    """What a ring needs besides q, k, v: its process group, the attention's shape (and
+    sliding window) and the block kernel; `stats` counts the point-to-point operations it
+    posts."""
 
-    def __init__(self, group, scale, causal, zigzag, kernel: BlockKernel, stats: RingStats):
+    def __init__(
+        self, group, scale, causal, zigzag, kernel: BlockKernel, stats: RingStats, window=None
+    ):
         self.group, self.scale, self.causal, self.zigzag = group, scale, causal, zigzag
-        self.kernel, self.stats = kernel, stats
+        self.kernel, self.stats, self.window = kernel, stats, window
         # Document masks: the (rows, cols) pieces of each ring step, decided in forward and
         # reused by backward, so both skip the same block pairs (and backward reads no mask
         # bounds back from the device).
@@ -122,29 +130,45 @@ class Ring:
 
 
 def _step_blocks(ring: Ring, step: int, src: int, seq: int, ids, k_ids):
-    """(rows, cols, causal, mask) of one ring step: `ring_blocks` without document ids;
-    with them the visible pieces (the mask [B, rows, cols] carries the causality)."""
-    cp, rank = ring.group.size(), ring.group.rank()
+    """(rows, cols, causal, mask) of one ring step: `ring_blocks` without document ids or
+    window; with them the visible pieces (the mask [B, rows, cols] carries the causality).
+    A window alone is a mask over one document: `ids` and `k_ids` are zeros then."""
+    cp, rank, window = ring.group.size(), ring.group.rank(), ring.window
     if ids is None:
         return [
             (r, c, bc, None) for r, c, bc in ring_blocks(rank, src, seq, ring.causal, ring.zigzag)
         ]
     if step == len(ring.pieces):  # forward: which pieces does any query see into?
-        ring.pieces.append(document_blocks(rank, src, cp, ids, k_ids, ring.causal, ring.zigzag))
+        pieces = document_blocks(rank, src, cp, ids, k_ids, ring.causal, ring.zigzag, window)
+        ring.pieces.append(pieces)
     q_pos, k_pos = (ring.positions(r, seq, ids.device) for r in (rank, src))
     return [
         (
             rows,
             cols,
             False,
-            block_mask(ids[:, rows], k_ids[:, cols], q_pos[rows], k_pos[cols], ring.causal),
+            block_mask(ids[:, rows], k_ids[:, cols], q_pos[rows], k_pos[cols], ring.causal, window),
         )
         for rows, cols in ring.pieces[step]
     ]
 
 
-def _ring_forward(q, k, v, ids, ring: Ring) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids: document ids [B, S] or None -> out [B, S, Hq, Dv] fp32, lse [B, Hq, S] fp32."""
+def _mask_ids(ids, k_ids, ring: Ring, q: torch.Tensor):
+    """The document ids the masks read: the block's own, or zeros for a window alone."""
+    if ids is None and ring.window is not None:
+        zeros = torch.zeros(q.shape[:2], dtype=torch.int64, device=q.device)
+        return zeros, zeros
+    return ids, k_ids
+
+
+def _sink_lse(sinks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """sinks [Hq] -> [B, Hq, s] fp32: a block with that LSE and output 0 (each row's sink)."""
+    return sinks.float()[None, :, None].expand(q.shape[0], q.shape[2], q.shape[1])
+
+
+def _ring_forward(q, k, v, ids, sinks, ring: Ring) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids: document ids [B, S] or None; sinks [Hq] or None -> out [B, S, Hq, Dv] fp32,
+    lse [B, Hq, S] fp32 (the sinks included: backward needs the final normaliser)."""
     group, kernel, stats = ring.group, ring.kernel, ring.stats
     cp, rank, seq = group.size(), group.rank(), q.shape[1]
     out = q.new_zeros((*q.shape[:3], v.shape[3]), dtype=torch.float32)  # [B, S, Hq, Dv]
@@ -155,9 +179,9 @@ def _ring_forward(q, k, v, ids, ring: Ring) -> tuple[torch.Tensor, torch.Tensor]
         if step + 1 < cp:  # overlap: the next block is on its way while this one computes
             next_kv, works = _pass_to_next(kv, group, 0, stats)
         k_blk, v_blk = _unpack(kv, k.shape, v.shape)
-        k_ids = _unpack_ids(kv, k.shape, v.shape, ids)
+        q_ids, k_ids = _mask_ids(ids, _unpack_ids(kv, k.shape, v.shape, ids), ring, q)
         with named_range(f"cp.ring.step{step}"):
-            for rows, cols, blk_causal, mask in _step_blocks(ring, step, src, seq, ids, k_ids):
+            for rows, cols, blk_causal, mask in _step_blocks(ring, step, src, seq, q_ids, k_ids):
                 blk_out, blk_lse = kernel.forward(
                     q[:, rows], k_blk[:, cols], v_blk[:, cols], ring.scale, blk_causal, mask
                 )
@@ -167,10 +191,12 @@ def _ring_forward(q, k, v, ids, ring: Ring) -> tuple[torch.Tensor, torch.Tensor]
         if step + 1 < cp:
             _wait(works)
             kv = next_kv
+    if sinks is not None:  # once per row, after every key block
+        _merge(out, lse, torch.zeros_like(out), _sink_lse(sinks, q), slice(None))
     return out, lse
 
 
-def _ring_backward(grad_out, q, k, v, out, lse, ids, ring: Ring):
+def _ring_backward(grad_out, q, k, v, out, lse, ids, sinks, ring: Ring):
     group, kernel, stats = ring.group, ring.kernel, ring.stats
     cp, rank, seq = group.size(), group.rank(), q.shape[1]
     grad_out = grad_out.float().contiguous()
@@ -182,11 +208,11 @@ def _ring_backward(grad_out, q, k, v, out, lse, ids, ring: Ring):
         if step + 1 < cp:
             next_kv, kv_works = _pass_to_next(kv, group, 0, stats)
         k_blk, v_blk = _unpack(kv, k.shape, v.shape)
-        k_ids = _unpack_ids(kv, k.shape, v.shape, ids)
+        q_ids, k_ids = _mask_ids(ids, _unpack_ids(kv, k.shape, v.shape, ids), ring, q)
         dkv = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=kv.device)
         dk_blk, dv_blk = _unpack(dkv, k.shape, v.shape)
         with named_range(f"cp.ring.step{step}.backward"):
-            for rows, cols, blk_causal, mask in _step_blocks(ring, step, src, seq, ids, k_ids):
+            for rows, cols, blk_causal, mask in _step_blocks(ring, step, src, seq, q_ids, k_ids):
                 dq_b, dk_b, dv_b = kernel.backward(
                     grad_out[:, rows], q[:, rows], k_blk[:, cols], v_blk[:, cols],
                     out[:, rows], lse[:, :, rows], ring.scale, blk_causal, mask,
@@ -208,7 +234,13 @@ def _ring_backward(grad_out, q, k, v, out, lse, ids, ring: Ring):
             kv = next_kv
     _wait(dkv_works)
     dk, dv = _unpack(partial_in, k.shape, v.shape)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dsinks = None
+    if sinks is not None:
+        # d out / d sink = -p_sink * out per row, p_sink = exp(sink - lse): summed over this
+        # rank's rows (FSDP sums the ranks' shares like any gradient).
+        delta = (grad_out * out).sum(-1).transpose(1, 2)  # [B, Hq, s]
+        dsinks = -(torch.exp(_sink_lse(sinks, q) - lse) * delta).sum((0, 2)).to(sinks.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
 
 
 # Live rings by handle: the ring op takes plain values, not Python objects.
@@ -218,39 +250,46 @@ _handles = itertools.count()
 
 @torch.library.custom_op("moetrain::ring_attention", mutates_args=())
 def _ring_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor | None, ring: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ids: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    ring: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ring's forward as one op: selective activation checkpointing keeps its (out, lse)
     and hands them back to the replayed forward, so the ring does not go round again."""
-    return _ring_forward(q, k, v, ids, _RINGS[ring])
+    return _ring_forward(q, k, v, ids, sinks, _RINGS[ring])
 
 
 @_ring_op.register_fake
-def _(q, k, v, ids, ring):
+def _(q, k, v, ids, sinks, ring):
     out = q.new_empty((*q.shape[:3], v.shape[3]), dtype=torch.float32)
     return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
 def _ring_setup(ctx, inputs, output) -> None:
-    q, k, v, ids, handle = inputs
-    ctx.save_for_backward(q, k, v, *output, ids)
+    q, k, v, ids, sinks, handle = inputs
+    ctx.save_for_backward(q, k, v, *output, ids, sinks)
     ctx.ring = _RINGS[handle]
     ctx.mark_non_differentiable(output[1])  # the LSE
 
 
 def _ring_op_backward(ctx, grad_out, _grad_lse):
-    return *_ring_backward(grad_out, *ctx.saved_tensors, ctx.ring), None, None
+    q, k, v, out, lse, ids, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = _ring_backward(grad_out, q, k, v, out, lse, ids, sinks, ctx.ring)
+    return dq, dk, dv, None, dsinks, None
 
 
 _ring_op.register_autograd(_ring_op_backward, setup_context=_ring_setup)
 
 
-def _run_ring(q, k, v, ids, ring: Ring) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local q, k, v (and document ids or None) -> (out in q's dtype, lse fp32). The fp32
-    out stays the op's output: backward recomputes each block against it."""
+def _run_ring(q, k, v, ids, sinks, ring: Ring) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local q, k, v (and document ids, sinks or None) -> (out in q's dtype, lse fp32). The
+    fp32 out stays the op's output: backward recomputes each block against it."""
     handle = next(_handles)
     _RINGS[handle] = ring  # held by the caller for the call, then by the autograd graph
-    out, lse = _ring_op(q, k, v, ids, handle)
+    out, lse = _ring_op(q, k, v, ids, sinks, handle)
     return out.to(q.dtype), lse
 
 
@@ -270,6 +309,8 @@ def ring_attention(
     cp_dim: str = "cp",
     stats: RingStats | None = None,
     document_ids: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a sequence split across ranks: q [B, s, Hq, D], k [B, s, Hkv, D],
     v [B, s, Hkv, Dv] (s = S / cp) -> out [B, s, Hq, Dv], lse [B, Hq, s] (fp32).
@@ -280,14 +321,18 @@ def ring_attention(
 
     document_ids [B, s] (this rank's part, split like q; plain or DTensor): a query sees
     only the keys of its own document (causally if `causal`); None: no document mask.
+    window: a query sees only keys fewer than `window` positions away (sliding window).
+    sinks [Hq]: each head's sink logit, in every row's softmax denominator (the lse too).
     """
-    masked = document_ids is not None
+    masked = document_ids is not None or window is not None
+    if isinstance(sinks, DTensor):
+        sinks = sinks.full_tensor()
     block_kernel = resolve_kernel(kernel, q.device, q.shape[-1], v.shape[-1], masked)
     stats = stats or RingStats()
     if isinstance(document_ids, DTensor):
         document_ids = document_ids.to_local()
     local_q = q.to_local() if isinstance(q, DTensor) else q
-    if masked and document_ids.shape != local_q.shape[:2]:
+    if document_ids is not None and document_ids.shape != local_q.shape[:2]:
         raise ValueError(
             f"document_ids must be this rank's [B, s] {tuple(local_q.shape[:2])}, got "
             f"{tuple(document_ids.shape)}"
@@ -297,8 +342,8 @@ def ring_attention(
             raise ValueError(
                 "ring_attention on plain tensors needs group=, the ring's process group"
             )
-        ring = Ring(group, scale, causal, zigzag, block_kernel, stats)
-        return _run_ring(q, k, v, document_ids, ring)
+        ring = Ring(group, scale, causal, zigzag, block_kernel, stats, window)
+        return _run_ring(q, k, v, document_ids, sinks, ring)
     mesh, placements = q.device_mesh, q.placements
     cp_index = mesh.mesh_dim_names.index(cp_dim)
     for t in (q, k, v):
@@ -307,8 +352,8 @@ def ring_attention(
                 f"ring_attention needs q, k, v sharded Shard(1) (sequence) on mesh dim "
                 f"{cp_dim!r}, got {[t.placements for t in (q, k, v)]}"
             )
-    ring = Ring(mesh.get_group(cp_dim), scale, causal, zigzag, block_kernel, stats)
-    out, lse = _run_ring(q.to_local(), k.to_local(), v.to_local(), document_ids, ring)
+    ring = Ring(mesh.get_group(cp_dim), scale, causal, zigzag, block_kernel, stats, window)
+    out, lse = _run_ring(q.to_local(), k.to_local(), v.to_local(), document_ids, sinks, ring)
     lse_placements = [Shard(2) if p == Shard(1) else p for p in placements]
     return (
         DTensor.from_local(out, mesh, placements, run_check=False),
@@ -325,11 +370,17 @@ class ContextParallelAttention(nn.Module):
     """
 
     def __init__(
-        self, scale: float, causal: bool, group: dist.ProcessGroup, zigzag: bool, kernel: str
+        self,
+        scale: float,
+        causal: bool,
+        group: dist.ProcessGroup,
+        zigzag: bool,
+        kernel: str,
+        window: int | None = None,
     ):
         super().__init__()
         self.scale, self.causal, self.zigzag, self.kernel = scale, causal, zigzag, kernel
-        self.group = group
+        self.group, self.window = group, window
         self.stats = RingStats()
 
     # NOTE: under train.compile the ring runs eagerly (a graph break around the attention
@@ -342,16 +393,22 @@ class ContextParallelAttention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         document_ids: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As `AttentionCore.forward`; document_ids [B, s] is this rank's part."""
         out, _ = ring_attention(
             q, k, v, scale=self.scale, causal=self.causal, zigzag=self.zigzag,
             kernel=self.kernel, group=self.group, stats=self.stats, document_ids=document_ids,
+            window=self.window, sinks=sinks,
         )  # fmt: skip
         return out
 
     def extra_repr(self) -> str:
-        return f"scale={self.scale:.4g}, causal={self.causal}, zigzag={self.zigzag}, kernel={self.kernel}"
+        window = f", window={self.window}" if self.window is not None else ""
+        return (
+            f"scale={self.scale:.4g}, causal={self.causal}{window}, zigzag={self.zigzag}, "
+            f"kernel={self.kernel}"
+        )
 
 
 def apply_context_parallel(
@@ -367,7 +424,7 @@ def apply_context_parallel(
     installed = []
     for fqn, core in cores:
         parent_name, _, child = fqn.rpartition(".")
-        ring = ContextParallelAttention(core.scale, core.causal, group, zigzag, kernel)
+        ring = ContextParallelAttention(core.scale, core.causal, group, zigzag, kernel, core.window)
         setattr(model.get_submodule(parent_name), child, ring)
         installed.append(ring)
     return installed

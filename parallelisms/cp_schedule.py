@@ -9,11 +9,12 @@ load-balance measures). No communication, so the data path imports it without th
 Zigzag: the sequence is cut into 2*cp chunks and rank r holds chunks r and 2*cp-1-r, so
 that under a causal mask every rank does the same work.
 
-Document masks (a query sees the keys of its own document, causally): a pair of chunks,
+Document masks (a query sees the keys of its own document, causally) and sliding windows
+(a query sees the keys fewer than `window` positions before it): a pair of chunks,
 one of the query rank's and one of the key block's, is computed only where some query
 sees some key, trimmed to the rows and columns that take part; a chunk pair where no query
-sees any key is not computed at all. Which pairs those are depends on the document ids
-(data), so `document_blocks` takes them; the causal structure comes from the chunks'
+sees any key is not computed at all (nor masked, for a pair wholly outside the window).
+Which pairs those are depends on the document ids (data), so `document_blocks` takes them; the causal structure comes from the chunks'
 global positions, never from `position_ids` (which may restart at each document).
 """
 
@@ -69,6 +70,15 @@ def local_positions(rank: int, cp: int, seq_local: int, zigzag: bool) -> torch.T
     return split_for_cp(torch.arange(seq_local * cp)[None], rank, cp, zigzag)[0]
 
 
+def _out_of_window(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> bool:
+    """Whether every (query, key) of two chunks (global positions, ascending) lies at least
+    `window` positions apart: the pair needs no kernel call and not even a mask."""
+    if window is None:
+        return False
+    gap = max(int(q_pos[0]) - int(k_pos[-1]), int(k_pos[0]) - int(q_pos[-1]))
+    return gap >= window
+
+
 def document_blocks(
     rank: int,
     src: int,
@@ -77,9 +87,11 @@ def document_blocks(
     k_ids: torch.Tensor,
     causal: bool,
     zigzag: bool,
+    window: int | None = None,
 ) -> list[tuple[slice, slice]]:
     """The (query rows, key rows) pieces this rank computes against the K/V block of `src`
-    under document masks. q_ids, k_ids: [B, s] document ids of this rank's and src's rows.
+    under document masks or a sliding window. q_ids, k_ids: [B, s] document ids of this
+    rank's and src's rows (all one document for a window alone).
 
     One piece per chunk pair (query chunk, key chunk) in which some query sees some key,
     trimmed to the bounding box of the rows and columns that do; chunk pairs with no visible
@@ -93,7 +105,11 @@ def document_blocks(
         for k_chunk, cols in _chunks(src, cp, seq_local, zigzag):
             if causal and k_chunk > q_chunk:  # every key comes after every query
                 continue
-            mask = block_mask(q_ids[:, rows], k_ids[:, cols], q_pos[rows], k_pos[cols], causal)
+            if _out_of_window(q_pos[rows], k_pos[cols], window):
+                continue
+            mask = block_mask(
+                q_ids[:, rows], k_ids[:, cols], q_pos[rows], k_pos[cols], causal, window
+            )
             mask = mask.any(0)  # [nq, nk]: over the batch, which one kernel call covers
             seen_rows, seen_cols = mask.any(1).int(), mask.any(0).int()
             # Whether any pair is visible, and the first/last seen row and column (counted
@@ -119,7 +135,7 @@ def document_blocks(
 
 
 def document_attention_work(
-    document_ids: torch.Tensor, cp: int, causal: bool, zigzag: bool
+    document_ids: torch.Tensor, cp: int, causal: bool, zigzag: bool, window: int | None = None
 ) -> tuple[list[list[int]], list[list[int]]]:
     """The load-balance measure under document masks, for a micro-batch's document ids
     [B, S] (before the split): per rank and ring step, (visible query-key pairs, pairs the
@@ -135,9 +151,10 @@ def document_attention_work(
             src = (rank - step) % cp
             k_pos = local_positions(src, cp, seq_local, zigzag)
             n_seen = n_done = 0
-            for rows, cols in document_blocks(rank, src, cp, ids[rank], ids[src], causal, zigzag):
+            pieces = document_blocks(rank, src, cp, ids[rank], ids[src], causal, zigzag, window)
+            for rows, cols in pieces:
                 mask = block_mask(
-                    ids[rank][:, rows], ids[src][:, cols], q_pos[rows], k_pos[cols], causal
+                    ids[rank][:, rows], ids[src][:, cols], q_pos[rows], k_pos[cols], causal, window
                 )
                 n_seen += int(mask.sum())
                 n_done += mask.numel()

@@ -2,7 +2,16 @@
 
 Projections, norms and RoPE live in the model's attention module; this core is the one
 place a parallel plan swaps (context parallelism runs it as a ring) without touching
-model code.
+model code. Its variants, stated by the model per layer:
+
+- `causal`: a query sees keys at or before its position;
+- `window` (sliding-window attention): ... and fewer than `window` positions before it;
+- document ids (packed samples, `data.document_mask`): ... and of its own document;
+- `sinks` [Hq] (attention sinks, GPT-OSS): a learned logit per head that joins every
+  softmax denominator, as a key each query sees whose value is zero.
+
+The visibility rules are one function, `block_mask`, used by this plain path and by the
+ring's block schedule (parallelisms/cp_schedule.py) alike.
 """
 
 import torch
@@ -16,20 +25,52 @@ def block_mask(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     causal: bool,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Which queries see which keys: q_ids [B, nq], k_ids [B, nk] document ids, q_pos [nq],
-    k_pos [nk] global positions -> [B, nq, nk] bool (same document, key not after query)."""
+    k_pos [nk] global positions -> [B, nq, nk] bool: same document, key not after the
+    query (causal), and fewer than `window` positions away (sliding window)."""
     mask = q_ids[:, :, None] == k_ids[:, None, :]
+    distance = q_pos[:, None] - k_pos[None, :]  # [nq, nk]
     if causal:
-        mask = mask & (q_pos[:, None] >= k_pos[None, :])
+        mask = mask & (distance >= 0)
+    if window is not None:
+        mask = mask & (distance.abs() < window)
     return mask
 
 
-def document_mask(document_ids: torch.Tensor, causal: bool) -> torch.Tensor:
-    """document_ids [B, S] -> [B, 1, S, S] bool, True where query i may see key j: same
-    document (and j <= i if causal). Every query sees at least itself."""
+def document_mask(
+    document_ids: torch.Tensor, causal: bool, window: int | None = None
+) -> torch.Tensor:
+    """document_ids [B, S] -> [B, 1, S, S] bool, True where query i may see key j
+    (`block_mask`). Every query sees at least itself."""
     positions = torch.arange(document_ids.shape[1], device=document_ids.device)
-    return block_mask(document_ids, document_ids, positions, positions, causal)[:, None]
+    return block_mask(document_ids, document_ids, positions, positions, causal, window)[:, None]
+
+
+def _with_sinks(q, k, v, mask, sinks, scale):
+    """q [B, Hq, S, D], k/v [B, Hkv, S, D*], mask [B, 1, S, S] or None, sinks [Hq] -> the same
+    attention with each head's sink in its softmax denominator, as one SDPA call.
+
+    NOTE: a sink is a key every query sees, with score `sinks[h]` and value 0. Each query
+    head of a KV group gets one extra dimension (one-hot for q, 0 for the real keys), and
+    the sink key holds sinks[h] / scale in head h's dimension: q.k is unchanged for the
+    real keys and equals the sink for the sink key. So the fused kernels (memory O(S), not
+    O(S^2)) compute it, and autograd gives the sinks' gradient through the key."""
+    b, hq, s, d = q.shape
+    hkv, group = k.shape[1], hq // k.shape[1]
+    one_hot = torch.eye(group, dtype=q.dtype, device=q.device).repeat(hkv, 1)  # [Hq, G]
+    q = torch.cat([q, one_hot[None, :, None].expand(b, hq, s, group)], dim=-1)
+    k = F.pad(k, (0, group))  # [B, Hkv, S, D + G], zeros in the extra dims
+    sink_key = F.pad(sinks.to(q.dtype).view(hkv, group) / scale, (d, 0)).view(hkv, 1, d + group)
+    k = torch.cat([k, sink_key[None].expand(b, hkv, 1, d + group)], dim=2)
+    v = torch.cat([v, v.new_zeros(b, hkv, 1, v.shape[-1])], dim=2)
+    if mask is None:  # causal
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()[None, None]
+    mask = F.pad(mask, (0, 1), value=True)  # every query sees its sink
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=hkv != hq
+    )
 
 
 class AttentionCore(nn.Module):
@@ -40,10 +81,11 @@ class AttentionCore(nn.Module):
     keys of its own document; None is plain (causal) attention, unchanged.
     """
 
-    def __init__(self, scale: float, causal: bool = True) -> None:
+    def __init__(self, scale: float, causal: bool = True, window: int | None = None) -> None:
         super().__init__()
         self.scale = scale
         self.causal = causal
+        self.window = window
 
     def forward(
         self,
@@ -51,15 +93,25 @@ class AttentionCore(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         document_ids: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """sinks [Hq] (or None): each head's sink logit (see the module doc)."""
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # -> [B, H, S, D]
         gqa = k.shape[1] != q.shape[1]
-        if document_ids is None:
+        mask = None
+        if document_ids is not None or self.window is not None:
+            if document_ids is None:  # one document: the window alone
+                document_ids = q.new_zeros(q.shape[0], q.shape[2], dtype=torch.int64)
+            mask = document_mask(document_ids, self.causal, self.window)  # [B, 1, S, S]
+        if sinks is not None:
+            if not self.causal and mask is None:
+                mask = torch.ones(1, 1, q.shape[2], q.shape[2], dtype=torch.bool, device=q.device)
+            return _with_sinks(q, k, v, mask, sinks, self.scale).transpose(1, 2)
+        if mask is None:
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=self.causal, scale=self.scale, enable_gqa=gqa
             )
             return out.transpose(1, 2)
-        mask = document_mask(document_ids, self.causal)  # [B, 1, S, S]
         if gqa and q.device.type != "cpu":
             # NOTE: SDPA's CUDA kernel for arbitrary masks (memory-efficient attention) does
             # not take GQA; without the repeat it would fall back to the math path.
@@ -72,4 +124,5 @@ class AttentionCore(nn.Module):
         return out.transpose(1, 2)
 
     def extra_repr(self) -> str:
-        return f"scale={self.scale:.4g}, causal={self.causal}"
+        window = f", window={self.window}" if self.window is not None else ""
+        return f"scale={self.scale:.4g}, causal={self.causal}{window}"
