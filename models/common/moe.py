@@ -81,18 +81,23 @@ def grouped_mm(
 
 
 class TopKRouter(nn.Module):
-    """Softmax router in fp32, top-k, optional renormalisation of the top-k weights."""
+    """Softmax router in fp32, top-k, optional renormalisation of the top-k weights (which
+    equals a softmax over the top-k logits: GPT-OSS's router), optional logit bias."""
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+    def __init__(
+        self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool, bias: bool = False
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, dim] -> probs [T, E] fp32, top_weights [T, k] fp32, top_experts [T, k]."""
-        probs = F.linear(x.float(), self.weight.float()).softmax(dim=-1)
+        bias = self.bias.float() if self.bias is not None else None
+        probs = F.linear(x.float(), self.weight.float(), bias).softmax(dim=-1)
         top_weights, top_experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
@@ -194,14 +199,17 @@ class MoE(nn.Module):
         router: nn.Module,
         options: MoEOptions | None = None,
         shared_hidden_dim: int = 0,
+        experts: nn.Module | None = None,
     ) -> None:
+        """`experts`: the routed experts, `forward(x [N, dim] expert-major, tokens_per_expert)`
+        with stacked `[E, ...]` parameters (default: `GroupedExperts`, SwiGLU)."""
         super().__init__()
         options = options or MoEOptions()
         self.num_experts = router.num_experts
         self.top_k = router.top_k
         self.capacity_factor = options.capacity_factor
         self.gate = router
-        self.experts = GroupedExperts(self.num_experts, dim, hidden_dim, options.gemm)
+        self.experts = experts or GroupedExperts(self.num_experts, dim, hidden_dim, options.gemm)
         self.shared_experts = SwiGLU(dim, shared_hidden_dim) if shared_hidden_dim else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
