@@ -18,6 +18,9 @@ through it: it never looks up a hyper-parameter or a submodule by name. The piec
 - the built module (`CausalLM` below): plain PyTorch, mesh-agnostic. Share a tied
   embedding by using `embed_tokens.weight` in the head's matmul, not by sharing one
   Parameter between two modules (meta-device materialisation would untie them).
+- attention variants: stated per layer on the model's own `AttentionCore` (a sliding
+  `window`, and `sinks [Hq]` passed with each call), never as keys the trainer reads;
+  context parallelism takes them from the core it replaces (`models/gpt_oss/`).
 - `plan`: the declarative `ParallelPlan` (blocks, routed experts, attention cores).
 - `loss_terms(args)`: what the loss adds to the token cross-entropy (`LossTerms`).
 - `flops_per_token(model, seq_len)`: training FLOPs per token, for MFU; usually
