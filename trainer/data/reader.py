@@ -7,6 +7,8 @@ same order, and the same refusals.
 - JSON lines: one document per non-blank line, read as text mode would (UTF-8 with
   replacement, universal newlines), its `text_field` a string; a line that is not a JSON
   object with that field is refused by file:line;
+- long documents (`stream_over`, for `prepare`'s workers): the same text as a `TextStream`
+  of chunks read as they are used, never held whole (trainer/data/long_lines.py);
 - Hugging Face datasets: a saved directory (`load_from_disk`) or a hub name/script
   (`load_dataset`), one column; empty and None rows are skipped.
 
@@ -16,13 +18,16 @@ Messages name the option to fix in the caller's words: `data.*` keys for a train
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import os
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple
 
+from trainer.data import long_lines
 from trainer.errors import DataError
 
 READ_BYTES = 1 << 20  # bytes per read of a JSON-lines file
@@ -62,14 +67,46 @@ def read_text(path: str | os.PathLike) -> str:
     return Path(path).read_text(encoding="utf-8", errors="replace")
 
 
+class TextStream:
+    """A document too long to hold: its text in chunks, read as they are iterated (once, to
+    the end, before the next document); `where()` names it in messages (file or file:line)."""
+
+    def __init__(self, chunks: Iterator[str], where: Callable[[], str]) -> None:
+        self.chunks, self.where = chunks, where
+
+    def __iter__(self) -> Iterator[str]:
+        return self.chunks
+
+
+def text_document(path: str, stream_over: int | None = None) -> str | TextStream:
+    """`read_text(path)`, or for a file of more than `stream_over` bytes the same text as a
+    TextStream."""
+    if stream_over is None or os.path.getsize(path) <= stream_over:
+        return read_text(path)
+    return TextStream(_text_chunks(path), lambda: path)
+
+
+def _text_chunks(path: str) -> Iterator[str]:
+    # Text mode, as read_text reads: its incremental decoder keeps a character or a "\r\n"
+    # that a read cuts whole, so the chunks concatenate to read_text's text.
+    with open(path, encoding="utf-8", errors="replace") as f:
+        while chunk := f.read(READ_BYTES):
+            yield chunk
+
+
 # --- JSON lines ---------------------------------------------------------------------------
 
 
-def _chunks(path: str, start: int, end: int) -> Iterator[bytes]:
+def _chunks(
+    path: str, start: int, end: int, stream_over: int | None = None
+) -> Iterator[bytes | _LongLine]:
     """Bytes [start, end) of a file in pieces of about READ_BYTES, each cut just after a b"\\n".
 
     Cutting after "\\n" keeps a "\\r\\n" pair and every UTF-8 sequence (which never contains
-    byte 0x0A) whole, so decoding piece by piece equals decoding the whole file."""
+    byte 0x0A) whole, so decoding piece by piece equals decoding the whole file. With
+    `stream_over`, a line longer than that comes as a `_LongLine` (read it before the next
+    piece), the lines before it cut just after a lone "\\r" (0x0D is never in a sequence
+    either)."""
     with open(path, "rb") as f:
         f.seek(start)
         pos, carry = start, bytearray()
@@ -83,16 +120,78 @@ def _chunks(path: str, start: int, end: int) -> Iterator[bytes]:
             if cut:  # else a line longer than the block: keep reading
                 yield bytes(carry[:cut])
                 del carry[:cut]
+            if stream_over is not None and len(carry) > stream_over:
+                # NOTE: not after a last "\r": its "\n" may be in the next block.
+                head = carry.rfind(b"\r", 0, len(carry) - 1) + 1
+                if head:
+                    yield bytes(carry[:head])
+                    del carry[:head]
+                if len(carry) > stream_over:
+                    line = _LongLine(f, bytes(carry), pos, end)
+                    yield line
+                    for _ in line:  # what the caller left unread
+                        pass
+                    carry, pos = bytearray(line.rest), line.pos
         if carry:
             yield bytes(carry)
 
 
+_LINE_END = re.compile(rb"[\r\n]")
+
+
+class _LongLine:
+    """A line met by `_chunks`: its bytes, less its line end, in blocks as they are read
+    (once); then `nbytes` counts them with the line end, and `rest` is what was read after."""
+
+    def __init__(self, f: IO[bytes], head: bytes, pos: int, end: int) -> None:
+        self.f, self.pos, self.end = f, pos, end
+        self.nbytes, self.rest = 0, b""
+        self.blocks = self._blocks(head)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self.blocks
+
+    def _read(self) -> bytes:
+        block = self.f.read(min(READ_BYTES, self.end - self.pos)) if self.pos < self.end else b""
+        self.pos += len(block)
+        return block
+
+    def _blocks(self, data: bytes) -> Iterator[bytes]:
+        while data:
+            found = _LINE_END.search(data)
+            if found is None:
+                yield data
+                self.nbytes += len(data)
+                data = self._read()
+                continue
+            stop = found.start()
+            yield data[:stop]
+            after = stop + 1
+            if data[stop] == 0x0D:  # "\r", or "\r\n" (its "\n" perhaps in the next block)
+                if after == len(data):
+                    data += self._read()
+                after += data[after : after + 1] == b"\n"
+            self.nbytes += after
+            self.rest = data[after:]
+            return
+
+
 def _lines_before(path: str, offset: int) -> int:
     """How many lines precede byte `offset` (just after a "\\n"): only for error messages."""
-    count = 0
-    for chunk in _chunks(path, 0, offset):
-        count += chunk.count(b"\n") + chunk.count(b"\r") - chunk.count(b"\r\n")
+    count, last = 0, b""
+    with open(path, "rb") as f:
+        while f.tell() < offset and (block := f.read(min(READ_BYTES, offset - f.tell()))):
+            count += block.count(b"\n") + block.count(b"\r") - block.count(b"\r\n")
+            count -= last == b"\r" and block[:1] == b"\n"  # a "\r\n" across two blocks
+            last = block[-1:]
     return count
+
+
+def _not_json(where: str, msg: str, colno: int) -> DataError:
+    return DataError(
+        f"{where}: not valid JSON ({msg} at column {colno}); fix or delete that line (every "
+        "non-blank line of a .jsonl file must be one JSON object)"
+    )
 
 
 def _jsonl_text(line: str, at: Callable[[], str], field: str, opts: Options) -> str:
@@ -100,10 +199,11 @@ def _jsonl_text(line: str, at: Callable[[], str], field: str, opts: Options) -> 
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
-        raise DataError(
-            f"{at()}: not valid JSON ({err.msg} at column {err.colno}); fix or delete that "
-            "line (every non-blank line of a .jsonl file must be one JSON object)"
-        ) from None
+        raise _not_json(at(), err.msg, err.colno) from None
+    return _record_text(record, at, field, opts)
+
+
+def _record_text(record: Any, at: Callable[[], str], field: str, opts: Options) -> Any:
     if not isinstance(record, dict):
         raise DataError(
             f"{at()}: the line is a JSON {type(record).__name__}, not an object with a "
@@ -124,26 +224,79 @@ def _jsonl_text(line: str, at: Callable[[], str], field: str, opts: Options) -> 
     return text
 
 
+def _long_line(
+    chunks: Iterable[str], at: Callable[[], str], field: str, opts: Options
+) -> TextStream:
+    """The document of one long line as a stream, refused at its end as `_jsonl_text`
+    refuses it."""
+
+    def check(parser: long_lines.LineParser) -> None:
+        if parser.blank:  # as line.strip() sees it: no document
+            return
+        try:
+            record = parser.finish()
+        except json.JSONDecodeError as err:
+            raise _not_json(at(), err.msg, err.colno) from None
+        _record_text(record, at, field, opts)
+        if parser.field_keys > 1:
+            raise DataError(
+                f"{at()}: field {field!r} appears {parser.field_keys} times in this line; a "
+                "line this long is read as a stream, which cannot keep only the last one as "
+                "json.loads does: keep one"
+            )
+
+    return TextStream(long_lines.text_of_line(chunks, field, check), at)
+
+
+def _decoded(blocks: Iterable[bytes]) -> Iterator[str]:
+    """UTF-8 with replacement, as `bytes.decode` of all of them: a sequence that a block
+    boundary cuts is held until the next."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for block in blocks:
+        yield decoder.decode(block)
+    yield decoder.decode(b"", final=True)
+
+
 def jsonl_documents(
-    path: str, field: str, opts: Options, start: int = 0, end: int | None = None
-) -> Iterator[tuple[str, int]]:
+    path: str,
+    field: str,
+    opts: Options,
+    start: int = 0,
+    end: int | None = None,
+    stream_over: int | None = None,
+) -> Iterator[tuple[str | TextStream, int]]:
     """(text, input bytes consumed) of the lines in bytes [start, end) of a JSON-lines file;
-    `start` must be 0 or just after a newline. A text "" carries only progress."""
+    `start` must be 0 or just after a newline. A text "" carries only progress. With
+    `stream_over`, a line longer than that (bytes, or characters) comes as a TextStream."""
     end = os.path.getsize(path) if end is None else end
     lineno = 0  # within this piece; the absolute number is worked out only for errors
-    for chunk in _chunks(path, start, end):
+
+    def where(n: int) -> Callable[[], str]:
+        return lambda: f"{path}:{(_lines_before(path, start) if start else 0) + n}"
+
+    for chunk in _chunks(path, start, end, stream_over):
+        if isinstance(chunk, _LongLine):
+            lineno += 1
+            yield (stream := _long_line(_decoded(chunk), where(lineno), field, opts)), 0
+            for _ in stream:  # what the caller left unread: refused all the same
+                pass
+            yield "", chunk.nbytes
+            continue
         text = chunk.decode("utf-8", errors="replace")
         if "\r" in text:  # universal newlines, as in text mode: \r\n, \r, \n end a line
             text = text.replace("\r\n", "\n").replace("\r", "\n")
         # After a final newline, split gives one "" that is not a line.
         for line in text.split("\n")[: -1 if text.endswith("\n") else None]:
             lineno += 1
-            if line.strip():
-
-                def at(n: int = lineno) -> str:
-                    return f"{path}:{(_lines_before(path, start) if start else 0) + n}"
-
-                yield _jsonl_text(line, at, field, opts), 0
+            if not line.strip():
+                continue
+            if stream_over is not None and len(line) > stream_over:
+                pieces = (line[i : i + READ_BYTES] for i in range(0, len(line), READ_BYTES))
+                yield (stream := _long_line(pieces, where(lineno), field, opts)), 0
+                for _ in stream:
+                    pass
+            else:
+                yield _jsonl_text(line, where(lineno), field, opts), 0
         yield "", len(chunk)
 
 

@@ -27,7 +27,7 @@ from trainer.data.reader import COMMAND_LINE
 from trainer.data.shards import file_sha256
 from trainer.errors import DataError
 from trainer.fileio import fsync_path, read_json, write_atomic
-from trainer.prepare import instructions
+from trainer.prepare import instructions, long_docs
 
 WORK_DIR = ".work"  # plan.json and one done-NNNNN.json per finished unit
 BATCH_CHARS = 1 << 20  # text per tokenizer call: bounds a worker's memory, amortises the call
@@ -48,16 +48,17 @@ def marker_path(out: str, index: int) -> str:
 # --- reading documents: trainer.data.reader's rules, with progress in input bytes -----------
 
 
-def _jsonl_documents(job: Job, unit: dict) -> Iterator[tuple[str, int]]:
-    """(text, input bytes consumed): text "" carries only progress."""
+def _jsonl_documents(job: Job, unit: dict) -> Iterator[tuple[Any, int]]:
+    """(text or a long one's TextStream, input bytes consumed): "" carries only progress."""
+    for file_index, start, end in unit["pieces"]:
+        path, field, long = job["files"][file_index], job["text_field"], long_docs.STREAM_BYTES
+        yield from reader.jsonl_documents(path, field, COMMAND_LINE, start, end, long)
+
+
+def _text_documents(job: Job, unit: dict) -> Iterator[tuple[Any, int]]:
     for file_index, start, end in unit["pieces"]:
         path = job["files"][file_index]
-        yield from reader.jsonl_documents(path, job["text_field"], COMMAND_LINE, start, end)
-
-
-def _text_documents(job: Job, unit: dict) -> Iterator[tuple[str, int]]:
-    for file_index, start, end in unit["pieces"]:
-        yield reader.read_text(job["files"][file_index]), end - start
+        yield reader.text_document(path, long_docs.STREAM_BYTES), end - start
 
 
 def _instruction_documents(job: Job, unit: dict) -> Iterator[tuple[Any, int]]:
@@ -170,6 +171,14 @@ class ShardWriter:
     def _write(self, which: int, data: bytes) -> None:
         self.files[which].write(data)
         self.digests[which].update(data)
+
+    def add_part(self, ids: np.ndarray) -> None:
+        """Append ids of a document written in parts (trainer/prepare/long_docs.py), which
+        `add(no ids, lengths [0])` then ends: its EOS and .docs end offset."""
+        data = ids.astype(self.dtype).tobytes()
+        self._write(0, data)
+        self.blocks[0].update(data)
+        self.tokens += len(ids)
 
     def add(
         self,
@@ -297,7 +306,10 @@ def run_unit(
     try:
         for text, consumed in documents:
             nbytes += consumed
-            if text:
+            if isinstance(text, reader.TextStream):  # a long document, tokenized in pieces
+                flush()
+                long_docs.write(text, writer, _TOKENIZERS.get(job["tokenizer_path"]), report, alive)
+            elif text:
                 batch.append(text)
                 chars += len(text)
             if chars >= BATCH_CHARS:
