@@ -15,8 +15,10 @@ breaks is compiled):
   the experts' own forward is a graph of its own.
 - context parallelism: the ring (`ContextParallelAttention.forward`) runs eagerly
   (parallelisms/context_parallel.py: a fresh ring handle per call).
+- bf16 (`train.mixed_precision`): at the router's call. The plan's `fp32_modules` are FSDP
+  units of their own (kept in fp32), and dynamo skips FSDP hooks.
 - the grouped GEMM traces as one op on every dtype (models/common/grouped_gemm.py), so
-  without EP and CP a block is one graph.
+  without EP and CP (and in fp32) a block is one graph.
 
 NOTE: compile goes *inside* activation checkpointing (torchtitan puts it outside): our
 checkpointing runs the replay in eager `torch.utils.checkpoint` with its own contexts

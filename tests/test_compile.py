@@ -23,6 +23,7 @@ from tests.parity import STEPS, TINY, stepped_records
 from trainer.config import ConfigError, load_config
 
 TOL = 1e-5
+BF16_TOL = 1e-2  # see test_compile_matches_eager_in_bf16
 MODES = {  # name: extra argv
     "eager": [],
     "compile": ["--train.compile=true"],
@@ -76,7 +77,9 @@ def _max_diffs(ours: list[dict], ref: list[dict]) -> dict[str, float]:
     return diffs
 
 
-def _run(tmp_path, world: int, layout: list[str], modes: list[str]) -> dict[str, dict]:
+def _run(
+    tmp_path, world: int, layout: list[str], modes: list[str], tol: float = TOL
+) -> dict[str, dict]:
     run_distributed(_modes_worker, world, [*TINY, *layout], modes, str(tmp_path))
     runs = {mode: torch.load(tmp_path / f"{mode}.pt") for mode in modes}
     eager = runs["eager"]
@@ -85,7 +88,7 @@ def _run(tmp_path, world: int, layout: list[str], modes: list[str]) -> dict[str,
         assert runs[mode]["graphs"] > 0, f"{mode}: nothing was compiled"
         diffs = _max_diffs(runs[mode]["records"], eager["records"])
         print(f"{mode} vs eager, world {world} {layout}: max |diff| {diffs}")
-        assert all(d <= TOL for d in diffs.values()), f"{mode}: {diffs}"
+        assert all(d <= tol for d in diffs.values()), f"{mode}: {diffs}"
     return runs
 
 
@@ -133,3 +136,15 @@ def test_fp32_grouped_mm_traces_as_one_op(impl):
 def test_compile_with_selective_checkpointing_is_refused():
     with pytest.raises(ConfigError, match="train.compile=true cannot compile under"):
         load_config([*TINY, "--train.compile=true", "--train.activation_checkpoint=selective"])
+
+
+@pytest.mark.slow
+def test_compile_matches_eager_in_bf16(tmp_path):
+    """bf16 on CPU: inductor's fused element-wise math rounds to bf16 at other places than
+    eager's op-by-op kernels, so the runs agree to bf16's precision (measured: 6e-4 on the
+    loss, 5e-3 on the grad norm, 3e-3 on any gradient or parameter), not fp32's."""
+    runs = _run(tmp_path, 1, ["--train.mixed_precision=bf16"], ["eager", "compile"], tol=BF16_TOL)
+    # The graph breaks only at the router: its own FSDP unit in fp32 under bf16, whose
+    # all-gather hooks dynamo skips (parallelisms/compile.py).
+    breaks = runs["compile"]["breaks"]
+    assert breaks and all("skipping FSDP hooks" in b or "`disable`" in b for b in breaks), breaks
