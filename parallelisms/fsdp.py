@@ -90,3 +90,22 @@ def set_prefetch_chains(
             block.set_modules_to_forward_prefetch(units(i + 1))
         if i > 0:
             block.set_modules_to_backward_prefetch(units(i - 1))
+
+
+def gather_once_per_step(model: nn.Module, last_micro_batch: bool) -> None:
+    """`parallel.fsdp_gather=step`: call before each micro-batch's forward.
+
+    Parameters gathered by the first forward stay gathered through every later forward and
+    backward (no reshard after forward; after backward only at the last micro-batch), and
+    gradients accumulate unsharded in fp32 (the policy's reduce dtype) until the last
+    backward reduces them once. So a step all-gathers each unit once and reduce-scatters
+    once, where `micro_batch` does it per micro-batch (twice for the gathers of resharded
+    units); the price is every unit's unsharded parameters and gradients held at once.
+    NOTE: the sum over micro-batches then happens before the reduction instead of after
+    it: the same gradients up to fp32 rounding order.
+    """
+    if not isinstance(model, FSDPModule):
+        return
+    model.set_reshard_after_forward(False, recurse=True)
+    model.set_reshard_after_backward(last_micro_batch, recurse=True)
+    model.set_requires_gradient_sync(last_micro_batch, recurse=True)

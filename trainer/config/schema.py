@@ -192,6 +192,15 @@ class ParallelSection:
         "block kernel of ring attention: auto | cpu_flash (CPU, equal head dims) | math",
         choices=("auto", "cpu_flash", "math"),
     )
+    fsdp_gather: str = arg(
+        "micro_batch",
+        "when FSDP gathers parameters and reduces gradients under accumulation: micro_batch "
+        "(gathered again for every micro-batch's forward and backward, gradients reduced per "
+        "micro-batch: least memory) | step (gathered once per step and kept until the last "
+        "micro-batch's backward, gradients accumulated unsharded in fp32 and reduced once: "
+        "the bytes of one micro-batch, the memory of unsharded parameters and gradients)",
+        choices=("micro_batch", "step"),
+    )
 
 
 @dataclass

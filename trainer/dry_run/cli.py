@@ -77,11 +77,32 @@ def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str
         "per_step": layout.comm,
         "peak": peak_bytes(layout, cfg.train.activation_checkpoint),
     }
+    c, ac = layout.comm, cfg.train.activation_checkpoint
+    out["fsdp_gather"] = {
+        "configured": cfg.parallel.fsdp_gather,
+        "micro_batch": {"all_gather": c["fsdp_all_gather"], "reduce_scatter":
+                        c["fsdp_reduce_scatter"], "peak": peak_bytes(layout, ac, gather="micro_batch")},
+        "step": {"all_gather": c["fsdp_all_gather_once"], "reduce_scatter":
+                 c["fsdp_reduce_scatter_once"], "peak": peak_bytes(layout, ac, gather="step")},
+    }  # fmt: skip
     if gpu_memory is not None:
         out["gpu_memory_gib"] = gpu_memory
         out["fits"] = out["peak"] <= gpu_memory * GIB
         out["suggestions"] = [{"flag": flag, "peak": peak} for flag, peak in suggestions]
+        out["fsdp_gather"]["pick"] = pick_fsdp_gather(out["fsdp_gather"], c, gpu_memory * GIB)
     return out
+
+
+def pick_fsdp_gather(options: dict, comm: dict, budget: float) -> str:
+    """`step` where it moves fewer bytes (more than one micro-batch per step) and its peak
+    fits the budget; else `micro_batch`, which needs the least memory."""
+    step = options["step"]
+    fewer = step["all_gather"] + step["reduce_scatter"] < (
+        options["micro_batch"]["all_gather"] + options["micro_batch"]["reduce_scatter"]
+    )
+    return (
+        "step" if comm["micro_batches"] > 1 and fewer and step["peak"] <= budget else "micro_batch"
+    )
 
 
 def format_report(r: dict) -> str:
@@ -115,6 +136,16 @@ def format_report(r: dict) -> str:
         f"{c['ep_all_to_all_full_ac'] / unit:.2f} with full checkpointing); CP ring "
         f"{c['cp_ring'] / unit:.2f}",
     ]
+    f = r["fsdp_gather"]
+    for mode, label in (("micro_batch", "per micro-batch"), ("step", "once per step")):
+        o = f[mode]
+        mark = "  <- configured" if mode == f["configured"] else ""
+        mark += "  <- pick" if f.get("pick") == mode else ""
+        lines.append(
+            f"FSDP gathers {label:<16} all-gather {o['all_gather'] / unit:.2f}, reduce-scatter "
+            f"{o['reduce_scatter'] / unit:.2f}, peak {_size(o['peak'])}"
+            f" (--parallel.fsdp_gather={mode}){mark}"
+        )
     if "fits" in r:
         verdict = "fits" if r["fits"] else "does NOT fit"
         lines.append(f"\n--gpu-memory {r['gpu_memory_gib']:g}: peak {_size(r['peak'])}: {verdict}")

@@ -24,6 +24,9 @@ class Layout:
     fsdp_buffers: int  # all-gathered/unsharded-gradient buffers alive at once (peak)
     comm: dict  # per step, per rank, bytes
     activations: dict  # mode -> footprint.StepTrace
+    # parallel.fsdp_gather=step: every unit's gathered parameters and unsharded fp32
+    # gradients, held together through the step's last backward
+    fsdp_step_buffers: int = 0
 
 
 def _param_dtype(cfg):
@@ -126,6 +129,7 @@ def measure_layout(cfg, world_size: int, modes=MODES) -> Layout:
         _fsdp_buffers(units),
         _comm(units, dims, grad_accum, any_trace),
         activations,
+        int(sum((u.gathered + u.grads) * u.weight for u in units)),
     )
 
 
@@ -157,7 +161,10 @@ def _comm(units: list[FsdpUnit], dims, grad_accum: int, trace) -> dict:
     a2a_pair = trace.routed * leaving * 2  # dispatch and combine
     cp = dims.cp
     ring = 0 if cp == 1 else trace.kv * (cp - 1) * 2 + trace.kv_fp32 * cp
+    gathered_once = sum(u.gathered * u.weight for u in units)  # fsdp_gather=step
     return {
+        "fsdp_all_gather_once": int(gathered_once),
+        "fsdp_reduce_scatter_once": int(scatters),
         "fsdp_all_gather": int(gathers * grad_accum),
         "fsdp_reduce_scatter": int(scatters * grad_accum),
         "hsdp_all_reduce": int(scatters / dims.fsdp_size * grad_accum)
@@ -217,11 +224,14 @@ def _trace(cfg, spec, dims, meshes, mode: str, sharded_grad_bytes: int):
     return trace_step(model, spec.plan, run_step, sharded_grad_bytes, sampled)
 
 
-def step_bytes(layout: Layout, mode: str, rank: int = 0) -> int:
+def step_bytes(layout: Layout, mode: str, rank: int = 0, gather: str | None = None) -> int:
     """What a step adds to the resting state at its highest point: activations and
     gradients (all of them already, from the second micro-batch of an accumulation on),
-    and FSDP's buffers."""
+    and FSDP's buffers. `gather`: `parallel.fsdp_gather` (default: the config's); with
+    `step`, every unit's gathered parameters and unsharded gradients instead."""
     trace = layout.activations[mode]
+    if (gather or layout.cfg.parallel.fsdp_gather) == "step":
+        return trace.activations + layout.fsdp_step_buffers
     if layout.comm["micro_batches"] > 1:
         working = trace.activations + layout.state.grads[rank]
     else:
@@ -229,6 +239,6 @@ def step_bytes(layout: Layout, mode: str, rank: int = 0) -> int:
     return working + layout.fsdp_buffers
 
 
-def peak_bytes(layout: Layout, mode: str, rank: int = 0) -> int:
+def peak_bytes(layout: Layout, mode: str, rank: int = 0, gather: str | None = None) -> int:
     s = layout.state
-    return s.params[rank] + s.optimizer[rank] + step_bytes(layout, mode, rank)
+    return s.params[rank] + s.optimizer[rank] + step_bytes(layout, mode, rank, gather)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from models import get_model_spec
 from parallelisms.clip import clip_grads_, grad_norm
 from parallelisms.dims import ParallelDims
+from parallelisms.fsdp import gather_once_per_step
 from parallelisms.init import init_weights_global
 from parallelisms.mesh import build_meshes
 from parallelisms.plan import match_modules
@@ -183,7 +184,10 @@ class Trainer:
         the tokens routed to each expert ([L, E], this rank, summed over micro-batches).
         """
         self.step_loss.begin(micro_batches)  # global counts: one all-reduce
-        for mb in micro_batches:
+        once = self.cfg.parallel.fsdp_gather == "step"
+        for i, mb in enumerate(micro_batches):
+            if once:
+                gather_once_per_step(self.model, i == len(micro_batches) - 1)
             inputs = model_inputs(mb, self.terms, self.cfg.data.document_mask)
             out = self.model(mb.input_ids, mb.position_ids, **inputs)
             self.step_loss(out, mb).backward()
