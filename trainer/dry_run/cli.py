@@ -1,7 +1,8 @@
 """Will it fit? Plan a launch on one CPU process, before paying for the GPUs.
 
     python -m trainer.dry_run --world-size N --config X.toml [--section.key=value ...]
-        [--json FILE] [--gpu-memory GiB]
+        [--json FILE] [--gpu-memory GiB] [--search] [--hardware h100|h200|h800]
+        [--gpu-tflops F] [--efficiency E] [--intra-gbps B] [--inter-gbps B] [--ranks-per-node R]
 
 The real mesh is built over PyTorch's fake process group (one process plays rank 0 of N;
 collectives do nothing), the model on the meta device, the real plan applied. What it
@@ -10,7 +11,9 @@ the activation peak of one micro-batch for each `train.activation_checkpoint` mo
 rank's peak estimate; per step: FSDP all-gather and reduce-scatter bytes, the EP
 all-to-all bytes under balanced routing and the CP ring bytes. Every refusal of a real
 launch applies (`trainer.loop.setup.preflight`, exit 2). With --gpu-memory it says whether the
-layout fits and, if not, which knob brings it in. How each figure is measured:
+layout fits and, if not, which knob brings it in; last, the estimated step time on the
+`--hardware` (and with --search the layouts that fit, fastest first:
+`trainer.dry_run.search`). How each figure is measured:
 `trainer.dry_run.footprint` and docs/architecture.md ("Will it fit?").
 """
 
@@ -22,9 +25,21 @@ import sys
 import time
 
 from trainer.dry_run.layout_cost import MODES, Layout, measure_layout, peak_bytes, step_bytes
+from trainer.dry_run.search import (
+    PRESETS,
+    describe,
+    estimate,
+    flops_per_token,
+    format_ranked,
+    hardware,
+    run_search,
+)
 from trainer.fileio import write_atomic
 
 GIB = 2**30
+# flags that override the --hardware preset's figures (trainer.dry_run.search.Hardware)
+HW_FLAGS = {"--gpu-tflops": "tflops", "--efficiency": "efficiency", "--intra-gbps": "intra_gbps",
+            "--inter-gbps": "inter_gbps", "--ranks-per-node": "ranks_per_node"}  # fmt: skip
 
 
 # --- the report --------------------------------------------------------------------------
@@ -209,7 +224,10 @@ def _variant(cfg, **sections):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    flags = {"--world-size": None, "--json": None, "--gpu-memory": None}
+    flags = {"--world-size": None, "--json": None, "--gpu-memory": None, "--hardware": "h100",
+             **dict.fromkeys(HW_FLAGS)}  # fmt: skip
+    search_flag = "--search" in argv
+    argv = [a for a in argv if a != "--search"]
     rest = []
     while argv:
         arg = argv.pop(0)
@@ -226,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("give the launch's size: --world-size N (all ranks of all nodes)")
         world_size = int(flags["--world-size"])
         gpu_memory = float(flags["--gpu-memory"]) if flags["--gpu-memory"] else None
+        if flags["--hardware"] not in PRESETS:
+            raise ConfigError(
+                f"--hardware {flags['--hardware']!r}: use one of {', '.join(PRESETS)}"
+            )
+        hw = hardware(flags["--hardware"], **{
+            field: (int if field == "ranks_per_node" else float)(flags[flag])
+            for flag, field in HW_FLAGS.items() if flags[flag]})  # fmt: skip
         if not any(a == "--config" or a.startswith("--config=") for a in rest):
             raise ConfigError("no --config given: pass --config FILE.toml")
         cfg = load_config(rest)
@@ -238,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except ValueError as err:  # --gpu-memory not a number
-        print(f"error: --gpu-memory: {err}", file=sys.stderr)
+    except ValueError as err:  # --gpu-memory or a hardware figure not a number
+        print(f"error: --gpu-memory and the hardware flags take numbers: {err}", file=sys.stderr)
         return 2
 
     import torch.distributed as dist
@@ -250,11 +275,32 @@ def main(argv: list[str] | None = None) -> int:
     try:
         layout = measure_layout(cfg, world_size)
         suggestions = suggest(layout, world_size, gpu_memory * GIB) if gpu_memory else []
+        mode = cfg.train.activation_checkpoint
+        flops = flops_per_token(cfg)
+        configured = estimate(layout, mode, flops, hw)
+        if search_flag:
+            budget = (gpu_memory or hw.memory_gib) * GIB
+            ranked = run_search(
+                cfg, world_size, hw, budget, log=lambda m: print(m, file=sys.stderr)
+            )
     finally:
         dist.destroy_process_group()
     result = report(layout, gpu_memory, suggestions)
+    result["hardware"] = describe(hw)
+    result["flops_per_token"] = flops
+    result["estimate"] = configured
+    lines = [format_report(result), "", (
+        f"estimated step on {hw.name}: {configured['step_s']:.3f} s, "
+        f"{configured['tokens_per_s']:,.0f} tok/s (compute {configured['compute_s']:.3f} s at "
+        f"{hw.tflops:g} TFLOP/s x {hw.efficiency:g}; all-to-all "
+        f"{configured['comm_s']['ep_all_to_all']:.3f} s; FSDP {configured['comm_s']['fsdp']:.3f} s, "
+        f"ring {configured['comm_s']['cp_ring']:.3f} s, HSDP {configured['comm_s']['hsdp']:.3f} s "
+        f"under compute, {configured['exposed_background_s']:.3f} s exposed)")]  # fmt: skip
+    if search_flag:
+        result["search"] = ranked
+        lines += ["", *format_ranked(ranked, hw)]
     result["planning_s"] = round(time.perf_counter() - start, 1)
-    print(format_report(result))
+    print("\n".join(lines))
     if flags["--json"]:
         write_atomic(flags["--json"], json.dumps(result, indent=1))
     return 0

@@ -173,6 +173,8 @@ def _comm(units: list[FsdpUnit], dims, grad_accum: int, trace) -> dict:
         "ep_all_to_all": int(a2a_pair * 2 * grad_accum),
         "ep_all_to_all_full_ac": int(a2a_pair * 3 * grad_accum),
         "cp_ring": int(ring * grad_accum),
+        # full checkpointing's replay sends the forward's K/V blocks again
+        "cp_ring_full_ac": int((ring + (trace.kv * (cp - 1) if cp > 1 else 0)) * grad_accum),
         "micro_batches": grad_accum,
     }
 

@@ -1,0 +1,195 @@
+"""Which layout is fastest? A step-time model over the planner's measured bytes and FLOPs
+(`python -m trainer.dry_run ... --search`; docs/architecture.md, "Step-time model").
+
+The model, per rank and step (every figure it uses is printed with the estimate):
+
+- compute: training FLOPs of the rank's tokens (the model's own `flops_per_token`, as MFU
+  counts them; `full` checkpointing adds one forward: x4/3; `selective` keeps the matmul
+  outputs, so its replay adds only element-wise work, not counted) / (peak x efficiency);
+- each collective's bytes on the wire (ring algorithms: (n-1)/n of an all-gather or
+  reduce-scatter, 2(n-1)/n of an all-reduce; the all-to-all's bytes already leave the
+  rank) / the bandwidth of the link it crosses: inside a node while its group fits in one
+  (groups are runs of consecutive ranks, `parallelisms.mesh`), else across nodes; an
+  all-to-all over more ranks than a node splits its bytes between the two;
+- overlap as the trainer has it: FSDP's gathers and reductions are prefetched and run
+  under compute, and so do the ring's transfers (posted before each block is computed), so
+  only what exceeds the compute shows; the expert all-to-all waits for its split sizes on
+  the host and is not overlapped: step = compute + all-to-all + max(0, background - compute).
+
+Not modelled: kernel efficiency per shape, routing imbalance (balanced routing, as the
+byte counts), latency of small messages, and the optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU and its node's links; the presets' figures are nominal per-GPU ones."""
+
+    name: str
+    tflops: float  # dense bf16 peak per GPU
+    efficiency: float  # the fraction of that peak the kernels reach
+    intra_gbps: float  # GB/s per GPU per direction inside a node (NVLink)
+    inter_gbps: float  # GB/s per GPU per direction across nodes (one NIC per GPU)
+    ranks_per_node: int
+    memory_gib: float
+
+
+PRESETS = {
+    # 8 x H100 SXM: NVLink 4 (900 GB/s both ways), one 400 Gb/s NIC per GPU
+    "h100": Hardware("8 x H100 SXM, NVLink 4, 8 x 400 Gb/s", 989, 0.5, 450, 50, 8, 80),
+    # 8 x H200 SXM: the same compute and links, more memory
+    "h200": Hardware("8 x H200 SXM, NVLink 4, 8 x 400 Gb/s", 989, 0.5, 450, 50, 8, 141),
+    # DeepSeek-V3's cluster (its report): NVLink 400 GB/s both ways, 400 Gb/s InfiniBand
+    "h800": Hardware("8 x H800, NVLink 400 GB/s, 8 x 400 Gb/s", 989, 0.5, 200, 50, 8, 80),
+}
+
+
+def hardware(preset: str, **overrides: float | None) -> Hardware:
+    hw = PRESETS[preset]
+    return replace(hw, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _link(group: int, hw: Hardware) -> float:
+    """GB/s of a group of `group` consecutive ranks' collectives."""
+    return hw.intra_gbps if group <= hw.ranks_per_node else hw.inter_gbps
+
+
+def estimate(layout, mode: str, flops_per_token: float, hw: Hardware) -> dict:
+    """Step time of `layout` (a `layout_cost.Layout`) under checkpointing `mode`."""
+    cfg, dims, comm = layout.cfg, layout.dims, layout.comm
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len  # per step, all ranks
+    flops = flops_per_token * tokens / dims.world_size * (4 / 3 if mode == "full" else 1.0)
+    compute_s = flops / (hw.tflops * 1e12 * hw.efficiency)
+    fsdp_n = dims.dp_shard * dims.cp
+    ring_f = (fsdp_n - 1) / fsdp_n
+    gather = comm[
+        "fsdp_all_gather_once" if cfg.parallel.fsdp_gather == "step" else "fsdp_all_gather"
+    ]
+    scatter = comm["fsdp_reduce_scatter_once" if cfg.parallel.fsdp_gather == "step" else "fsdp_reduce_scatter"]  # fmt: skip
+    seconds = {
+        "fsdp": (gather + scatter) * ring_f / (_link(fsdp_n, hw) * GB),
+        # replicas are fsdp_n ranks apart: across nodes once a shard group fills a node
+        "hsdp": comm["hsdp_all_reduce"] * 2 * (dims.dp_replicate - 1) / dims.dp_replicate
+        / (_link(fsdp_n * dims.dp_replicate, hw) * GB),
+        "cp_ring": comm["cp_ring_full_ac" if mode == "full" else "cp_ring"] / (_link(dims.cp, hw) * GB),
+    }  # fmt: skip
+    a2a = comm["ep_all_to_all_full_ac" if mode == "full" else "ep_all_to_all"]
+    if dims.ep > hw.ranks_per_node:  # of the ep - 1 peers a row may go to, these are remote
+        remote = (dims.ep - hw.ranks_per_node) / (dims.ep - 1)
+        seconds["ep_all_to_all"] = max(
+            a2a * (1 - remote) / (hw.intra_gbps * GB), a2a * remote / (hw.inter_gbps * GB)
+        )
+    else:
+        seconds["ep_all_to_all"] = a2a / (hw.intra_gbps * GB)
+    background = seconds["fsdp"] + seconds["hsdp"] + seconds["cp_ring"]
+    step_s = compute_s + seconds["ep_all_to_all"] + max(0.0, background - compute_s)
+    return {
+        "flops_per_rank": flops,
+        "compute_s": compute_s,
+        "comm_s": seconds,
+        "exposed_background_s": max(0.0, background - compute_s),
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+    }
+
+
+def candidates(cfg, world_size: int, hw: Hardware) -> list[dict]:
+    """Layouts to try: HSDP across nodes or not, cp, ep, micro-batch (each a dict of
+    `parallel`/`train` values); the checkpointing modes come with each measurement, and a
+    layout the model cannot take (ep not dividing its experts) is dropped when measured."""
+    node = hw.ranks_per_node
+    replicas = {1} | (
+        {world_size // node} if world_size > node and world_size % node == 0 else set()
+    )
+    out = []
+    for rep in sorted(replicas):
+        shard_world = world_size // rep
+        for cp in (1, 2, 4, 8):
+            if cp > min(node, shard_world) or shard_world % cp or cfg.data.seq_len % (2 * cp):
+                continue
+            dp = world_size // cp
+            for ep in (1, 2, 4, 8, 16, 32, 64):
+                if ep > shard_world or shard_world % ep:
+                    continue
+                for mb in (1, 2, 4):
+                    if cfg.train.global_batch_size % (dp * mb):
+                        continue
+                    out.append({"parallel": {"dp_replicate": rep, "dp_shard": shard_world // cp,
+                                             "cp": cp, "ep": ep},
+                                "train": {"micro_batch_size": mb}})  # fmt: skip
+    return out
+
+
+def run_search(cfg, world_size: int, hw: Hardware, budget: float, log=print) -> list[dict]:
+    """Every candidate x checkpointing mode that fits `budget` bytes, fastest first."""
+    import copy
+
+    from trainer.config import ConfigError
+    from trainer.dry_run.layout_cost import MODES, measure_layout, peak_bytes
+
+    flops = flops_per_token(cfg)
+    ranked, tried = [], candidates(cfg, world_size, hw)
+    for i, cand in enumerate(tried, start=1):
+        trial = copy.deepcopy(cfg)
+        for section, values in cand.items():
+            for key, value in values.items():
+                setattr(getattr(trial, section), key, value)
+        try:
+            layout = measure_layout(trial, world_size)
+        except (ValueError, ConfigError) as err:  # e.g. ep not dividing the experts
+            log(f"  [{i}/{len(tried)}] {cand['parallel']} skipped: {err}")
+            continue
+        for mode in MODES:
+            trial.train.activation_checkpoint = mode
+            peak = peak_bytes(layout, mode)
+            if peak > budget:
+                continue
+            est = estimate(layout, mode, flops, hw)
+            ranked.append({**cand["parallel"], "micro_batch_size": cand["train"]["micro_batch_size"],
+                           "activation_checkpoint": mode, "peak": peak, "comm_bytes": layout.comm,
+                           **est})  # fmt: skip
+        log(
+            f"  [{i}/{len(tried)}] measured {cand['parallel']}, micro-batch {cand['train']['micro_batch_size']}"
+        )
+    ranked.sort(key=lambda r: -r["tokens_per_s"])
+    return ranked
+
+
+def flops_per_token(cfg) -> float:
+    """Training FLOPs per token of the config's model (the model's own count, as MFU's)."""
+    import torch
+
+    from models import get_model_spec
+
+    spec = get_model_spec(cfg.model.name)
+    with torch.device("meta"):
+        return spec.flops_per_token(spec.build(cfg.model.args), cfg.data.seq_len)
+
+
+def format_ranked(ranked: list[dict], hw: Hardware, top: int = 10) -> list[str]:
+    lines = [f"fastest layouts that fit ({hw.name}: {hw.tflops:g} TFLOP/s x {hw.efficiency:g}, "
+             f"{hw.intra_gbps:g} GB/s in a node, {hw.inter_gbps:g} GB/s across, "
+             f"{hw.ranks_per_node} per node):",
+             "      tok/s     step s   compute       a2a   exposed  layout"]  # fmt: skip
+    for r in ranked[:top]:
+        lines.append(
+            f"  {r['tokens_per_s']:>9,.0f}  {r['step_s']:9.3g} {r['compute_s']:9.3g} "
+            f"{r['comm_s']['ep_all_to_all']:9.3g} {r['exposed_background_s']:9.3g}  "
+            f"--parallel.dp_replicate={r['dp_replicate']} --parallel.dp_shard={r['dp_shard']} "
+            f"--parallel.cp={r['cp']} --parallel.ep={r['ep']} "
+            f"--train.micro_batch_size={r['micro_batch_size']} "
+            f"--train.activation_checkpoint={r['activation_checkpoint']}"
+        )
+    if not ranked:
+        lines.append("  none fits: more ranks, or a smaller global batch or sequence")
+    return lines
+
+
+def describe(hw: Hardware) -> dict:
+    return asdict(hw)
