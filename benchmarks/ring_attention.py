@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from parallelisms.context_parallel import RingStats, ring_attention  # noqa: E402
 from parallelisms.cp_schedule import (  # noqa: E402
     attention_work,
+    balanced_table,
     document_attention_work,
     ring_blocks,
     split_for_cp,
@@ -81,7 +82,11 @@ def _balance(per_rank: list[float]) -> float:
 
 
 def document_work_report(
-    seq: int, samples: int, sigma: float, cps=(2, 4, 8), layouts=("zigzag", "contiguous")
+    seq: int,
+    samples: int,
+    sigma: float,
+    cps=(2, 4, 8),
+    layouts=("zigzag", "contiguous", "balanced"),
 ) -> list[dict]:
     """Per cp and layout, over `samples` packed samples (one micro-batch row each): the
     max/mean of per-rank visible pairs (the useful work) and of computed pairs, the ring's
@@ -91,12 +96,15 @@ def document_work_report(
     rows = []
     for cp in cps:
         for layout in layouts:
-            zigzag = layout == "zigzag"
+            zigzag = layout in ("zigzag", "balanced")  # balanced: skipped work vs zigzag's
             causal_pairs = sum(attention_work(cp, seq, True, zigzag))
             rect = sum(map(sum, _ring_rectangles(cp, seq, zigzag)))
             seen_bal, done_bal, path, seen_all, done_all = [], [], [], 0, 0
             for sample in ids:
-                seen, done = document_attention_work(sample[None], cp, True, zigzag)
+                table = balanced_table(sample[None], cp) if layout == "balanced" else None
+                seen, done = document_attention_work(
+                    sample[None], cp, True, layout == "zigzag", table=table
+                )
                 seen_rank, done_rank = [sum(r) for r in seen], [sum(r) for r in done]
                 seen_bal.append(_balance(seen_rank))
                 done_bal.append(_balance(done_rank))

@@ -111,10 +111,12 @@ class Ring:
     posts."""
 
     def __init__(
-        self, group, scale, causal, zigzag, kernel: BlockKernel, stats: RingStats, window=None
-    ):
+        self, group, scale, causal, zigzag, kernel: BlockKernel, stats: RingStats, window=None,
+        table=None,
+    ):  # fmt: skip
         self.group, self.scale, self.causal, self.zigzag = group, scale, causal, zigzag
         self.kernel, self.stats, self.window = kernel, stats, window
+        self.table = table  # a balanced layout's chunks per rank (cp_schedule.balanced_table)
         # Document masks: the (rows, cols) pieces of each ring step, decided in forward and
         # reused by backward, so both skip the same block pairs (and backward reads no mask
         # bounds back from the device).
@@ -125,7 +127,8 @@ class Ring:
         """Global positions of `rank`'s local rows (computed once per ring and rank)."""
         if rank not in self._positions:
             cp = self.group.size()
-            self._positions[rank] = local_positions(rank, cp, seq, self.zigzag).to(device)
+            pos = local_positions(rank, cp, seq, self.zigzag, self.table)
+            self._positions[rank] = pos.to(device)
         return self._positions[rank]
 
 
@@ -139,7 +142,9 @@ def _step_blocks(ring: Ring, step: int, src: int, seq: int, ids, k_ids):
             (r, c, bc, None) for r, c, bc in ring_blocks(rank, src, seq, ring.causal, ring.zigzag)
         ]
     if step == len(ring.pieces):  # forward: which pieces does any query see into?
-        pieces = document_blocks(rank, src, cp, ids, k_ids, ring.causal, ring.zigzag, window)
+        pieces = document_blocks(
+            rank, src, cp, ids, k_ids, ring.causal, ring.zigzag, window, ring.table
+        )
         ring.pieces.append(pieces)
     q_pos, k_pos = (ring.positions(r, seq, ids.device) for r in (rank, src))
     return [
@@ -311,6 +316,7 @@ def ring_attention(
     document_ids: torch.Tensor | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a sequence split across ranks: q [B, s, Hq, D], k [B, s, Hkv, D],
     v [B, s, Hkv, Dv] (s = S / cp) -> out [B, s, Hq, Dv], lse [B, Hq, s] (fp32).
@@ -323,8 +329,13 @@ def ring_attention(
     only the keys of its own document (causally if `causal`); None: no document mask.
     window: a query sees only keys fewer than `window` positions away (sliding window).
     sinks [Hq]: each head's sink logit, in every row's softmax denominator (the lse too).
+    table [cp, k]: the chunks each rank holds under a balanced layout (the data path's
+    `cp_schedule.balanced_table` of this micro-batch); masks only.
     """
     masked = document_ids is not None or window is not None
+    if table is not None and not masked:
+        raise ValueError("a balanced cp layout needs document masks (or a window): without "
+                         "them zigzag is already balanced")  # fmt: skip
     if isinstance(sinks, DTensor):
         sinks = sinks.full_tensor()
     block_kernel = resolve_kernel(kernel, q.device, q.shape[-1], v.shape[-1], masked)
@@ -342,7 +353,7 @@ def ring_attention(
             raise ValueError(
                 "ring_attention on plain tensors needs group=, the ring's process group"
             )
-        ring = Ring(group, scale, causal, zigzag, block_kernel, stats, window)
+        ring = Ring(group, scale, causal, zigzag, block_kernel, stats, window, table)
         return _run_ring(q, k, v, document_ids, sinks, ring)
     mesh, placements = q.device_mesh, q.placements
     cp_index = mesh.mesh_dim_names.index(cp_dim)
@@ -352,7 +363,7 @@ def ring_attention(
                 f"ring_attention needs q, k, v sharded Shard(1) (sequence) on mesh dim "
                 f"{cp_dim!r}, got {[t.placements for t in (q, k, v)]}"
             )
-    ring = Ring(mesh.get_group(cp_dim), scale, causal, zigzag, block_kernel, stats, window)
+    ring = Ring(mesh.get_group(cp_dim), scale, causal, zigzag, block_kernel, stats, window, table)
     out, lse = _run_ring(q.to_local(), k.to_local(), v.to_local(), document_ids, sinks, ring)
     lse_placements = [Shard(2) if p == Shard(1) else p for p in placements]
     return (
@@ -382,6 +393,9 @@ class ContextParallelAttention(nn.Module):
         self.scale, self.causal, self.zigzag, self.kernel = scale, causal, zigzag, kernel
         self.group, self.window = group, window
         self.stats = RingStats()
+        # parallel.cp_layout=balanced: this micro-batch's chunk table, set by the trainer
+        # before each forward (`use_cp_table`); None: the zigzag or contiguous formula
+        self.table: torch.Tensor | None = None
 
     # NOTE: under train.compile the ring runs eagerly (a graph break around the attention
     # core): each call registers its Ring under a fresh handle, which traced code would turn
@@ -399,7 +413,7 @@ class ContextParallelAttention(nn.Module):
         out, _ = ring_attention(
             q, k, v, scale=self.scale, causal=self.causal, zigzag=self.zigzag,
             kernel=self.kernel, group=self.group, stats=self.stats, document_ids=document_ids,
-            window=self.window, sinks=sinks,
+            window=self.window, sinks=sinks, table=self.table,
         )  # fmt: skip
         return out
 
@@ -428,3 +442,11 @@ def apply_context_parallel(
         setattr(model.get_submodule(parent_name), child, ring)
         installed.append(ring)
     return installed
+
+
+def use_cp_table(model: nn.Module, table: torch.Tensor | None) -> None:
+    """Hand a micro-batch's balanced layout (or None) to every ring of `model`, before its
+    forward: the data path split that micro-batch by the same table."""
+    for module in model.modules():
+        if isinstance(module, ContextParallelAttention):
+            module.table = table

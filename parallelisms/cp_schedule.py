@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from models.common.attention import block_mask
+from parallelisms.dims import CP_CHUNKS_PER_RANK
 
 Block = tuple[slice, slice, bool]  # (query rows, key rows, causal within the block)
 
@@ -56,18 +57,26 @@ def attention_work(cp: int, seq_len: int, causal: bool, zigzag: bool) -> list[in
     return work
 
 
-def _chunks(rank: int, cp: int, seq_local: int, zigzag: bool) -> list[tuple[int, slice]]:
+def _chunks(
+    rank: int, cp: int, seq_local: int, zigzag: bool, table: torch.Tensor | None = None
+) -> list[tuple[int, slice]]:
     """This rank's chunks: (global chunk index, its local rows). Zigzag: chunks r and 2cp-1-r
-    of 2cp; contiguous: chunk r of cp (indices comparable only within one layout)."""
+    of 2cp; contiguous: chunk r of cp (indices comparable only within one layout); a
+    balanced `table` [cp, k]: the chunks its row names, of cp * k."""
+    if table is not None:
+        width = seq_local // table.shape[1]
+        return [(int(c), slice(j * width, (j + 1) * width)) for j, c in enumerate(table[rank])]
     if not zigzag:
         return [(rank, slice(0, seq_local))]
     half = seq_local // 2
     return [(rank, slice(0, half)), (2 * cp - 1 - rank, slice(half, seq_local))]
 
 
-def local_positions(rank: int, cp: int, seq_local: int, zigzag: bool) -> torch.Tensor:
+def local_positions(
+    rank: int, cp: int, seq_local: int, zigzag: bool, table: torch.Tensor | None = None
+) -> torch.Tensor:
     """Global sequence index of each of this rank's local rows, [seq_local] int64."""
-    return split_for_cp(torch.arange(seq_local * cp)[None], rank, cp, zigzag)[0]
+    return split_for_cp(torch.arange(seq_local * cp)[None], rank, cp, zigzag, table)[0]
 
 
 def _out_of_window(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> bool:
@@ -88,6 +97,7 @@ def document_blocks(
     causal: bool,
     zigzag: bool,
     window: int | None = None,
+    table: torch.Tensor | None = None,
 ) -> list[tuple[slice, slice]]:
     """The (query rows, key rows) pieces this rank computes against the K/V block of `src`
     under document masks or a sliding window. q_ids, k_ids: [B, s] document ids of this
@@ -98,11 +108,11 @@ def document_blocks(
     pair are left out. The mask inside a piece is `block_mask` on its rows and columns.
     """
     seq_local = q_ids.shape[1]
-    q_pos = local_positions(rank, cp, seq_local, zigzag).to(q_ids.device)
-    k_pos = local_positions(src, cp, seq_local, zigzag).to(q_ids.device)
+    q_pos = local_positions(rank, cp, seq_local, zigzag, table).to(q_ids.device)
+    k_pos = local_positions(src, cp, seq_local, zigzag, table).to(q_ids.device)
     pieces = []
-    for q_chunk, rows in _chunks(rank, cp, seq_local, zigzag):
-        for k_chunk, cols in _chunks(src, cp, seq_local, zigzag):
+    for q_chunk, rows in _chunks(rank, cp, seq_local, zigzag, table):
+        for k_chunk, cols in _chunks(src, cp, seq_local, zigzag, table):
             if causal and k_chunk > q_chunk:  # every key comes after every query
                 continue
             if _out_of_window(q_pos[rows], k_pos[cols], window):
@@ -135,23 +145,30 @@ def document_blocks(
 
 
 def document_attention_work(
-    document_ids: torch.Tensor, cp: int, causal: bool, zigzag: bool, window: int | None = None
+    document_ids: torch.Tensor,
+    cp: int,
+    causal: bool,
+    zigzag: bool,
+    window: int | None = None,
+    table: torch.Tensor | None = None,
 ) -> tuple[list[list[int]], list[list[int]]]:
     """The load-balance measure under document masks, for a micro-batch's document ids
     [B, S] (before the split): per rank and ring step, (visible query-key pairs, pairs the
     block kernel computes: the trimmed pieces' areas). Index [rank][step]; at step t rank r
     meets the K/V block of rank (r - t) mod cp, as the ring does."""
     seq_local = document_ids.shape[1] // cp
-    ids = [split_for_cp(document_ids, r, cp, zigzag) for r in range(cp)]
+    ids = [split_for_cp(document_ids, r, cp, zigzag, table) for r in range(cp)]
     visible, computed = [], []
     for rank in range(cp):
-        q_pos = local_positions(rank, cp, seq_local, zigzag)
+        q_pos = local_positions(rank, cp, seq_local, zigzag, table)
         seen, done = [], []
         for step in range(cp):
             src = (rank - step) % cp
-            k_pos = local_positions(src, cp, seq_local, zigzag)
+            k_pos = local_positions(src, cp, seq_local, zigzag, table)
             n_seen = n_done = 0
-            pieces = document_blocks(rank, src, cp, ids[rank], ids[src], causal, zigzag, window)
+            pieces = document_blocks(
+                rank, src, cp, ids[rank], ids[src], causal, zigzag, window, table
+            )
             for rows, cols in pieces:
                 mask = block_mask(
                     ids[rank][:, rows], ids[src][:, cols], q_pos[rows], k_pos[cols], causal, window
@@ -165,10 +182,56 @@ def document_attention_work(
     return visible, computed
 
 
-def split_for_cp(x: torch.Tensor, cp_rank: int, cp: int, zigzag: bool) -> torch.Tensor:
-    """This rank's part of [B, S, ...] along the sequence: chunks r and 2cp-1-r (zigzag) or
-    chunk r. Applied once to tokens, labels, positions and document ids in the data path."""
+def split_for_cp(
+    x: torch.Tensor, cp_rank: int, cp: int, zigzag: bool, table: torch.Tensor | None = None
+) -> torch.Tensor:
+    """This rank's part of [B, S, ...] along the sequence: chunks r and 2cp-1-r (zigzag),
+    chunk r, or the chunks row r of a balanced `table` names. Applied once to tokens,
+    labels, positions and document ids in the data path."""
+    if table is not None:
+        chunks = x.chunk(table.numel(), dim=1)
+        return torch.cat([chunks[int(c)] for c in table[cp_rank]], dim=1)
     if not zigzag:
         return x.chunk(cp, dim=1)[cp_rank]
     chunks = x.chunk(2 * cp, dim=1)
     return torch.cat([chunks[cp_rank], chunks[2 * cp - 1 - cp_rank]], dim=1)
+
+
+def balanced_table(
+    document_ids: torch.Tensor, cp: int, causal: bool = True, window: int | None = None
+) -> torch.Tensor:
+    """`parallel.cp_layout=balanced`: which chunks each rank holds for one micro-batch,
+    [cp, CP_CHUNKS_PER_RANK] int64, each row ascending (so a rank's rows stay in position
+    order). The sequence is cut into cp * CP_CHUNKS_PER_RANK chunks; a chunk's work is the
+    query-key pairs its queries see (over the micro-batch); chunks go, largest first, to the
+    rank with the least work that still has room. Every rank computes the same table from
+    the same ids, and the ring reads it for the masks' global positions."""
+    b, s = document_ids.shape
+    n = cp * CP_CHUNKS_PER_RANK
+    pos = torch.arange(s, device=document_ids.device)
+    # keys each query sees: the earlier tokens of its document (all of them, non-causal),
+    # within the window; a document starts where the id changes
+    new_doc = torch.ones_like(document_ids, dtype=torch.bool)
+    new_doc[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start = torch.where(new_doc, pos, torch.zeros_like(pos)).cummax(dim=1).values
+    seen = pos - start + 1 if causal else _document_lengths(document_ids)
+    if window is not None:  # (a window is causal in every model here)
+        seen = seen.clamp(max=window)
+    work = seen.sum(0).view(n, s // n).sum(1).tolist()
+    load, held = [0] * cp, [[] for _ in range(cp)]
+    for chunk in sorted(range(n), key=lambda c: -work[c]):
+        rank = min(
+            (r for r in range(cp) if len(held[r]) < CP_CHUNKS_PER_RANK), key=lambda r: load[r]
+        )
+        held[rank].append(chunk)
+        load[rank] += work[chunk]
+    return torch.tensor([sorted(h) for h in held], dtype=torch.int64)
+
+
+def _document_lengths(document_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S]: the length of each token's document (non-causal: a query sees all of it)."""
+    out = torch.empty_like(document_ids)
+    for i, row in enumerate(document_ids):
+        _, inverse, counts = torch.unique_consecutive(row, return_inverse=True, return_counts=True)
+        out[i] = counts[inverse]
+    return out

@@ -13,6 +13,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+# parallel.cp_layout=balanced cuts a sequence into this many chunks per cp rank
+# (parallelisms.cp_schedule.balanced_table): enough pieces for a greedy fill to even out
+CP_CHUNKS_PER_RANK = 8
+
 
 class LayoutError(ValueError):
     """A parallel layout that cannot run; the message names the keys and the fix."""

@@ -322,6 +322,14 @@ def test_stray_argument_and_missing_value():
             "model.num_attention_heads (32) must be a multiple of model.num_key_value_heads (5)",
         ),
         (["--model.mlp_only_layers=48"], "model.mlp_only_layers has indices outside"),
+        (
+            ["--parallel.cp_layout=balanced", "--data.document_mask=false"],
+            "parallel.cp_layout=balanced lays each micro-batch out by its documents' work",
+        ),
+        (
+            ["--parallel.cp_layout=balanced", "--parallel.cp=3", "--data.seq_len=36"],
+            "data.seq_len (36) must be divisible by 24",
+        ),
     ],
 )
 def test_impossible_values(argv, expected):

@@ -4,8 +4,8 @@ The ring (cp 2 and 4, zigzag and contiguous, GQA and v_head_dim != head_dim) aga
 masked attention on the whole sequence (fp32: out, LSE, dQ, dK, dV); the ring's skipped
 block pairs against an independent count from the global mask; the plain path, the block
 kernel's rows that see nothing, reset positions; transformers on each document alone
-against our model on the packed sample; and train.py on 1, 2 (cp 2) and 4 (cp 2 x ep 2)
-ranks, plus a DeepSeek-V3 (MLA, MTP) layout-parity run with the mask.
+against our model on the packed sample; and train.py on 1, 2 (cp 2, zigzag and balanced)
+and 4 (cp 2 x ep 2) ranks, plus a DeepSeek-V3 (MLA, MTP) layout-parity run with the mask.
 """
 
 from __future__ import annotations
@@ -366,10 +366,13 @@ def test_train_py_layouts_agree_with_document_masks(short_docs, tmp_path):
     cp2_ep2 = run_train(
         [*masked, "--parallel.cp=2", "--parallel.ep=2"], tmp_path / "cp2_ep2", nproc=4
     )
+    # each micro-batch laid out by its documents' work (tests/test_balanced_ring.py)
+    balanced = ["--parallel.cp=2", "--parallel.cp_layout=balanced"]
+    cp2_balanced = run_train([*masked, *balanced], tmp_path / "cp2_balanced", nproc=2)
     unmasked = run_train(common, tmp_path / "unmasked")
     losses = [r["loss"] for r in one]
     assert len(losses) == 3
-    for run in (cp2, cp2_ep2):
+    for run in (cp2, cp2_ep2, cp2_balanced):
         assert [r["loss"] for r in run] == pytest.approx(losses, rel=1e-5)
     assert [r["tokens"] for r in unmasked] == [r["tokens"] for r in one]  # same counts
     differ = [abs(a - b) / b for a, b in zip(losses, [r["loss"] for r in unmasked], strict=True)]

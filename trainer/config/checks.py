@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import fields, is_dataclass
 
 from models.common.args import field_problems
-from parallelisms.dims import LayoutError, grad_accum_steps
+from parallelisms.dims import CP_CHUNKS_PER_RANK, LayoutError, grad_accum_steps
 from trainer.config.schema import JobConfig
 
 # data.source values that read from data.path, and what the path names for each.
@@ -49,7 +49,13 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
         if not ok:
             problems.append(problem)
 
-    pieces = 2 * p.cp if p.cp_layout == "zigzag" else p.cp
+    pieces = {"zigzag": 2 * p.cp, "balanced": CP_CHUNKS_PER_RANK * p.cp}.get(p.cp_layout, p.cp)
+    need(
+        p.cp_layout != "balanced" or d.document_mask is not False,
+        "parallel.cp_layout=balanced lays each micro-batch out by its documents' work, so it "
+        "needs data.document_mask (true, or unset for masked shards); without documents "
+        "use zigzag, which already balances the causal mask",
+    )
     need(
         p.cp < 1 or d.seq_len % pieces == 0,  # cp < 1 is already reported by its bound
         f"data.seq_len ({d.seq_len}) must be divisible by {pieces} to split it over "

@@ -184,8 +184,9 @@ class ParallelSection:
     cp_layout: str = arg(
         "zigzag",
         "how the sequence is split over cp ranks: zigzag (rank r holds chunks r and 2cp-1-r: "
-        "equal causal work) | contiguous (chunk r)",
-        choices=("zigzag", "contiguous"),
+        "equal causal work) | contiguous (chunk r) | balanced (with document masks: 8 chunks "
+        "per rank chosen per micro-batch by their visible query-key pairs, largest first)",
+        choices=("zigzag", "contiguous", "balanced"),
     )
     cp_kernel: str = arg(
         "auto",

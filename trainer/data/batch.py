@@ -25,12 +25,19 @@ class Batch:
     # label at position i are token i+k and label i+k.
     mtp_input_ids: torch.Tensor | None = None
     mtp_labels: torch.Tensor | None = None
+    # parallel.cp_layout=balanced: the chunks each cp rank holds of this micro-batch
+    # ([cp, k], parallelisms.cp_schedule.balanced_table), set by the split; not a sequence
+    cp_table: torch.Tensor | None = None
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
-        """`fn` applied to every tensor present."""
+        """`fn` applied to every sequence tensor present."""
         return replace(
             self,
-            **{f.name: fn(t) for f in fields(self) if (t := getattr(self, f.name)) is not None},
+            **{
+                f.name: fn(t)
+                for f in fields(self)
+                if f.name != "cp_table" and (t := getattr(self, f.name)) is not None
+            },
         )
 
     def to(self, device: torch.device) -> Batch:

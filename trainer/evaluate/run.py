@@ -47,7 +47,7 @@ def evaluate_weights(cfg: JobConfig, dims: ParallelDims, checkpoint: str | None)
             terms.mtp_depth,
             dims.cp,
             meshes.world.get_local_rank("cp"),
-            cfg.parallel.cp_layout == "zigzag",
+            cfg.parallel.cp_layout,
         )
         evaluator = Evaluator(
             data.held_out,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.spec import LossTerms
-from parallelisms.cp_schedule import split_for_cp
+from parallelisms.context_parallel import use_cp_table
+from parallelisms.cp_schedule import balanced_table, split_for_cp
 from trainer.data.batch import IGNORE_INDEX, Batch
 from trainer.data.run_data import HeldOut
 from trainer.loop.losses import model_inputs, with_mtp_targets
@@ -73,6 +75,8 @@ class Evaluator:
             total = torch.zeros(2, dtype=torch.float64)
             for mb in batches:
                 mb = self.prepare(mb)
+                if mb.cp_table is not None:
+                    use_cp_table(model, mb.cp_table)
                 out = model(
                     mb.input_ids,
                     mb.position_ids,
@@ -111,16 +115,21 @@ def _no_tokens(sample: Batch) -> Batch:
 
 
 def batch_preparer(
-    device: torch.device, mtp_depth: int, cp: int, cp_rank: int, zigzag: bool
+    device: torch.device, mtp_depth: int, cp: int, cp_rank: int, layout: str
 ) -> Callable[[Batch], Batch]:
-    """What the training loop does to a loaded micro-batch before the model sees it."""
+    """What the training loop does to a loaded micro-batch before the model sees it.
+    `layout`: `parallel.cp_layout`; a balanced one's table comes with the batch (the rings
+    read it: `parallelisms.context_parallel.use_cp_table`)."""
 
     def prepare(batch: Batch) -> Batch:
         batch = batch.to(device)
         if mtp_depth:  # before the cp split: depth k reads tokens k ahead
             batch = with_mtp_targets(batch, mtp_depth)
         if cp > 1:  # this rank's part of each sequence, true positions kept
-            batch = batch.map(lambda t: split_for_cp(t, cp_rank, cp, zigzag))
+            table = balanced_table(batch.document_ids, cp) if layout == "balanced" else None
+            zigzag = layout == "zigzag"
+            batch = batch.map(lambda t: split_for_cp(t, cp_rank, cp, zigzag, table))
+            batch = replace(batch, cp_table=table)
         return batch
 
     return prepare

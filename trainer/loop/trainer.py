@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from models import get_model_spec
 from parallelisms.clip import clip_grads_, grad_norm
+from parallelisms.context_parallel import use_cp_table
 from parallelisms.dims import ParallelDims
 from parallelisms.fsdp import gather_once_per_step
 from parallelisms.init import init_weights_global
@@ -112,9 +113,8 @@ class Trainer:
         self.sampler = self.loader.batch_sampler  # the sample order (trainer.data.sampler)
         self.consumed_samples = 0  # global samples of all completed steps
         self._data_iter = None
-        zigzag = cfg.parallel.cp_layout == "zigzag"
         self.prepare_batch = batch_preparer(
-            self.device, self.terms.mtp_depth, self.dims.cp, self.cp_rank, zigzag
+            self.device, self.terms.mtp_depth, self.dims.cp, self.cp_rank, cfg.parallel.cp_layout
         )
         self.evaluator = None
         if self.data.held_out:
@@ -188,6 +188,8 @@ class Trainer:
         for i, mb in enumerate(micro_batches):
             if once:
                 gather_once_per_step(self.model, i == len(micro_batches) - 1)
+            if mb.cp_table is not None:  # cp_layout=balanced: this micro-batch's chunks
+                use_cp_table(self.model, mb.cp_table)
             inputs = model_inputs(mb, self.terms, self.cfg.data.document_mask)
             out = self.model(mb.input_ids, mb.position_ids, **inputs)
             self.step_loss(out, mb).backward()
