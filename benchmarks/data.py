@@ -1,7 +1,6 @@
 """Data pipeline speed and memory: `python -m trainer.prepare`, the loader, RSS per rank.
 
     python benchmarks/data.py [--quick] [--json FILE] [--keep] [--workers 1,2] [--machine TEXT]
-    python benchmarks/data.py --long-doc-mb 20,200 [--json FILE]
 
 Generates jsonl corpora of random words in a temporary directory (removed unless --keep) and
 trains a small BPE tokenizer.json on a slice of one (nothing is downloaded). Then:
@@ -23,11 +22,7 @@ trains a small BPE tokenizer.json on a slice of one (nothing is downloaded). The
   (whole 64 KiB blocks read and CRC-32'd on first touch), per sample; also at seq 128 (the
   debug configs' samples) on the large corpus.
 
-- long documents (`--long-doc-mb`, instead of the above): for each size, a jsonl of one line
-  of that many MiB of text (`generate`'s documents joined by "\n") between 2 MiB of short
-  documents, prepared with --workers 2 and a --vocab BPE (32768 unless given), while every
-  process of the CLI is sampled from /proc every 50 ms: `worker_peak_rss_mib` is the highest
-  VmHWM of the workers (the forkserver's children), which must not grow with the line.
+Long documents (a worker's memory on one very long line): benchmarks/long_docs.py.
 
 Sizes are MiB (flags); rates MB/s = 1e6 bytes/s, as the CLI prints them. Prints one JSON object
 (or writes --json FILE), then a one-line summary. The page cache is warm throughout.
@@ -67,8 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--large-mb", type=float, default=1024.0, help="large reader corpus, MiB")
     p.add_argument("--prepare-mb", type=float, default=100.0, help="prepare corpus, MiB")
     p.add_argument("--train-mb", type=float, default=16.0, help="BPE training slice, MiB")
-    p.add_argument("--vocab", type=int, default=None, help="BPE vocabulary (8192; long: 32768)")
-    p.add_argument("--long-doc-mb", default=None, help="long-document mode: line MiB, e.g. 20,200")
+    p.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary size")
     p.add_argument("--workers", default="1,2", help="prepare --workers counts, comma-separated")
     p.add_argument("--shard-mb", type=float, help="of the prepare runs (default: 4 per worker)")
     p.add_argument("--seq-len", type=int, default=2048)
@@ -87,7 +81,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.small_mb, args.large_mb, args.prepare_mb, args.train_mb = 5, 50, 20, 4
         args.samples, args.repeats = min(args.samples, 4000), 1
-    args.vocab = args.vocab or (32768 if args.long_doc_mb else 8192)
     return args
 
 
@@ -353,102 +346,6 @@ def measure(args: argparse.Namespace, tmp: str, result: dict) -> None:
         readers["large"]["checksum_startup"] = run_reader(args, large, "checksum", True)
 
 
-def long_line_corpus(path: str, mib: float, seed: int) -> float:
-    """A jsonl: 1 MiB of short documents, one line of `mib` MiB of text, 1 MiB of short ones.
-    Returns the line's MiB."""
-    generate(path + ".short", 2, seed + 1)
-    generate(path + ".long", mib, seed)
-    with open(path + ".short", encoding="utf-8") as f:
-        short = f.readlines()
-    with open(path + ".long", encoding="utf-8") as src, open(path, "w", encoding="utf-8") as out:
-        out.writelines(short[: len(short) // 2])
-        start = out.tell()
-        out.write('{"text": "')
-        for i, line in enumerate(src):  # escaped as json.dumps escapes, "\n" between documents
-            out.write(("\\n" if i else "") + json.dumps(json.loads(line)["text"])[1:-1])
-        out.write('"}\n')
-        line_bytes = out.tell() - start
-        out.writelines(short[len(short) // 2 :])
-    for suffix in (".short", ".long"):
-        os.remove(path + suffix)
-    return line_bytes / MIB
-
-
-def process_tree(root: int) -> dict[int, int]:
-    """The descendants of `root` (pid -> depth below it), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(entry))
-    depth, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        for child in children.get(pid, []):
-            depth[child] = depth.get(pid, 0) + 1
-            todo.append(child)
-    return depth
-
-
-def peak_mib(pid: int) -> float:
-    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/status") as f:
-        return max(int(line.split()[1]) / 1024 for line in f if line[:5] in ("VmHWM", "VmRSS"))
-    return 0.0
-
-
-def prepare_sampled(cmd: list[str]) -> tuple:
-    """(the finished process, wall s, {pid: (depth, peak RSS MiB)} of it and its descendants)."""
-    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
-    peaks: dict[int, tuple[int, float]] = {}
-    while proc.poll() is None:
-        for pid, depth in [(proc.pid, 0), *process_tree(proc.pid).items()]:
-            peaks[pid] = (depth, max(peaks.get(pid, (0, 0.0))[1], peak_mib(pid)))
-        time.sleep(0.05)
-    out, err = proc.communicate()
-    wall = time.perf_counter() - start
-    with contextlib.suppress(ChildProcessError):
-        while True:  # the pool's orphans (its forkserver), as in child_cpu
-            os.wait()
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), wall, peaks
-
-
-def measure_long_docs(args: argparse.Namespace, tmp: str, result: dict) -> None:
-    train = os.path.join(tmp, "train.jsonl")
-    generate(train, args.train_mb, args.seed)
-    tok_json = os.path.join(tmp, "tokenizer.json")
-    seconds = train_bpe(read_texts(train), args.vocab, tok_json)
-    result["bpe"] = {"vocab": args.vocab, "train_mib": args.train_mb, "train_s": seconds}
-    runs = result["long_docs"] = []
-    for mib in (float(m) for m in args.long_doc_mb.split(",")):
-        corpus, out = os.path.join(tmp, "long.jsonl"), os.path.join(tmp, "long-out")
-        line_mib = long_line_corpus(corpus, mib, args.seed)
-        cmd = [sys.executable, "-m", "trainer.prepare", "--source", "jsonl", "--path", corpus,
-               "--tokenizer", tok_json, "--out", out, "--workers", "2", "--shard-mb", "1"]  # fmt: skip
-        proc, wall, peaks = prepare_sampled(cmd)
-        if proc.returncode != 0:
-            raise SystemExit(f"prepare failed: {shlex.join(cmd)}\n{proc.stderr}")
-        line = proc.stdout.strip().splitlines()[-1]
-        mb, seconds, rate = (float(x.replace(",", "")) for x in SUMMARY.search(line).groups())
-        workers = [peak for depth, peak in peaks.values() if depth >= 2]
-        runs.append({"line_mib": line_mib, "file_mib": os.path.getsize(corpus) / MIB,
-                     "mb": mb, "seconds": seconds, "mb_per_s": rate, "wall_s": wall,
-                     "cli_line": line, "stderr": proc.stderr[-2000:],
-                     "worker_peak_rss_mib": max(workers), "workers_sampled": len(workers),
-                     "main_peak_rss_mib": max(p for d, p in peaks.values() if d == 0),
-                     "all_peaks_mib": sorted(peak for _, peak in peaks.values())})  # fmt: skip
-        os.remove(corpus)
-        shutil.rmtree(out)
-    result["summary"] = "long docs: " + "; ".join(
-        f"{r['line_mib']:.0f} MiB line -> worker peak RSS {r['worker_peak_rss_mib']:.0f} MiB "
-        f"({r['mb_per_s']:.1f} MB/s)"
-        for r in runs
-    )
-
-
 def main() -> None:
     args = parse_args()
     if args.reader:
@@ -469,16 +366,13 @@ def main() -> None:
     }  # fmt: skip
     tmp = tempfile.mkdtemp(prefix="data-bench-")  # under $TMPDIR, else /tmp
     try:
-        (measure_long_docs if args.long_doc_mb else measure)(args, tmp, result)
+        measure(args, tmp, result)
     finally:
         if args.keep:
             print(f"kept {tmp}", file=sys.stderr)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    if args.long_doc_mb:
-        summary = result["summary"]
-    else:
-        result["goals"], summary = goals_and_summary(result)
+    result["goals"], summary = goals_and_summary(result)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") if args.json else contextlib.nullcontext(sys.stdout) as f:

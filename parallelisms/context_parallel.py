@@ -37,72 +37,16 @@ from torch.distributed.tensor import DTensor, Shard
 from models.common.attention import block_mask
 from parallelisms.attention_kernels import BlockKernel, resolve_kernel
 from parallelisms.cp_schedule import document_blocks, local_positions, ring_blocks
+from parallelisms.ring_messages import (
+    RingStats,
+    merge,
+    pack,
+    pass_to_next,
+    unpack,
+    unpack_ids,
+    wait_all,
+)
 from parallelisms.trace import named_range
-
-# --- ring communication ----------------------------------------------------------------
-
-
-class RingStats:
-    """Point-to-point operations posted, block kernel calls and the query-key pairs they
-    compute (for tests, logs and the benchmark)."""
-
-    def __init__(self) -> None:
-        self.p2p_ops = 0
-        self.kernel_calls = 0  # forward
-        self.backward_kernel_calls = 0
-        self.pairs = 0  # forward: B * rows * cols of every kernel call
-
-
-def _pass_to_next(buf: torch.Tensor, group, tag: int, stats: RingStats):
-    """Post: send `buf` to the next rank, receive the previous rank's into a new buffer."""
-    cp, rank = group.size(), group.rank()
-    recv = torch.empty_like(buf)
-    ops = [
-        dist.P2POp(dist.isend, buf, dist.get_global_rank(group, (rank + 1) % cp), group, tag),
-        dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - 1) % cp), group, tag),
-    ]
-    stats.p2p_ops += len(ops)
-    return recv, dist.batch_isend_irecv(ops)
-
-
-def _wait(works) -> None:
-    for work in works:
-        work.wait()
-
-
-def _pack(k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
-    """One message per hop: K, V (may be narrower), then the document ids [B, s] if any,
-    int64 reinterpreted as K's dtype (the bits travel unchanged, so the ids stay exact)."""
-    parts = [k.reshape(-1), v.reshape(-1)]
-    if ids is not None:
-        parts.append(ids.to(torch.int64).reshape(-1).view(k.dtype))
-    return torch.cat(parts)
-
-
-def _unpack(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
-    n = k_shape.numel()
-    return buf[:n].view(k_shape), buf[n : n + v_shape.numel()].view(v_shape)
-
-
-def _unpack_ids(buf: torch.Tensor, k_shape, v_shape, ids: torch.Tensor | None):
-    """The document ids [B, s] a packed block carries (None without document masks)."""
-    if ids is None:
-        return None
-    # clone: a view to a wider dtype needs the slice to start at an aligned offset
-    return buf[k_shape.numel() + v_shape.numel() :].clone().view(torch.int64).view(ids.shape)
-
-
-def _merge(out, lse, block_out, block_lse, rows: slice) -> None:
-    """Online softmax: fold a block's (out, lse) into the running ones, rows `rows`, fp32."""
-    old_lse = lse[:, :, rows]  # [B, H, s]
-    new_lse = torch.logaddexp(old_lse, block_lse)  # -inf where a row has seen no key yet
-    # Such rows (document masks) would give exp(-inf - -inf) = NaN; against 0 both weights
-    # are exp(-inf) = 0 and the row stays (out 0, lse -inf) until a block shows it a key.
-    ref = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
-    keep = torch.exp(old_lse - ref).transpose(1, 2)[..., None]  # [B, s, H, 1]
-    take = torch.exp(block_lse - ref).transpose(1, 2)[..., None]
-    out[:, rows] = out[:, rows] * keep + block_out * take
-    lse[:, :, rows] = new_lse
 
 
 class Ring:
@@ -178,13 +122,13 @@ def _ring_forward(q, k, v, ids, sinks, ring: Ring) -> tuple[torch.Tensor, torch.
     cp, rank, seq = group.size(), group.rank(), q.shape[1]
     out = q.new_zeros((*q.shape[:3], v.shape[3]), dtype=torch.float32)  # [B, S, Hq, Dv]
     lse = q.new_full((q.shape[0], q.shape[2], seq), float("-inf"), dtype=torch.float32)
-    kv = _pack(k, v, ids)
+    kv = pack(k, v, ids)
     for step in range(cp):
         src = (rank - step) % cp
         if step + 1 < cp:  # overlap: the next block is on its way while this one computes
-            next_kv, works = _pass_to_next(kv, group, 0, stats)
-        k_blk, v_blk = _unpack(kv, k.shape, v.shape)
-        q_ids, k_ids = _mask_ids(ids, _unpack_ids(kv, k.shape, v.shape, ids), ring, q)
+            next_kv, works = pass_to_next(kv, group, 0, stats)
+        k_blk, v_blk = unpack(kv, k.shape, v.shape)
+        q_ids, k_ids = _mask_ids(ids, unpack_ids(kv, k.shape, v.shape, ids), ring, q)
         with named_range(f"cp.ring.step{step}"):
             for rows, cols, blk_causal, mask in _step_blocks(ring, step, src, seq, q_ids, k_ids):
                 blk_out, blk_lse = kernel.forward(
@@ -192,12 +136,12 @@ def _ring_forward(q, k, v, ids, sinks, ring: Ring) -> tuple[torch.Tensor, torch.
                 )
                 stats.kernel_calls += 1
                 stats.pairs += q.shape[0] * (rows.stop - rows.start) * (cols.stop - cols.start)
-                _merge(out, lse, blk_out, blk_lse, rows)
+                merge(out, lse, blk_out, blk_lse, rows)
         if step + 1 < cp:
-            _wait(works)
+            wait_all(works)
             kv = next_kv
     if sinks is not None:  # once per row, after every key block
-        _merge(out, lse, torch.zeros_like(out), _sink_lse(sinks, q), slice(None))
+        merge(out, lse, torch.zeros_like(out), _sink_lse(sinks, q), slice(None))
     return out, lse
 
 
@@ -206,16 +150,16 @@ def _ring_backward(grad_out, q, k, v, out, lse, ids, sinks, ring: Ring):
     cp, rank, seq = group.size(), group.rank(), q.shape[1]
     grad_out = grad_out.float().contiguous()
     dq = torch.zeros_like(q, dtype=torch.float32)
-    kv = _pack(k, v, ids)  # the ids travel again: backward rebuilds each piece's mask
+    kv = pack(k, v, ids)  # the ids travel again: backward rebuilds each piece's mask
     partial_in, dkv_works = None, []  # partial dK/dV of the current block, from before
     for step in range(cp):
         src = (rank - step) % cp
         if step + 1 < cp:
-            next_kv, kv_works = _pass_to_next(kv, group, 0, stats)
-        k_blk, v_blk = _unpack(kv, k.shape, v.shape)
-        q_ids, k_ids = _mask_ids(ids, _unpack_ids(kv, k.shape, v.shape, ids), ring, q)
+            next_kv, kv_works = pass_to_next(kv, group, 0, stats)
+        k_blk, v_blk = unpack(kv, k.shape, v.shape)
+        q_ids, k_ids = _mask_ids(ids, unpack_ids(kv, k.shape, v.shape, ids), ring, q)
         dkv = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=kv.device)
-        dk_blk, dv_blk = _unpack(dkv, k.shape, v.shape)
+        dk_blk, dv_blk = unpack(dkv, k.shape, v.shape)
         with named_range(f"cp.ring.step{step}.backward"):
             for rows, cols, blk_causal, mask in _step_blocks(ring, step, src, seq, q_ids, k_ids):
                 dq_b, dk_b, dv_b = kernel.backward(
@@ -227,18 +171,18 @@ def _ring_backward(grad_out, q, k, v, out, lse, ids, sinks, ring: Ring):
                 dk_blk[:, cols] += dk_b
                 dv_blk[:, cols] += dv_b
         if partial_in is not None:
-            _wait(dkv_works)
+            wait_all(dkv_works)
             dkv += partial_in
         if cp == 1:
             partial_in, dkv_works = dkv, []
             continue
         # Hand this block's dK/dV sum on; after cp hops each block's sum is home.
-        partial_in, dkv_works = _pass_to_next(dkv, group, 1, stats)
+        partial_in, dkv_works = pass_to_next(dkv, group, 1, stats)
         if step + 1 < cp:
-            _wait(kv_works)
+            wait_all(kv_works)
             kv = next_kv
-    _wait(dkv_works)
-    dk, dv = _unpack(partial_in, k.shape, v.shape)
+    wait_all(dkv_works)
+    dk, dv = unpack(partial_in, k.shape, v.shape)
     dsinks = None
     if sinks is not None:
         # d out / d sink = -p_sink * out per row, p_sink = exp(sink - lse): summed over this

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from models.common.attention import AttentionCore
-from parallelisms import context_parallel as ring_impl
+from parallelisms import ring_messages
 from parallelisms.attention_kernels import KERNELS, resolve_kernel
 from parallelisms.context_parallel import RingStats, ring_attention
 from parallelisms.cp_schedule import attention_work, document_attention_work, split_for_cp
@@ -233,7 +233,7 @@ def test_math_kernel_rows_that_see_nothing_stay_finite():
     # Folding an empty row into an empty running row: still (0, -inf), no NaN.
     run_out = torch.zeros(2, 5, HQ, D)
     run_lse = torch.full((2, HQ, 5), float("-inf"))
-    ring_impl._merge(run_out, run_lse, out, lse, slice(0, 5))
+    ring_messages.merge(run_out, run_lse, out, lse, slice(0, 5))
     assert run_out.isfinite().all() and bool((run_lse[:, :, 1] == float("-inf")).all())
     grads = KERNELS["math"].backward(torch.ones_like(out), q, k, v, out, lse, SCALE, False, mask)
     assert all(gr.isfinite().all() for gr in grads)
@@ -274,9 +274,9 @@ def test_cpu_flash_cannot_take_a_document_mask(capsys, monkeypatch):
 def test_ids_ride_in_the_kv_message_bit_exact(dtype):
     k, v = torch.randn(2, 5, 3, 4).to(dtype), torch.randn(2, 5, 3, 3).to(dtype)
     ids = torch.randint(0, 2**40, (2, 5))  # beyond any float's exact integers
-    buf = ring_impl._pack(k, v, ids)
-    assert all(map(torch.equal, ring_impl._unpack(buf, k.shape, v.shape), (k, v)))
-    assert torch.equal(ring_impl._unpack_ids(buf, k.shape, v.shape, ids), ids)
+    buf = ring_messages.pack(k, v, ids)
+    assert all(map(torch.equal, ring_messages.unpack(buf, k.shape, v.shape), (k, v)))
+    assert torch.equal(ring_messages.unpack_ids(buf, k.shape, v.shape, ids), ids)
 
 
 def test_reset_positions_restart_after_each_eos():
