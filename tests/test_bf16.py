@@ -233,9 +233,10 @@ def test_layouts_agree_with_one_rank_in_bf16(tmp_path):
     print(json.dumps(report, indent=1))
     for m, row in report.items():
         for name in LAYOUTS:
-            # Within 4x what reduction order alone does, and 1% of the loss in any case
-            # (measured: at most 2.3x, and 5.2e-3, DeepSeek-V3 on cp 2).
-            assert row[name] <= min(4 * max(row["reduction_order"], 1e-4), 1e-2), (m, name, row)
+            # Within 1% of the loss, and of the order of what reduction order alone does on
+            # one rank (measured: at most 5.2e-3, DeepSeek-V3 on cp 2, and 2.3x that spread;
+            # on other data up to 3.3x, so 10x leaves room for the spread's own noise).
+            assert row[name] <= min(10 * max(row["reduction_order"], 1e-4), 1e-2), (m, name, row)
 
 
 # --- checkpoints and export of bf16 runs ----------------------------------------------------
