@@ -27,6 +27,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from report import write_result  # noqa: E402  (this script's folder is on sys.path)
+
 WINDOW = 20  # steps in the moving average
 
 
@@ -100,12 +103,7 @@ def main() -> None:
         f"{100 * c['per_step_rel_max']:.2f}%; final average {c['fp32_last_avg']:.3f} fp32 vs "
         f"{c['bf16_last_avg']:.3f} bf16; both finite and falling: {c['both_fall']}"
     )
-    text = json.dumps(result, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    write_result(result, args.json)
     print(result["summary"])
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import shlex
@@ -26,6 +25,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from report import write_result  # noqa: E402  (this script's folder is on sys.path)
 
 
 def eval_vs_train(config: str, steps: int) -> dict:
@@ -104,12 +105,7 @@ def main() -> None:
         "eval_vs_train": eval_vs_train(args.config, args.steps),
         "blended_order": blended_order(args.sources, args.samples),
     }
-    text = json.dumps(result, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    write_result(result, args.json)
     e, b = result["eval_vs_train"], result["blended_order"]
     print(
         f"eval_mix: eval {e['eval_tokens_per_s']:,.0f} tok/s vs train "

@@ -24,13 +24,14 @@ Prints one JSON object (or writes --json FILE), then a one-line summary.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from report import write_result  # noqa: E402
 
 from models.common.moe import GroupLimitedRouter  # noqa: E402
 
@@ -91,12 +92,7 @@ def main() -> None:
         f"({100 * r['saving']:.0f}% less); a token reaches {r['nodes_per_token_mean']:.2f} nodes "
         f"on average, at most {r['nodes_per_token_max']}"
     )
-    text = json.dumps(result, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    write_result(result, args.json)
     print(result["summary"])
 
 
