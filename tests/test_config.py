@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import MISSING, dataclass, fields, replace
+from dataclasses import MISSING, fields, replace
 
 import pytest
 
 from models import get_model_spec, model_names
-from models.common.args import arg, field_problems
-from models.deepseek_v3.args import DeepseekV3Args
 from models.qwen3_moe.args import Qwen3MoeArgs
 from trainer.config import (
     ConfigError,
@@ -358,101 +356,3 @@ def test_validate_accepts_defaults_and_checks_a_built_config():
     bad = replace(cfg, data=replace(DataSection(), source="jsonl"))
     with pytest.raises(ConfigError, match="data.path is required"):
         validate(bad)
-
-
-# --- field bounds: one generic check for the job sections and the model args ------------
-
-
-@dataclass
-class _Bounded:
-    sizes: list[int] = arg([1, 2], "each >= 1", ge=1)
-    limit: float | None = arg(None, "optional, > 0 when set", gt=0, note="none = no limit")
-    mode: str = arg("a", "a or b", choices=("a", "b"))
-
-
-def test_field_problems_checks_each_list_element_and_skips_none():
-    assert field_problems(_Bounded(), "toy") == []  # limit = None is not checked
-    assert field_problems(_Bounded(sizes=[1, 0], limit=0.0, mode="c"), "toy") == [
-        "toy.sizes must be >= 1, got [1, 0]",
-        "toy.limit must be > 0 (none = no limit), got 0.0",
-        "toy.mode must be one of a, b, got 'c'",
-    ]
-
-
-def test_bounds_of_job_sections_and_model_args():
-    assert field_problems(replace(TrainSection(), beta1=1.0), "train") == [
-        "train.beta1 must be in [0, 1), got 1.0"
-    ]
-    assert field_problems(DataSection(), "data") == []  # max_tokens = None: not checked
-    assert field_problems(DeepseekV3Args(q_lora_rank=-1), "model") == [
-        "model.q_lora_rank must be >= 0, got -1"
-    ]
-    # validate() is left with the cross-field checks: a bound is reported once, not twice
-    assert Qwen3MoeArgs(hidden_size=0).validate() == []
-    assert "checkpoint.interval must be >= 0 (0 = off), got -1" in config_error(
-        ["--checkpoint.interval=-1"]
-    )
-    assert config_error(["--model.hidden_size=0"]) == "model.hidden_size must be > 0, got 0"
-
-
-def test_deepseek_args_bounds_and_choices_from_the_command_line():
-    load_config(["--model.name=deepseek_v3"])  # its defaults pass
-    message = config_error(
-        ["--model.name=deepseek_v3", "--model.kv_lora_rank=0", "--model.n_routed_experts=-4"]
-    )
-    assert message.startswith("2 problems:")
-    assert "model.kv_lora_rank must be > 0, got 0" in message
-    assert "model.n_routed_experts must be >= 0, got -4" in message
-    message = config_error(["--model.name=deepseek_v3", "--model.rope_type=ntk"])
-    assert "model.rope_type" in message and "'default', 'yarn'" in message
-
-
-def test_help_shows_bounds():
-    text = " ".join(format_help().split())
-    assert "optimizer steps to run [value >= 1]" in text
-    assert "AdamW beta2 [value in [0, 1)]" in text
-    assert "per-head value width [value > 0]" in text  # a model arg (DeepSeek-V3)
-
-
-def test_the_registry_names_each_models_own_args_class():
-    from models import model_args_class
-
-    for name in model_names():
-        assert model_args_class(name) is get_model_spec(name).args_cls
-
-
-def test_every_problem_of_a_toml_is_reported_at_once(tmp_path):
-    text = '[model]\nhidden_sise = 64\n\n[train]\nsteps = "ten"\nlerning_rate = 0.1\n'
-    text += "\n[data]\nseq_len = -5\n\n[parallel]\ncp_layout = 'zigzga'\n"
-    path = write_toml(tmp_path, text)
-    message = config_error(["--config", path])
-    assert message.startswith("5 problems:"), message
-    assert "train.steps: expected int, got 'ten'" in message
-    assert "unknown key 'train.lerning_rate'" in message and "(did you mean 'train.lr'?)" in message
-    assert "(did you mean 'model.hidden_size'?)" in message
-    assert "data.seq_len must be >= 1, got -5" in message
-    assert "parallel.cp_layout: 'zigzga' is not one of" in message
-    # The same problems on the command line, the same answer.
-    argv = ["--train.steps=ten", "--train.lerning_rate=0.1", "--data.seq_len=-5"]
-    message = config_error(["--config=configs/debug_qwen3_moe.toml", *argv])
-    assert message.startswith("3 problems:") and "did you mean --train.lr?" in message
-
-
-@pytest.mark.parametrize(
-    "typed,meant",
-    [
-        ("train.lerning_rate", "train.lr"),  # the initials of its words
-        ("train.learning_rate", "train.lr"),
-        ("train.stpes", "train.steps"),  # a swap is one edit
-        ("train.warmup", "train.warmup_steps"),  # its first words
-        ("trian.steps", "train.steps"),  # a misspelt section first
-        ("steps", "train.steps"),  # the first section that has it
-        ("data.seqlen", "data.seq_len"),
-        ("train.xyzzy", None),  # nothing close: no guess
-    ],
-)
-def test_did_you_mean_ranks_by_the_keys_own_name(typed, meant):
-    from trainer.config.load import _all_args_classes, _dotted_keys
-    from trainer.config.suggest import closest_key
-
-    assert closest_key(typed, _dotted_keys(*_all_args_classes())) == meant
