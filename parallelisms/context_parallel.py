@@ -388,9 +388,9 @@ def apply_context_parallel(
     return installed
 
 
-def use_cp_table(model: nn.Module, table: torch.Tensor | None) -> None:
-    """Hand a micro-batch's balanced layout (or None) to every ring of `model`, before its
-    forward: the data path split that micro-batch by the same table."""
-    for module in model.modules():
-        if isinstance(module, ContextParallelAttention):
-            module.table = table
+def use_cp_table(rings: list[ContextParallelAttention], table: torch.Tensor | None) -> None:
+    """Hand a micro-batch's balanced layout (or None) to the model's rings (the list
+    `apply_context_parallel` returned) before its forward: the data path split that
+    micro-batch by the same table."""
+    for ring in rings:
+        ring.table = table

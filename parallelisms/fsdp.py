@@ -23,9 +23,15 @@ def _shard_dim1(_param: nn.Parameter) -> Shard:
 
 
 def apply_fsdp(
-    model: nn.Module, plan: ParallelPlan, meshes: Meshes, param_dtype: torch.dtype
+    model: nn.Module,
+    plan: ParallelPlan,
+    meshes: Meshes,
+    param_dtype: torch.dtype,
+    reshard_after_forward: bool = True,
 ) -> None:
     """Shard routers (fp32, with bf16), expert-parallel experts, every block, then the root.
+    `reshard_after_forward=False` (parallel.fsdp_gather=step) keeps every unit gathered from
+    forward into backward; `gather_once_per_step` then holds them across micro-batches.
 
     Dense parameters shard over `meshes.dense` (HSDP when it is 2-D). Experts already
     sharded on dim 0 by EP get their own units over `meshes.expert_fsdp` on dim 1, so the
@@ -37,17 +43,23 @@ def apply_fsdp(
         # rounding does not flip routing decisions between layouts.
         fp32 = mixed_precision_policy(torch.float32)
         for _, module in match_modules(model, plan.fp32_modules, "fp32_modules", required=False):
-            fully_shard(module, mesh=meshes.dense, mp_policy=fp32)
+            fully_shard(
+                module, mesh=meshes.dense, mp_policy=fp32,
+                reshard_after_forward=reshard_after_forward,
+            )  # fmt: skip
     expert_units: dict[str, nn.Module] = {}
     if meshes.ep is not None:
         for fqn, experts in match_modules(model, plan.routed_experts, "routed_experts"):
             fully_shard(
-                experts, mesh=meshes.expert_fsdp, shard_placement_fn=_shard_dim1, mp_policy=policy
-            )
+                experts, mesh=meshes.expert_fsdp, shard_placement_fn=_shard_dim1, mp_policy=policy,
+                reshard_after_forward=reshard_after_forward,
+            )  # fmt: skip
             expert_units[fqn] = experts
     blocks = match_modules(model, plan.blocks, "blocks")
     for _, block in blocks:
-        fully_shard(block, mesh=meshes.dense, mp_policy=policy)
+        fully_shard(
+            block, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=reshard_after_forward
+        )
     # NOTE: the root (embeddings, final norm, head) is not resharded after forward:
     # backward needs it first anyway.
     fully_shard(model, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=False)
@@ -96,9 +108,9 @@ def gather_once_per_step(model: nn.Module, last_micro_batch: bool) -> None:
     """`parallel.fsdp_gather=step`: call before each micro-batch's forward.
 
     Parameters gathered by the first forward stay gathered through every later forward and
-    backward (no reshard after forward; after backward only at the last micro-batch), and
-    gradients accumulate unsharded in fp32 (the policy's reduce dtype) until the last
-    backward reduces them once. So a step all-gathers each unit once and reduce-scatters
+    backward (units built with `reshard_after_forward=False`, see `apply_fsdp`; resharded
+    after backward only at the last micro-batch), and gradients accumulate unsharded in fp32
+    (the policy's reduce dtype) until the last backward reduces them once. So a step all-gathers each unit once and reduce-scatters
     once, where `micro_batch` does it per micro-batch (twice for the gathers of resharded
     units); the price is every unit's unsharded parameters and gradients held at once.
     NOTE: the sum over micro-batches then happens before the reduction instead of after
@@ -106,6 +118,5 @@ def gather_once_per_step(model: nn.Module, last_micro_batch: bool) -> None:
     """
     if not isinstance(model, FSDPModule):
         return
-    model.set_reshard_after_forward(False, recurse=True)
     model.set_reshard_after_backward(last_micro_batch, recurse=True)
     model.set_requires_gradient_sync(last_micro_batch, recurse=True)

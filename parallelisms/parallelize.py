@@ -36,11 +36,12 @@ def parallelize(
     cp_kernel: str = "auto",
     activation_checkpoint: str = "none",
     compile: bool = False,
+    fsdp_gather: str = "micro_batch",
 ) -> Parallelized:
     """Shard `model` (on the meta device) in place: context parallelism swaps the attention
     cores for ring attention, expert parallelism shards and wraps the routed experts,
     activation checkpointing (none | full | selective) wraps the blocks' forwards (compiled
-    first if `compile`), FSDP2 shards the rest."""
+    first if `compile`), FSDP2 shards the rest (`fsdp_gather`: parallel.fsdp_gather)."""
     out = Parallelized()
     if meshes.cp > 1:
         cores = match_modules(model, plan.attention_core, "attention_core")
@@ -56,7 +57,7 @@ def parallelize(
     if compile:  # NOTE: inside checkpointing, not around it (see parallelisms/compile.py)
         apply_compile(blocks)
     apply_activation_checkpointing(blocks, activation_checkpoint)
-    apply_fsdp(model, plan, meshes, param_dtype)
+    apply_fsdp(model, plan, meshes, param_dtype, reshard_after_forward=fsdp_gather != "step")
     return out
 
 

@@ -135,7 +135,8 @@ def stepped_records(trainer, steps: int):
         yield out
 
 
-def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing: str | None):
+def build_trainer(argv: list[str], world: int):
+    """(config, Trainer) of `argv` on this rank of `world`, as train.py builds them."""
     from trainer.loop.setup import preflight
     from trainer.loop.trainer import Trainer
 
@@ -143,7 +144,12 @@ def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing
     p = cfg.parallel
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
     preflight(cfg, dims)
-    trainer = Trainer(cfg, dims)
+    return cfg, Trainer(cfg, dims)
+
+
+def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing: str | None):
+    cfg, trainer = build_trainer(argv, world)
+    dims = trainer.dims
     install_routing(trainer.model, routing)
     counter = None
     if dims.ep > 1:

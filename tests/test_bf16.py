@@ -9,6 +9,7 @@ spread that reduction order alone gives (docs/architecture.md, "bf16 mixed preci
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -22,26 +23,13 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
-from parallelisms.dims import ParallelDims
 from parallelisms.plan import match_modules
 from tests.distributed import ROOT, run_distributed, run_train
-from tests.parity import TINY, TINY_DSV3, RemoteAssignmentCounter, num_experts_of
-from trainer.config import load_config
+from tests.parity import TINY, TINY_DSV3, RemoteAssignmentCounter, build_trainer, num_experts_of
 
 BF16 = ["--train.mixed_precision=bf16"]
 NOT_TENSORS = ("", "Scalar", "ScalarList", "TensorList")
 BF, F32 = "c10::BFloat16", "float"  # the profiler's names
-
-
-def _trainer(argv: list[str], world: int):
-    from trainer.loop.setup import preflight
-    from trainer.loop.trainer import Trainer
-
-    cfg = load_config(argv)
-    p = cfg.parallel
-    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
-    preflight(cfg, dims)
-    return cfg, Trainer(cfg, dims)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -50,7 +38,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def dtype_worker(rank: int, world: int, argv: list[str], out: str) -> None:
     """One warm-up step, then one step under the profiler; writes what rank 0 saw."""
-    cfg, trainer = _trainer(argv, world)
+    cfg, trainer = build_trainer(argv, world)
     model, plan = trainer.model, trainer.spec.plan
     fp32_units = [m for _, m in match_modules(model, plan.fp32_modules, "fp32", required=False)]
     at_forward: list[str] = []  # the dtype of each fp32 unit's weight when it computes
@@ -69,16 +57,19 @@ def dtype_worker(rank: int, world: int, argv: list[str], out: str) -> None:
     trainer.train_step(trainer.next_micro_batches())
     if counter is not None:
         counter.remote = 0
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    # rank 0's record stands for all (the other ranks run the same step, unprofiled)
+    profiling = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+    with profiling if rank == 0 else contextlib.nullcontext():
         record = trainer.train_step(trainer.next_micro_batches())
-    prof.export_chrome_trace(f"{out}.trace.{rank}")
     # Rows a rank sends and receives differ; summed over the ranks, each remote assignment
     # crosses four times (dispatch and combine, forward and backward).
     sent = [None] * world
     dist.all_gather_object(sent, (record.get("a2a_bytes"), counter.remote if counter else None))
     if rank != 0:
         return
-    events = json.loads(open(f"{out}.trace.{rank}").read())["traceEvents"]
+    profiling.export_chrome_trace(f"{out}.trace")
+    with open(f"{out}.trace") as f:
+        events = json.load(f)["traceEvents"]
     ops, gathers = Counter(), Counter()
     for e in events:
         types = e.get("args", {}).get("Input type")
@@ -193,7 +184,7 @@ def losses_worker(rank: int, world: int, runs: dict[str, list[str]], out: str) -
     """Each run's 20 losses, one run after the other on the same ranks."""
     losses = {}
     for name, argv in runs.items():
-        _, trainer = _trainer(argv, world)
+        _, trainer = build_trainer(argv, world)
         losses[name] = [
             trainer.train_step(trainer.next_micro_batches())["loss"] for _ in range(STEPS)
         ]
@@ -248,7 +239,7 @@ CKPT = ["--config=configs/debug_qwen3_moe.toml", "--data.max_tokens=200000",
 
 def loaded_worker(rank: int, world: int, argv: list[str], out: str) -> None:
     """The full fp32 weights a run resumed from a checkpoint starts with."""
-    _, trainer = _trainer(argv, world)
+    _, trainer = build_trainer(argv, world)
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
             for n, p in trainer.model.named_parameters()}  # fmt: skip
     if rank == 0:
@@ -257,7 +248,7 @@ def loaded_worker(rank: int, world: int, argv: list[str], out: str) -> None:
 
 def hf_logits_worker(rank: int, world: int, argv: list[str], tokens, out: str) -> None:
     """Our logits, in bf16 compute, of a model started from a Hugging Face directory."""
-    _, trainer = _trainer(argv, world)
+    _, trainer = build_trainer(argv, world)
     with torch.no_grad():
         torch.save(trainer.model(tokens).logits.float(), out)
 
@@ -288,7 +279,7 @@ def test_bf16_runs_resume_bitwise_and_export_their_fp32_master(tmp_path):
 
     # The checkpoint holds fp32 master weights, and another layout starts from their bits.
     dcp_to_torch_save(step2, tmp_path / "step2.pt")
-    master = torch.load(tmp_path / "step2.pt", weights_only=False)["model"]
+    master = torch.load(tmp_path / "step2.pt", weights_only=True)["model"]
     assert {t.dtype for t in master.values() if t.is_floating_point()} == {torch.float32}
     ep2 = [*CKPT, "--parallel.ep=2", f"--checkpoint.resume={step2}",
            f"--job.output_dir={tmp_path / 'ep2'}"]  # fmt: skip

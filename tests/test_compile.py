@@ -17,9 +17,8 @@ import torch.distributed as dist
 
 from models.common.grouped_gemm import grouped_mm_op
 from models.common.moe import grouped_mm
-from parallelisms.dims import ParallelDims
 from tests.distributed import run_distributed
-from tests.parity import STEPS, TINY, stepped_records
+from tests.parity import STEPS, TINY, build_trainer, stepped_records
 from trainer.config import ConfigError, load_config
 
 TOL = 1e-5
@@ -34,14 +33,7 @@ MODES = {  # name: extra argv
 def _train(world: int, argv: list[str]) -> list[dict]:
     """3 steps through `Trainer`: each step's record, the gradients the optimizer stepped
     with (after clipping) and the updated parameters, as full tensors."""
-    from trainer.loop.setup import preflight
-    from trainer.loop.trainer import Trainer
-
-    cfg = load_config(argv)
-    p = cfg.parallel
-    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
-    preflight(cfg, dims)
-    return list(stepped_records(Trainer(cfg, dims), STEPS))
+    return list(stepped_records(build_trainer(argv, world)[1], STEPS))
 
 
 def _modes_worker(rank: int, world: int, argv: list[str], modes: list[str], out: str) -> None:

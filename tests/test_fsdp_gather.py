@@ -11,7 +11,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed import run_distributed
-from tests.parity import TINY, assert_same_training, reference_run, stepped_records
+from tests.parity import (
+    TINY,
+    assert_same_training,
+    build_trainer,
+    reference_run,
+    stepped_records,
+)
 
 c10d = torch.ops.c10d
 
@@ -33,18 +39,9 @@ class CollectiveBytes(TorchDispatchMode):
 
 
 def gather_worker(rank: int, world: int, argv: list[str], out: str) -> None:
-    from parallelisms.dims import ParallelDims
-    from trainer.config import load_config
-    from trainer.loop.setup import preflight
-    from trainer.loop.trainer import Trainer
-
     result = {}
     for mode in ("micro_batch", "step"):
-        cfg = load_config([*argv, f"--parallel.fsdp_gather={mode}"])
-        p = cfg.parallel
-        dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
-        preflight(cfg, dims)
-        trainer = Trainer(cfg, dims)
+        _, trainer = build_trainer([*argv, f"--parallel.fsdp_gather={mode}"], world)
         counted = CollectiveBytes()
         steps = stepped_records(trainer, 3)
         records = [next(steps)]
@@ -73,7 +70,7 @@ def test_gathering_once_per_step_trains_the_same_and_moves_a_micro_batchs_bytes(
 ):
     argv = [*TINY, *layout]
     run_distributed(gather_worker, world, argv, str(tmp_path / "out.pt"))
-    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
     ref = reference_run(argv, dp_size=dp)
     for mode in ("micro_batch", "step"):
         assert_same_training(out[mode]["records"], ref)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -27,7 +27,7 @@ class Batch:
     mtp_labels: torch.Tensor | None = None
     # parallel.cp_layout=balanced: the chunks each cp rank holds of this micro-batch
     # ([cp, k], parallelisms.cp_schedule.balanced_table), set by the split; not a sequence
-    cp_table: torch.Tensor | None = None
+    cp_table: torch.Tensor | None = field(default=None, metadata={"sequence": False})
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         """`fn` applied to every sequence tensor present."""
@@ -36,7 +36,7 @@ class Batch:
             **{
                 f.name: fn(t)
                 for f in fields(self)
-                if f.name != "cp_table" and (t := getattr(self, f.name)) is not None
+                if f.metadata.get("sequence", True) and (t := getattr(self, f.name)) is not None
             },
         )
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.spec import LossTerms
-from parallelisms.context_parallel import use_cp_table
+from parallelisms.context_parallel import ContextParallelAttention, use_cp_table
 from parallelisms.cp_schedule import balanced_table, split_for_cp
 from trainer.data.batch import IGNORE_INDEX, Batch
 from trainer.data.run_data import HeldOut
@@ -71,12 +71,13 @@ class Evaluator:
     @torch.no_grad()
     def __call__(self, model: nn.Module) -> dict[str, float]:
         sums = []  # per source: [cross-entropy sum, tokens], float64
+        rings = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
         for batches in self.batches:
             total = torch.zeros(2, dtype=torch.float64)
             for mb in batches:
                 mb = self.prepare(mb)
                 if mb.cp_table is not None:
-                    use_cp_table(model, mb.cp_table)
+                    use_cp_table(rings, mb.cp_table)
                 out = model(
                     mb.input_ids,
                     mb.position_ids,

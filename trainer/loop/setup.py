@@ -130,6 +130,7 @@ def build_model(
         cp_kernel=cfg.parallel.cp_kernel,
         activation_checkpoint=cfg.train.activation_checkpoint,
         compile=cfg.train.compile,
+        fsdp_gather=cfg.parallel.fsdp_gather,
     )
     model.to_empty(device=device)
     model.train()

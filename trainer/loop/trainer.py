@@ -189,7 +189,7 @@ class Trainer:
             if once:
                 gather_once_per_step(self.model, i == len(micro_batches) - 1)
             if mb.cp_table is not None:  # cp_layout=balanced: this micro-batch's chunks
-                use_cp_table(self.model, mb.cp_table)
+                use_cp_table(self.parallel.ring_attention, mb.cp_table)
             inputs = model_inputs(mb, self.terms, self.cfg.data.document_mask)
             out = self.model(mb.input_ids, mb.position_ids, **inputs)
             self.step_loss(out, mb).backward()
