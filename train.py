@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         cfg = load_config(argv)
         p = cfg.parallel
-        dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size_from_env())
+        dims = ParallelDims.of(p, world_size_from_env())
         from trainer.loop.setup import preflight  # torch-heavy: only once the config is good
 
         preflight(cfg, dims)

@@ -37,7 +37,7 @@ def main() -> None:
     cfg.metrics.jsonl = False
     cfg.checkpoint.resume = "none"
     p = cfg.parallel
-    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size_from_env())
+    dims = ParallelDims.of(p, world_size_from_env())
     preflight(cfg, dims)
     trainer = Trainer(cfg, dims)
     trainer.fit()  # optimizer state exists, as in a real save

@@ -80,7 +80,7 @@ def measure_mode(argv: list[str], mode: str, warmup: int, measure: int) -> dict:
             ]
         )
         p = cfg.parallel
-        dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, 1)
+        dims = ParallelDims.of(p, 1)
         cfg.train.steps = warmup + measure + 2
         cfg.train.warmup_steps = min(cfg.train.warmup_steps, cfg.train.steps)
         preflight(cfg, dims)

@@ -95,22 +95,23 @@ def main() -> None:
 
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
         layer = build(args, "auto", device, dtype)
-        dispatcher = apply_expert_parallel(layer.experts, mesh)
+        dispatcher = apply_expert_parallel(layer.experts, mesh, ranks_per_node=world)
         result["ep"] = world
         result["ep_fwd_bwd_s"] = time_fwd_bwd(layer, x, args.iters)
-        dispatcher.reset_bytes()
+        dispatcher.reset_traffic()
         y, _ = layer(x)
-        result["a2a_bytes_forward"] = dispatcher.reset_bytes()
-        tokens_per_expert = torch.bincount(
-            torch.randint(0, args.experts, (args.tokens * args.topk,), device=device),
-            minlength=args.experts,
-        )
-        xs = torch.randn(args.tokens * args.topk, args.hidden, device=device, dtype=dtype)
+        result["a2a_bytes_forward"] = dispatcher.reset_traffic().sent
+        assignments = args.tokens * args.topk
+        expert = torch.randint(0, args.experts, (assignments,), device=device)
+        tokens_per_expert = torch.bincount(expert, minlength=args.experts)
+        xs = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype)
+        token_of = torch.argsort(expert, stable=True) // args.topk  # expert-major
+        weights = torch.rand(assignments, device=device)
         times = []
         for _ in range(args.iters):
             _sync(device)
             start = time.perf_counter()
-            dispatcher.combine(dispatcher.dispatch(xs, tokens_per_expert)[0])
+            dispatcher.combine(dispatcher.dispatch(xs, tokens_per_expert, token_of, weights)[0])
             _sync(device)
             times.append(time.perf_counter() - start)
         result["dispatch_combine_s"] = statistics.median(times)

@@ -19,6 +19,15 @@ When the nodes divide the groups, each node holds whole groups (experts are laid
 index), so a token reaches at most `topk_group` nodes: DeepSeek-V3's node-limited routing
 falls out of group-limited routing (see --nodes 8 --ranks-per-node 4: one group a node).
 Prints one JSON object (or writes --json FILE), then a one-line summary.
+
+    python benchmarks/node_dispatch.py --measure [--nodes 4] [--ranks-per-node 2]
+
+runs the dispatchers themselves: nodes x ranks-per-node CPU processes (gloo), each with
+--tokens-per-rank tokens (default 512) through one MoE layer of that routing (hidden 64,
+fp32), forward and backward, once with today's flat all-to-all and once with the two-stage
+dispatch (parallelisms/node_dispatch.py). It reports the inter-node bytes each dispatcher
+counted, summed over the ranks, next to the count of remote (token, expert) assignments and
+(token, node) pairs from the routers' outputs, and scales the rows to bf16 rows of --hidden.
 """
 
 from __future__ import annotations
@@ -65,16 +74,108 @@ def count(top: torch.Tensor, args, node_of_expert: torch.Tensor, source_node: in
     }
 
 
+MEASURE_HIDDEN = 64  # the measured layer's width (fp32 rows); bytes are scaled to --hidden
+
+
+def _measure_worker(rank: int, world: int, args, out_path: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from models.common.moe import MoE
+    from parallelisms.expert_parallel import apply_expert_parallel
+
+    dist.init_process_group("gloo")
+    per_node = args.ranks_per_node
+    x = torch.randn(1, args.tokens_per_rank, MEASURE_HIDDEN,
+                    generator=torch.Generator().manual_seed(rank))  # fmt: skip
+    ep_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    split = init_device_mesh("cpu", (args.nodes, per_node), mesh_dim_names=("rail", "node"))
+    result = {}
+    for kind, meshes in (("flat", None), ("two_stage", (split["rail"], split["node"]))):
+        torch.manual_seed(0)  # the same layer on every rank and for both dispatchers
+        router = GroupLimitedRouter(MEASURE_HIDDEN, args.experts, args.top_k, args.groups,
+                                    args.topk_group, True, 2.5)  # fmt: skip
+        layer = MoE(MEASURE_HIDDEN, 32, router)
+        for param in layer.parameters():
+            torch.nn.init.normal_(param, std=0.05)
+        dispatcher = apply_expert_parallel(layer.experts, ep_mesh, per_node, meshes)
+        with torch.no_grad():
+            top = layer.gate(x[0])[2]  # [T, k] the routing the layer will use
+        y, _ = layer(x.clone().requires_grad_())  # activations carry gradients
+        y.square().sum().backward()
+        result[kind] = tuple(dispatcher.reset_traffic())  # (sent, internode, routing)
+    node_of = top // (args.experts // args.nodes)  # [T, k]
+    mine = rank // per_node
+    reached = torch.zeros(len(node_of), args.nodes, dtype=torch.bool).scatter_(1, node_of, True)
+    result["remote_assignments"] = int((node_of != mine).sum())
+    result["remote_pairs"] = int(reached.sum()) - int(reached[:, mine].sum())
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        torch.save(gathered, out_path)
+
+
+def measure(args) -> dict:
+    import tempfile
+
+    from tests.distributed import run_distributed
+
+    world = args.nodes * args.ranks_per_node
+    with tempfile.TemporaryDirectory() as tmp:
+        run_distributed(_measure_worker, world, args, f"{tmp}/out.pt")
+        per_rank = torch.load(f"{tmp}/out.pt")
+    row, scaled = MEASURE_HIDDEN * 4, args.hidden * 2
+    out = {}
+    for kind in ("flat", "two_stage"):
+        internode = sum(r[kind][1] for r in per_rank)  # Traffic.internode, all ranks
+        # forward + backward, each with dispatch and combine: 4 crossings per row
+        rows_per_dispatch = internode // (4 * row)
+        out[kind] = {
+            "internode_rows_per_dispatch": rows_per_dispatch,
+            "internode_routing_bytes_per_step": sum(r[kind][2] for r in per_rank),
+            "internode_bytes_per_dispatch_at_hidden": rows_per_dispatch * scaled,
+        }
+    out["counted_remote_assignments"] = sum(r["remote_assignments"] for r in per_rank)
+    out["counted_remote_pairs"] = sum(r["remote_pairs"] for r in per_rank)
+    out["flat_matches_count"] = (
+        out["flat"]["internode_rows_per_dispatch"] == out["counted_remote_assignments"]
+    )
+    out["two_stage_matches_count"] = (
+        out["two_stage"]["internode_rows_per_dispatch"] == out["counted_remote_pairs"]
+    )
+    flat, two = (out[k]["internode_rows_per_dispatch"] for k in ("flat", "two_stage"))
+    out["saving"] = 1 - two / flat if flat else 0.0
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for flag, default in (("tokens", 8192), ("nodes", 4), ("ranks-per-node", 8), ("experts", 256),
-                          ("top-k", 8), ("groups", 8), ("topk-group", 4), ("hidden", 7168)):  # fmt: skip
+                          ("top-k", 8), ("groups", 8), ("topk-group", 4), ("hidden", 7168),
+                          ("tokens-per-rank", 512)):  # fmt: skip
         p.add_argument(f"--{flag}", type=int, default=default)
+    p.add_argument("--measure", action="store_true", help="run the dispatchers on CPU ranks")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     ep = args.nodes * args.ranks_per_node
     if args.experts % ep or args.experts % args.groups:
         raise SystemExit("--experts must divide over the ranks and the groups")
+    if args.measure:
+        m = measure(args)
+        m["settings"] = vars(args)
+        m["summary"] = (
+            f"measured on {args.nodes} simulated nodes x {args.ranks_per_node} CPU ranks, "
+            f"{args.tokens_per_rank} tokens each, top-{args.top_k} of {args.experts} experts in "
+            f"{args.groups} groups (best {args.topk_group}): inter-node rows per dispatch "
+            f"{m['flat']['internode_rows_per_dispatch']} flat -> "
+            f"{m['two_stage']['internode_rows_per_dispatch']} two-stage "
+            f"({100 * m['saving']:.0f}% less; each equal to the routers' own count: "
+            f"{m['flat_matches_count'] and m['two_stage_matches_count']}); routing sent across "
+            f"{m['two_stage']['internode_routing_bytes_per_step'] / 2**10:.0f} KiB per step"
+        )
+        write_result(m, args.json)
+        print(m["summary"])
+        return
     top = routing(args)
     rank_of_expert = torch.arange(args.experts) // (args.experts // ep)
     by_rank = count(top, args, rank_of_expert // args.ranks_per_node, source_node=0)

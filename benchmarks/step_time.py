@@ -41,7 +41,7 @@ def measure_steps(cfg, warmup: int, measure: int) -> dict:
     from trainer.metrics.logger import peak_memory_gib
 
     p = cfg.parallel
-    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size_from_env())
+    dims = ParallelDims.of(p, world_size_from_env())
     cfg.train.steps = warmup + measure
     cfg.train.warmup_steps = min(cfg.train.warmup_steps, cfg.train.steps)
     cfg.metrics.jsonl = False

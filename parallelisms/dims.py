@@ -53,6 +53,11 @@ def grad_accum_steps(global_batch_size: int, micro_batch_size: int, dp_size: int
     return global_batch_size // per_step
 
 
+def ranks_per_node_from_env(world_size: int) -> int:
+    """The ranks torchrun starts on each node (its LOCAL_WORLD_SIZE; all of them without it)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     dp_replicate: int
@@ -60,11 +65,19 @@ class ParallelDims:
     cp: int
     ep: int
     world_size: int
+    ranks_per_node: int = 0  # 0: every rank on one node
 
     @classmethod
     def resolve(
-        cls, dp_replicate: int, dp_shard: int, cp: int, ep: int, world_size: int
+        cls,
+        dp_replicate: int,
+        dp_shard: int,
+        cp: int,
+        ep: int,
+        world_size: int,
+        ranks_per_node: int = 0,
     ) -> ParallelDims:
+        """`ranks_per_node`: parallel.ranks_per_node (0: torchrun's LOCAL_WORLD_SIZE)."""
         fixed = dp_replicate * cp
         if dp_shard == -1:
             if world_size % fixed:
@@ -86,7 +99,29 @@ class ParallelDims:
                 f"parallel.ep={ep} must divide parallel.dp_shard * cp = {dp_shard * cp} "
                 "(expert parallelism borrows its ranks from them)"
             )
-        return cls(dp_replicate, dp_shard, cp, ep, world_size)
+        nodes_set = ranks_per_node > 0
+        ranks_per_node = ranks_per_node if nodes_set else ranks_per_node_from_env(world_size)
+        where = "parallel.ranks_per_node" if nodes_set else "torchrun's LOCAL_WORLD_SIZE"
+        if world_size % ranks_per_node:
+            raise LayoutError(
+                f"{where} = {ranks_per_node} does not divide the world size {world_size}; "
+                "every node must hold the same number of ranks"
+            )
+        if ranks_per_node % ep and ep % ranks_per_node:
+            # NOTE: ep groups are runs of consecutive ranks, so this is exactly "each group
+            # sits inside one node or spans whole nodes", what the dispatchers support.
+            raise LayoutError(
+                f"parallel.ep={ep} with {ranks_per_node} ranks per node ({where}): an "
+                "expert-parallel group must fit inside one node (ep divides the ranks per "
+                "node) or span whole nodes (ep a multiple of them); change parallel.ep"
+            )
+        return cls(dp_replicate, dp_shard, cp, ep, world_size, ranks_per_node)
+
+    @classmethod
+    def of(cls, parallel, world_size: int) -> ParallelDims:
+        """From a config's [parallel] section (trainer.config.schema.ParallelSection)."""
+        p = parallel
+        return cls.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size, p.ranks_per_node)
 
     def grad_accum(self, global_batch_size: int, micro_batch_size: int) -> int:
         """Micro-batches per rank per step; refuses a global batch this layout cannot split."""
@@ -101,6 +136,11 @@ class ParallelDims:
     def fsdp_size(self) -> int:
         """Ranks that shard one copy of the dense parameters."""
         return self.dp_shard * self.cp
+
+    @property
+    def ep_nodes(self) -> int:
+        """Nodes one expert-parallel group spans (> 1: the two-stage dispatch)."""
+        return max(1, self.ep // self.ranks_per_node) if self.ranks_per_node else 1
 
     @property
     def efsdp_size(self) -> int:

@@ -1,91 +1,52 @@
 """Expert parallelism: routed experts sharded on dim 0 over `ep`, tokens moved by all-to-all.
 
-The model's experts module takes tokens sorted expert-major plus the count per expert
-(`models.common.moe.GroupedExperts`). EP wraps it from outside with two hooks:
+The model's experts module is called on the tokens with the routing of each assignment
+(`models.common.moe.RoutedExperts`). EP wraps it from outside with two hooks:
 
-    pre-forward:  (x_sorted [N, H], counts [E]) -> dispatch -> (x_local [N', H], counts [E/ep])
-    post-forward: y_local [N', H] -> combine -> y_sorted [N, H]   (same order as x_sorted)
+    pre-forward:  (x [T, H], counts [E], token_of [N], weights [N]) -> dispatch
+                  -> (x_local [R, H], counts [E/ep], token_of_local, weights_local)
+    post-forward: y_local [R, H] -> combine -> y [T, H] (each token's weighted sum)
 
-Drop-less: the all-to-all carries exactly the (token, expert) assignments whose expert
-lives on another rank, with variable splits and no padding.
+Two dispatchers sit behind the same calls. `AllToAllDispatcher` (an `ep` group inside one
+node) sends every (token, expert) assignment whose expert lives on another rank, drop-less,
+with variable splits and no padding.
+`parallelisms.node_dispatch.NodeDispatcher` (an `ep` group over whole nodes) sends a token
+across to each destination node once, then fans it out inside the node.
 """
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from parallelisms.all_to_all import NOTHING, ROWS, Dispatcher, Traffic, all_to_all
+from parallelisms.node_dispatch import NodeDispatcher
 from parallelisms.trace import named_range
 
 
 class TokenDispatcher(Protocol):
-    """Moves expert-major tokens to the ranks that own their experts, and back.
+    """Moves routed tokens to the ranks that own their experts, and their outputs back.
 
-    `all_to_all` is the default implementation; a DeepEP one plugs in behind the same
-    calls. `bytes_sent` counts what this rank sent (forward and backward) since the last reset.
+    A DeepEP implementation would plug in behind the same calls.
     """
 
-    bytes_sent: int
-
     def dispatch(
-        self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+        self,
+        x: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        token_of: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]: ...
 
     def combine(self, y_local: torch.Tensor) -> torch.Tensor: ...
 
-    def reset_bytes(self) -> int:
+    def reset_traffic(self) -> Traffic:
         """The bytes sent since the last reset (the trainer logs them per step); resets."""
         ...
-
-
-# Live dispatchers by handle: the all-to-all op takes plain values, not Python objects.
-_DISPATCHERS: weakref.WeakValueDictionary[int, AllToAllDispatcher] = weakref.WeakValueDictionary()
-_handles = itertools.count()
-
-
-@torch.library.custom_op("moetrain::all_to_all", mutates_args=())
-def all_to_all(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], dispatcher: int, count: bool
-) -> torch.Tensor:
-    """all_to_all_single over a dispatcher's `ep` group with variable splits (rows of x).
-
-    One op, not a Python function: selective activation checkpointing keeps its output and
-    hands it back to the replayed forward, so the body below (the transfer and, with
-    `count`, its bytes) runs only when data really moves. Its gradient is the reverse op.
-    """
-    owner = _DISPATCHERS[dispatcher]
-    if count:
-        owner.count(in_splits, x)
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=owner.group)
-    return out
-
-
-@all_to_all.register_fake
-def _(x, out_splits, in_splits, dispatcher, count):
-    return x.new_empty((sum(out_splits), *x.shape[1:]))
-
-
-def _all_to_all_setup(ctx, inputs, output) -> None:
-    _, out_splits, in_splits, dispatcher, _ = inputs
-    ctx.args = (out_splits, in_splits, dispatcher)
-
-
-def _all_to_all_backward(ctx, grad):
-    out_splits, in_splits, dispatcher = ctx.args
-    with named_range("ep.all_to_all.backward"):  # dispatch's backward combines, and back
-        grad_in = all_to_all(grad, in_splits, out_splits, dispatcher, True)
-    return grad_in, None, None, None, None
-
-
-all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
 
 
 def _source_major_to_expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
@@ -103,72 +64,71 @@ def _source_major_to_expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
     return chunk_starts[chunk_of_row] + row_in_chunk
 
 
-class AllToAllDispatcher:
-    def __init__(self, ep_mesh: DeviceMesh, num_experts: int) -> None:
-        self.group = ep_mesh.get_group()
+class AllToAllDispatcher(Dispatcher):
+    """One all-to-all over the `ep` group, one row per (token, expert) assignment. The
+    routing weights stay at the source: the experts return unweighted rows, and the combine
+    weights and sums them where the token lives (the same arithmetic as one process)."""
+
+    def __init__(self, ep_mesh: DeviceMesh, num_experts: int, ranks_per_node: int) -> None:
+        group = ep_mesh.get_group()
+        node_of = [g // ranks_per_node for g in torch.distributed.get_process_group_ranks(group)]
+        me = node_of[ep_mesh.get_local_rank()]
+        super().__init__({0: group}, {0: [node != me for node in node_of]})
         self.ep = ep_mesh.size()
-        self.rank = ep_mesh.get_local_rank()
         self.local_experts = num_experts // self.ep
-        self.bytes_sent = 0
-        # per in-flight forward (or its replay under activation checkpointing), pushed by
-        # dispatch, popped by combine: (perm, send, recv) splits
-        self._pending: list[tuple] = []
-        self.handle = next(_handles)
-        _DISPATCHERS[self.handle] = self
 
-    def count(self, splits: list[int], x: torch.Tensor) -> None:
-        """Bytes this rank sends to the others (its own chunk stays local)."""
-        rows = sum(splits) - splits[self.rank]
-        self.bytes_sent += rows * x[0:1].numel() * x.element_size() if x.numel() else 0
-
-    def dispatch(
-        self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch(self, x, tokens_per_expert, token_of, weights):
         send_counts = tokens_per_expert.view(self.ep, self.local_experts)  # [dest rank, expert]
         ones = [1] * self.ep  # one row of counts [local experts] to each rank
-        recv_counts = all_to_all(send_counts, ones, ones, self.handle, False)  # [source, expert]
+        recv_counts = all_to_all(send_counts, ones, ones, self.handle, 0, NOTHING)  # [src, e]
         # NOTE: the host needs the split sizes: this is the device sync that breaks FSDP's
         # implicit prefetch (see parallelisms/fsdp.py).
         send_splits = send_counts.sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
-        x_recv = all_to_all(x_sorted, recv_splits, send_splits, self.handle, True)
+        x_recv = all_to_all(x[token_of], recv_splits, send_splits, self.handle, 0, ROWS)
         perm = _source_major_to_expert_major(recv_counts)
-        self._pending.append((perm, send_splits, recv_splits))
-        return x_recv[perm], recv_counts.sum(0)
+        self._pending.append((perm, send_splits, recv_splits, token_of, weights, x.shape[0]))
+        return x_recv[perm], recv_counts.sum(0), None, None
 
     def combine(self, y_local: torch.Tensor) -> torch.Tensor:
-        perm, send_splits, recv_splits = self._pending.pop()
+        perm, send_splits, recv_splits, token_of, weights, tokens = self._pending.pop()
         y_recv = torch.empty_like(y_local).index_copy(0, perm, y_local)  # back to arrival order
-        return all_to_all(y_recv, send_splits, recv_splits, self.handle, True)
-
-    def reset_bytes(self) -> int:
-        if self._pending:  # called between steps: every dispatch has been combined
-            raise RuntimeError(f"{len(self._pending)} dispatches were never combined")
-        sent, self.bytes_sent = self.bytes_sent, 0
-        return sent
+        y_sorted = all_to_all(y_recv, send_splits, recv_splits, self.handle, 0, ROWS)
+        y_sorted = y_sorted * weights[:, None].to(y_sorted.dtype)
+        y = y_sorted.new_zeros(tokens, y_sorted.shape[1])
+        return y.index_add_(0, token_of, y_sorted)  # un-permute, sum over the token's experts
 
 
-def apply_expert_parallel(experts: nn.Module, ep_mesh: DeviceMesh) -> AllToAllDispatcher:
+def apply_expert_parallel(
+    experts: nn.Module,
+    ep_mesh: DeviceMesh,
+    ranks_per_node: int,
+    node_meshes: tuple[DeviceMesh, DeviceMesh] | None = None,
+) -> TokenDispatcher:
     """Shard the stacked expert weights on dim 0 over `ep_mesh` and route tokens to them.
 
     Parameters become DTensors `Shard(0)` (global shapes kept: checkpoints and clipping see
-    the truth); FSDP later adds `Shard(1)` on `efsdp` on top.
+    the truth); FSDP later adds `Shard(1)` on `efsdp` on top. `node_meshes`: the `ep`
+    group's (across nodes, inside a node) split when it spans whole nodes (two-stage
+    dispatch); else one all-to-all, whose inter-node bytes `ranks_per_node` tells apart.
     """
     num_experts = None
     for name, param in list(experts.named_parameters(recurse=False)):
         num_experts = param.shape[0]
         sharded = nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]))
         experts.register_parameter(name, sharded)
-    dispatcher = AllToAllDispatcher(ep_mesh, num_experts)
+    if node_meshes is None:
+        dispatcher: TokenDispatcher = AllToAllDispatcher(ep_mesh, num_experts, ranks_per_node)
+    else:
+        dispatcher = NodeDispatcher(*node_meshes, num_experts)
 
     # NOTE: under train.compile the hooks run eagerly (a graph break on each side of the
     # experts): the dispatch reads split sizes on the host, and traced code would bake each
     # dispatcher's handle and each step's token counts in, one recompile per layer and step.
     @torch.compiler.disable
     def pre_hook(_module, args):
-        x_sorted, tokens_per_expert = args
         with named_range("ep.dispatch"):
-            return dispatcher.dispatch(x_sorted, tokens_per_expert)
+            return dispatcher.dispatch(*args)
 
     @torch.compiler.disable
     def post_hook(_module, _args, y_local):

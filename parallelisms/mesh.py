@@ -19,6 +19,11 @@ class Meshes:
     # efsdp, ep) mesh, as FSDP2 requires for a parameter that is already a DTensor.
     ep: DeviceMesh | None = None
     expert_fsdp: DeviceMesh | None = None
+    # When an ep group spans whole nodes: its split into (ep_rail: the same local index on
+    # each node, ep_node: the ranks of one node), for the two-stage dispatch.
+    ep_rail: DeviceMesh | None = None
+    ep_node: DeviceMesh | None = None
+    ranks_per_node: int = 1
 
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (dp_replicate-major)."""
@@ -40,7 +45,8 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     # does the same); it keeps every view a slice of the one world mesh.
     fsdp = world["dp_shard", "cp"]._flatten("fsdp")
     dense = world["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else fsdp
-    meshes = Meshes(world=world, dense=dense)
+    per_node = dims.ranks_per_node or dims.world_size
+    meshes = Meshes(world=world, dense=dense, ranks_per_node=per_node)
     if dims.ep > 1:
         # NOTE: a second mesh over the same ranks in the same (row-major) order: ep groups
         # are runs of consecutive ranks inside one fsdp group, so EP traffic stays as local
@@ -54,4 +60,13 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
         meshes.expert_fsdp = (
             sparse["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else sparse["efsdp"]
         )
+    if dims.ep_nodes > 1:
+        # The ep dim split (nodes, ranks of a node): an ep group starts on a node boundary
+        # (ParallelDims.resolve), so ep index = node * ranks_per_node + local index.
+        split = init_device_mesh(
+            device_type,
+            (dims.dp_replicate, dims.efsdp_size, dims.ep_nodes, dims.ep // dims.ep_nodes),
+            mesh_dim_names=("dp_replicate", "efsdp", "ep_rail", "ep_node"),
+        )
+        meshes.ep_rail, meshes.ep_node = split["ep_rail"], split["ep_node"]
     return meshes

@@ -50,7 +50,10 @@ def parallelize(
         )
     if meshes.ep is not None:
         for _, experts in match_modules(model, plan.routed_experts, "routed_experts"):
-            out.dispatchers.append(apply_expert_parallel(experts, meshes.ep))
+            nodes = (meshes.ep_rail, meshes.ep_node) if meshes.ep_rail is not None else None
+            out.dispatchers.append(
+                apply_expert_parallel(experts, meshes.ep, meshes.ranks_per_node, nodes)
+            )
     # NOTE: before FSDP (as torchtitan does); FSDP's hooks on a block run around its
     # checkpointed forward, not inside the replay.
     blocks = match_modules(model, plan.blocks, "blocks")

@@ -97,21 +97,30 @@ def install_routing(model: nn.Module, routing: str | None) -> None:
 
 class RemoteAssignmentCounter:
     """Counts, from the routers' own outputs, (token, expert) assignments whose expert
-    lives on another ep rank: the rows the dispatch must send. Forwards only, not their
-    replays under activation checkpointing (which route the same tokens again)."""
+    lives on another ep rank: the rows the dispatch must send. When the ep group spans
+    `nodes` nodes, also the (token, node) pairs and the assignments on another node: what
+    the two-stage dispatch sends across. Forwards only, not their replays under activation
+    checkpointing (which route the same tokens again)."""
 
-    def __init__(self, model: nn.Module, ep: int, ep_rank: int, num_experts: int) -> None:
-        self.remote = 0
-        local = num_experts // ep
+    def __init__(
+        self, model: nn.Module, ep: int, ep_rank: int, num_experts: int, nodes: int = 1
+    ) -> None:
+        self.remote = self.remote_pairs = self.remote_node_assignments = 0
         for module in model.modules():
             if isinstance(module, ROUTERS):
                 module.register_forward_hook(self._hook)
-        self._owner = lambda e: e // local
-        self._rank = ep_rank
+        self._local, self._per_node = num_experts // ep, num_experts // nodes
+        self._rank, self._node = ep_rank, ep_rank // (ep // nodes)
 
     def _hook(self, _router, _inputs, out) -> None:
-        if not is_replay():
-            self.remote += int((self._owner(out[2]) != self._rank).sum())
+        if is_replay():
+            return
+        experts = out[2]  # [T, k]
+        self.remote += int((experts // self._local != self._rank).sum())
+        node = experts // self._per_node
+        self.remote_node_assignments += int((node != self._node).sum())
+        for token_nodes in node.tolist():
+            self.remote_pairs += len(set(token_nodes) - {self._node})
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -142,7 +151,7 @@ def build_trainer(argv: list[str], world: int):
 
     cfg = load_config(argv)
     p = cfg.parallel
-    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
+    dims = ParallelDims.of(p, world)
     preflight(cfg, dims)
     return cfg, Trainer(cfg, dims)
 
@@ -155,7 +164,7 @@ def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing
     if dims.ep > 1:
         ep_rank = trainer.meshes.ep.get_local_rank()
         counter = RemoteAssignmentCounter(
-            trainer.model, dims.ep, ep_rank, num_experts_of(cfg.model.args)
+            trainer.model, dims.ep, ep_rank, num_experts_of(cfg.model.args), dims.ep_nodes
         )
     records = []
     for out in stepped_records(trainer, STEPS):
@@ -167,12 +176,25 @@ def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing
         out["p2p_ops"] = sum(ring.stats.p2p_ops for ring in trainer.parallel.ring_attention)
         if counter is not None:
             # Per MoE layer and step: dispatch + combine, forward + backward, fp32 rows.
-            out["a2a_expected"] = 4 * counter.remote * cfg.model.args.hidden_size * 4
-            counter.remote = 0
+            row = cfg.model.args.hidden_size * 4
+            out["a2a_expected"] = 4 * counter.remote * row
+            if dims.ep_nodes > 1:
+                # Each (token, remote node) row: out and back, forward and backward; each
+                # remote assignment's routing: expert and row (int32 x 2) and weight (fp32)
+                # out, the weight's gradient back.
+                out["a2a_internode_expected"] = (
+                    4 * counter.remote_pairs * row + 16 * counter.remote_node_assignments
+                )
+            counter.remote = counter.remote_pairs = counter.remote_node_assignments = 0
         records.append(out)
     gathered = [None] * world
     dist.all_gather_object(
-        gathered, [{k: r.get(k) for k in ("a2a_bytes", "a2a_expected", "p2p_ops")} for r in records]
+        gathered,
+        [
+            {k: r.get(k) for k in ("a2a_bytes", "a2a_expected", "p2p_ops")}
+            | {k: r.get(k) for k in ("a2a_internode_bytes", "a2a_internode_expected")}
+            for r in records
+        ],
     )
     if rank == 0:
         torch.save({"records": records, "per_rank": gathered}, out_path)

@@ -39,8 +39,9 @@ CASES = {  # name: (model, world, layout)
     "fsdp2": (TINY, 2, []),
     "ep2_efsdp2": (TINY, 4, [EP2]),
     "cp2_ep2": (TINY, 4, [CP2, EP2]),
-    # MLA, group-limited routing with the bias update, the MTP module (a block of its own).
-    "dsv3_mtp_ep2_efsdp2": (TINY_DSV3, 4, [EP2]),
+    # MLA, group-limited routing with the bias update, the MTP module (a block of its own),
+    # experts over 2 simulated nodes of 2 ranks (the two-stage dispatch).
+    "dsv3_mtp_ep4_2nodes": (TINY_DSV3, 4, ["--parallel.ep=4", "--parallel.ranks_per_node=2"]),
 }
 
 
@@ -83,8 +84,17 @@ def test_checkpointing_is_invisible(name, tmp_path):
     per_rank = {mode: runs[mode]["per_rank"] for mode in MODES}  # [rank][step] -> dict
     for step in range(len(none["records"])):
         sent = {m: [rank[step]["a2a_bytes"] for rank in per_rank[m]] for m in MODES}
-        if EP2 not in layout:
+        if not any(a.startswith("--parallel.ep=") for a in layout):
             assert all(b is None for m in MODES for b in sent[m])
+            continue
+        if "--parallel.ranks_per_node=2" in layout:  # two stages (tests/test_node_dispatch.py)
+            across = {m: [rank[step]["a2a_internode_bytes"] for rank in per_rank[m]] for m in MODES}
+            expected = sum(rank[step]["a2a_internode_expected"] for rank in per_rank["none"])
+            assert sent["selective"] == sent["none"] and across["selective"] == across["none"]
+            assert sum(across["none"]) == expected > 0, f"step {step}"
+            # full re-dispatches: the forward's rows and routing again (the routing is not
+            # symmetric: each weight goes out in forward, only its gradient comes back)
+            assert sum(across["full"]) > sum(across["none"]), f"step {step}"
             continue
         # A rank sends the same in forward and backward (its dispatch rows and the combine
         # rows it owes others, then their gradients the other way): per rank, full's

@@ -55,7 +55,7 @@ def _real_state_bytes(rank: int, world_size: int, overrides: list[str], out: str
              "--metrics.jsonl=false", "--metrics.progress=false"]
         )  # fmt: skip
         p = cfg.parallel
-        trainer = Trainer(cfg, ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, 4))
+        trainer = Trainer(cfg, ParallelDims.of(p, 4))
         params = _storage_bytes(trainer.params)
         trainer.forward_backward(trainer.next_micro_batches())
         grads = _storage_bytes(q.grad for q in trainer.params)
@@ -128,3 +128,14 @@ def test_knob_suggestion_brings_the_layout_in():
     mode = ac["flag"].split("=")[1]
     assert mode in ("selective", "full")
     assert ac["peak"] == plan["modes"][mode]["peak_rank0"] <= budget * 2**30
+
+
+def test_all_to_all_bytes_follow_the_routed_rows():
+    """The planner's EP bytes, from the config alone: each rank's micro-batch of 4 x 128
+    tokens takes top-2 experts in 3 MoE layers (layer 0 is dense), fp32 rows of 128; under
+    balanced routing (ep-1)/ep of the rows leave, out and back, in forward and backward."""
+    plan = _dry_run(4, "--parallel.ep=2")
+    rows = 4 * 128 * 2 * 3
+    expected = rows * 128 * 4 * (2 - 1) // 2 * 2 * 2
+    assert plan["per_step"]["ep_all_to_all"] == expected
+    assert plan["per_step"]["ep_all_to_all_full_ac"] == expected * 3 // 2  # + the replay

@@ -36,7 +36,7 @@ def _eval_worker(rank: int, world: int, argv: list[str], out_path: str) -> None:
 
     cfg = load_config(argv)
     p = cfg.parallel
-    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
+    dims = ParallelDims.of(p, world)
     preflight(cfg, dims)
     trainer = Trainer(cfg, dims)
     losses = [trainer.evaluate()]
@@ -86,7 +86,7 @@ def _interleaved_worker(rank: int, world: int, argv: list[str], out_path: str) -
 
     cfg = load_config(argv)
     p = cfg.parallel
-    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
+    dims = ParallelDims.of(p, world)
     preflight(cfg, dims)
     runs = []
     for with_eval in (True, False):

@@ -44,13 +44,13 @@ def _moe_layer_worker(rank: int, world: int, kind: str, out_path: str) -> None:
     sharded.load_state_dict(reference.state_dict())
     sharded.gate.register_forward_hook(_route(kind))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    dispatcher = apply_expert_parallel(sharded.experts, mesh)
+    dispatcher = apply_expert_parallel(sharded.experts, mesh, ranks_per_node=world)
 
     x = torch.randn(world, TOKENS, HIDDEN)[rank : rank + 1]  # this rank's tokens [1, T, H]
     y, _ = sharded(x.clone().requires_grad_())
-    forward_bytes = dispatcher.reset_bytes()
+    forward_bytes = dispatcher.reset_traffic().sent
     y.square().sum().backward()
-    backward_bytes = dispatcher.reset_bytes()
+    backward_bytes = dispatcher.reset_traffic().sent
     y_ref, _ = reference(x)
     grad = sharded.experts.gate_up_proj.grad
     result = {

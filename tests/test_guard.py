@@ -75,7 +75,7 @@ def _guard_worker(rank: int, world: int, argv: list[str], out_path: str) -> None
     def trainer_for(extra: list[str]) -> Trainer:
         cfg = load_config([*argv, *extra])
         p = cfg.parallel
-        dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
+        dims = ParallelDims.of(p, world)
         preflight(cfg, dims)
         return Trainer(cfg, dims)
 

@@ -51,7 +51,7 @@ def _worker(rank, world, argv, tile, out_path):
 
     cfg = load_config(argv)
     p = cfg.parallel
-    trainer = Trainer(cfg, ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world))
+    trainer = Trainer(cfg, ParallelDims.of(p, world))
     for param in trainer.model.parameters():  # forget the default init
         (param.to_local() if isinstance(param, DTensor) else param).data.fill_(float("nan"))
     with LargestAllocation() as probe:

@@ -48,6 +48,10 @@ LAYOUTS = {
     # DeepSeek-V3: MLA, group-limited routing with the bias update, MTP, sequence-wise aux.
     "dsv3_ep2_efsdp2": Layout(TINY_DSV3, 4, [EP2], 4),
     "dsv3_cp2_ep2": Layout(TINY_DSV3, 4, [CP2, EP2], 2),
+    # An ep group over 2 simulated nodes of 2 ranks: the two-stage dispatch.
+    "dsv3_ep4_2nodes": Layout(TINY_DSV3, 4, ["--parallel.ep=4", "--parallel.ranks_per_node=2"], 4),
+    # HSDP with ep 2 over 2 nodes of 1 rank: the rail stage alone (a node's stage is one rank).
+    "hsdp2x2_ep2_1rank_nodes": Layout(TINY, 4, [*HSDP, EP2, "--parallel.ranks_per_node=1"], 4),
 }
 
 
@@ -60,12 +64,15 @@ def test_layout_matches_single_process(name, tmp_path):
     out = torch.load(tmp_path / "out.pt")
     ref = reference_run(argv, dp_size=case.dp_size, routing=case.routing)
     assert_same_training(out["records"], ref)
+    nodes = any(a.startswith("--parallel.ranks_per_node=") for a in case.layout)
     if any(a.startswith("--parallel.ep=") for a in case.layout):
-        # Each remote assignment crosses once out (dispatch) and once back (combine), in
-        # forward and in backward; summed over the ranks that send them.
+        # Flat: each remote assignment crosses once out (dispatch) and once back (combine),
+        # in forward and in backward; summed over the ranks that send them. Across nodes:
+        # each (token, remote node) pair instead (parallelisms/node_dispatch.py).
+        key = "a2a_internode" if nodes else "a2a"
         for step in range(len(out["records"])):
-            sent = sum(rank[step]["a2a_bytes"] for rank in out["per_rank"])
-            expected = sum(rank[step]["a2a_expected"] for rank in out["per_rank"])
+            sent = sum(rank[step][f"{key}_bytes"] for rank in out["per_rank"])
+            expected = sum(rank[step][f"{key}_expected"] for rank in out["per_rank"])
             assert sent == expected > 0
     if case.model is TINY_DSV3:  # the bias update acted, in 2 MoE layers and the MTP one
         bias = {n: b for n, b in ref[-1]["buffers"].items() if n.endswith("correction_bias")}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -43,7 +44,12 @@ def _expected(r: dict, hw: dict, tokens: int, world: int, flops_per_token: float
     a2a_bytes = c["ep_all_to_all_full_ac" if full else "ep_all_to_all"]
     if r["ep"] > node:
         remote = (r["ep"] - node) / (r["ep"] - 1)
-        a2a = max(a2a_bytes * (1 - remote) / link(1), a2a_bytes * remote / link(node + 1))
+        # two stages: a token crosses once per remote node it has experts on; under uniform
+        # routing a node of E/n experts is missed by all k picks with C(E - E/n, k) / C(E, k)
+        e, k, nodes = r["experts"], r["top_k"], r["ep"] // node
+        missed = math.comb(e - e // nodes, k) / math.comb(e, k)
+        across = a2a_bytes * remote * nodes * (1 - missed) / k
+        a2a = max((a2a_bytes * (1 - remote) + across) / link(1), across / link(node + 1))
     else:
         a2a = a2a_bytes / link(1)
     step = compute + a2a + max(0.0, fsdp + hsdp + ring - compute)
@@ -89,7 +95,9 @@ def _layout(r: dict, tokens: int) -> SimpleNamespace:
     train = SimpleNamespace(global_batch_size=tokens // 128)
     cfg = SimpleNamespace(train=train, data=SimpleNamespace(seq_len=128),
                           parallel=SimpleNamespace(fsdp_gather="micro_batch"))  # fmt: skip
-    return SimpleNamespace(cfg=cfg, dims=dims, comm=r["comm_bytes"])
+    return SimpleNamespace(
+        cfg=cfg, dims=dims, comm=r["comm_bytes"], experts=r["experts"], top_k=r["top_k"]
+    )
 
 
 def _key(r: dict) -> tuple:

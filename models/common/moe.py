@@ -1,9 +1,11 @@
 """Drop-less mixture of experts: router -> permute by expert -> grouped GEMM -> un-permute.
 
-The routed experts are one module holding stacked `[E, ...]` weights. It takes tokens
-already sorted expert-major plus the count per expert, which is the seam expert
-parallelism hooks into: a plan wraps `experts` so that the sorted tokens travel to the
-rank owning each expert (all-to-all) and back, while this file stays mesh-agnostic.
+The routed experts are one module holding stacked `[E, ...]` weights (`RoutedExperts`). It
+takes the tokens, each (token, expert) assignment's token and routing weight in expert-major
+order, and the count per expert, and returns each token's weighted sum over its experts.
+That call is the seam expert parallelism hooks into: a plan wraps `experts` so that the
+tokens travel to the ranks owning their experts (all-to-all) and back, while this file stays
+mesh-agnostic.
 """
 
 from __future__ import annotations
@@ -162,7 +164,35 @@ class GroupLimitedRouter(nn.Module):
         return scores / scores.sum(-1, keepdim=True), top_weights, top_experts
 
 
-class GroupedExperts(nn.Module):
+class RoutedExperts(nn.Module):
+    """E experts with stacked weights, called on routed tokens (the seam expert parallelism
+    wraps). A subclass defines `ffn`, the experts' arithmetic on expert-major rows."""
+
+    def ffn(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x_sorted [N, dim] expert-major, tokens_per_expert [E_local] -> [N, dim]."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        token_of: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [R, dim] rows; the N assignments in expert-major order: token_of [N] (the row of
+        each; None: row i is assignment i, N = R), weights [N] (None: 1) and
+        tokens_per_expert [E_local] -> [R, dim], each row's weighted sum over its assignments.
+        """
+        rows = x if token_of is None else x[token_of]  # [N, dim] expert-major
+        y = self.ffn(rows, tokens_per_expert)
+        if weights is not None:
+            y = y * weights[:, None].to(y.dtype)
+        if token_of is None:
+            return y
+        return torch.zeros_like(x).index_add_(0, token_of, y)  # un-permute, sum over experts
+
+
+class GroupedExperts(RoutedExperts):
     """E SwiGLU experts with stacked weights, in nn.Linear's (out, in) orientation:
     gate_up_proj [E, 2 * hidden, dim] (gate rows first), down_proj [E, dim, hidden]."""
 
@@ -172,14 +202,13 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x [N, dim] sorted expert-major, tokens_per_expert [E_local] -> [N, dim]."""
+    def ffn(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up_proj, self.down_proj
         if isinstance(gate_up, DTensor):
             # NOTE: under expert parallelism the weights are DTensors sharded on the expert
             # dim; the dispatcher already delivered exactly the tokens of the local experts.
             gate_up, down = gate_up.to_local(), down.to_local()
-        h = grouped_mm(x, gate_up.transpose(-2, -1), tokens_per_expert, self.gemm)
+        h = grouped_mm(x_sorted, gate_up.transpose(-2, -1), tokens_per_expert, self.gemm)
         gate, up = h.chunk(2, dim=-1)
         return grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), tokens_per_expert, self.gemm)
 
@@ -199,10 +228,10 @@ class MoE(nn.Module):
         router: nn.Module,
         options: MoEOptions | None = None,
         shared_hidden_dim: int = 0,
-        experts: nn.Module | None = None,
+        experts: RoutedExperts | None = None,
     ) -> None:
-        """`experts`: the routed experts, `forward(x [N, dim] expert-major, tokens_per_expert)`
-        with stacked `[E, ...]` parameters (default: `GroupedExperts`, SwiGLU)."""
+        """`experts`: the routed experts, a `RoutedExperts` with stacked `[E, ...]` parameters
+        (default: `GroupedExperts`, SwiGLU)."""
         super().__init__()
         options = options or MoEOptions()
         self.num_experts = router.num_experts
@@ -230,10 +259,8 @@ class MoE(nn.Module):
             order, tokens_per_expert = self._drop_over_capacity(order, tokens_per_expert)
         token_of = order // self.top_k  # source token of each sorted assignment
 
-        y_sorted = self.experts(x_flat[token_of], tokens_per_expert)  # [assignments, dim]
-        y_sorted = y_sorted * top_weights.reshape(-1)[order, None].to(y_sorted.dtype)
-        y = torch.zeros_like(x_flat).index_add_(0, token_of, y_sorted)  # un-permute, sum over k
-        y = y.view(B, S, dim)
+        weights = top_weights.reshape(-1)[order]  # [assignments], expert-major
+        y = self.experts(x_flat, tokens_per_expert, token_of, weights).view(B, S, dim)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y, stats

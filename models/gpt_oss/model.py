@@ -26,7 +26,15 @@ from torch.distributed.tensor import DTensor
 from models.common.attention import AttentionCore
 from models.common.block import DecoderBlock
 from models.common.init import init_all_, normal_init_
-from models.common.moe import MoE, MoEOptions, RouterStats, TopKRouter, grouped_mm, stack_stats
+from models.common.moe import (
+    MoE,
+    MoEOptions,
+    RoutedExperts,
+    RouterStats,
+    TopKRouter,
+    grouped_mm,
+    stack_stats,
+)
 from models.common.norm import RMSNorm
 from models.common.output import CausalLMOutput
 from models.common.rope import YaRN, apply_rope, rope_cos_sin
@@ -76,7 +84,7 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(B, S, -1))
 
 
-class ClampedSwiGLUExperts(nn.Module):
+class ClampedSwiGLUExperts(RoutedExperts):
     """E experts with biases and GPT-OSS's clamped SwiGLU, stacked in nn.Linear's (out, in)
     orientation: gate_up_proj [E, 2I, H] (gate rows first), gate_up_proj_bias [E, 2I],
     down_proj [E, H, I], down_proj_bias [E, H]."""
@@ -91,8 +99,7 @@ class ClampedSwiGLUExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, dim))
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x [N, dim] sorted expert-major, tokens_per_expert [E_local] -> [N, dim]."""
+    def ffn(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         weights = [self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias]
         # Under expert parallelism: this rank's experts, whose tokens the dispatcher delivered.
         gate_up, gate_up_bias, down, down_bias = (

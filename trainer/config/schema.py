@@ -181,6 +181,14 @@ class ParallelSection:
     dp_shard: int = arg(-1, "FSDP shard degree; -1 = the rest of the world size")
     cp: int = arg(1, "context-parallel degree (sequence split across ranks)", ge=1)
     ep: int = arg(1, "expert-parallel degree (borrows ranks from dp_shard * cp)", ge=1)
+    ranks_per_node: int = arg(
+        0,
+        "ranks on one node (0 = torchrun's LOCAL_WORLD_SIZE); an ep group over several "
+        "nodes dispatches in two stages (each token crosses to a node once, then fans out "
+        "inside it); set it below the ranks of one machine to simulate nodes",
+        ge=0,
+        note="0 = LOCAL_WORLD_SIZE",
+    )
     cp_layout: str = arg(
         "zigzag",
         "how the sequence is split over cp ranks: zigzag (rank r holds chunks r and 2cp-1-r: "

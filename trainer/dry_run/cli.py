@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         from parallelisms.dims import ParallelDims
         from trainer.loop.setup import preflight
 
-        dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size)
+        dims = ParallelDims.of(p, world_size)
         preflight(cfg, dims)  # every refusal of a real launch
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)

@@ -260,7 +260,9 @@ class StepTrace:
     peak: int = 0  # activations and this rank's gradients, at their highest point together
     activations: int = 0  # activations alone, at their highest point
     saved_after_forward: int = 0  # what the forward leaves for the backward
-    routed: int = 0  # bytes of the rows entering the routed experts (all MoE layers)
+    routed: int = 0  # bytes of the (token, expert) rows the routed experts take (all layers)
+    experts: int = 0  # routed experts of a MoE layer, and the experts a token takes
+    top_k: int = 0
     kv: int = 0  # bytes of K and V entering the attention cores (all layers)
     kv_fp32: int = 0  # the same elements in fp32 (the dK/dV sums the ring passes on)
 
@@ -285,8 +287,10 @@ def trace_step(
 
     def on_experts(_module, args):
         if not is_replay():  # a `full` replay routes the same rows again: count them once
-            x = args[0]
-            current[-1][1] += x.numel() * x.element_size()
+            x, tokens_per_expert, token_of = args[:3]  # (RoutedExperts.forward)
+            current[-1][1] += token_of.numel() * x[0].numel() * x.element_size()
+            trace.experts = max(trace.experts, tokens_per_expert.numel())
+            trace.top_k = max(trace.top_k, token_of.numel() // max(1, len(x)))
 
     def on_core(_module, args):
         if not is_replay():

@@ -27,6 +27,8 @@ class Layout:
     # parallel.fsdp_gather=step: every unit's gathered parameters and unsharded fp32
     # gradients, held together through the step's last backward
     fsdp_step_buffers: int = 0
+    experts: int = 0  # a MoE layer's routed experts and the experts a token takes
+    top_k: int = 0
 
 
 def _param_dtype(cfg):
@@ -98,7 +100,7 @@ def measure_layout(cfg, world_size: int, modes=MODES) -> Layout:
     from trainer.loop.optim import build_optimizer
 
     p = cfg.parallel
-    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size)
+    dims = ParallelDims.of(p, world_size)
     meshes = build_meshes(dims, "cpu")
     spec = get_model_spec(cfg.model.name)
     param_dtype = _param_dtype(cfg)
@@ -130,6 +132,8 @@ def measure_layout(cfg, world_size: int, modes=MODES) -> Layout:
         _comm(units, dims, grad_accum, any_trace),
         activations,
         int(sum((u.gathered + u.grads) * u.weight for u in units)),
+        any_trace.experts,
+        any_trace.top_k,
     )
 
 

@@ -10,7 +10,10 @@ The model, per rank and step (every figure it uses is printed with the estimate)
   reduce-scatter, 2(n-1)/n of an all-reduce; the all-to-all's bytes already leave the
   rank) / the bandwidth of the link it crosses: inside a node while its group fits in one
   (groups are runs of consecutive ranks, `parallelisms.mesh`), else across nodes; an
-  all-to-all over more ranks than a node splits its bytes between the two;
+  all-to-all over more ranks than a node splits its bytes between the two, and its
+  two-stage dispatch (`parallelisms.node_dispatch`) sends one row per (token, remote node)
+  across instead of one per (token, remote expert): `node_share` of them under uniform
+  routing, the crossed rows fanning out again inside the node;
 - overlap as the trainer has it: FSDP's gathers and reductions are prefetched and run
   under compute, and so do the ring's transfers (posted before each block is computed), so
   only what exceeds the compute shows; the expert all-to-all waits for its split sizes on
@@ -55,6 +58,16 @@ def hardware(preset: str, **overrides: float | None) -> Hardware:
     return replace(hw, **{k: v for k, v in overrides.items() if v is not None})
 
 
+def node_share(experts: int, top_k: int, nodes: int) -> float:
+    """(token, remote node) pairs per remote (token, expert) assignment when each token takes
+    `top_k` of `experts` uniformly at random, spread evenly over `nodes` nodes: a node is
+    reached unless all k experts miss it, so nodes * P(reached) / k."""
+    from math import comb
+
+    missed = comb(experts - experts // nodes, top_k) / comb(experts, top_k)
+    return nodes * (1 - missed) / top_k
+
+
 def _link(group: int, hw: Hardware) -> float:
     """GB/s of a group of `group` consecutive ranks' collectives."""
     return hw.intra_gbps if group <= hw.ranks_per_node else hw.inter_gbps
@@ -80,10 +93,13 @@ def estimate(layout, mode: str, flops_per_token: float, hw: Hardware) -> dict:
         "cp_ring": comm["cp_ring_full_ac" if mode == "full" else "cp_ring"] / (_link(dims.cp, hw) * GB),
     }  # fmt: skip
     a2a = comm["ep_all_to_all_full_ac" if mode == "full" else "ep_all_to_all"]
+    share = 1.0
     if dims.ep > hw.ranks_per_node:  # of the ep - 1 peers a row may go to, these are remote
         remote = (dims.ep - hw.ranks_per_node) / (dims.ep - 1)
+        share = node_share(layout.experts, layout.top_k, dims.ep // hw.ranks_per_node)
+        across = a2a * remote * share  # two stages: each (token, remote node) row once
         seconds["ep_all_to_all"] = max(
-            a2a * (1 - remote) / (hw.intra_gbps * GB), a2a * remote / (hw.inter_gbps * GB)
+            (a2a * (1 - remote) + across) / (hw.intra_gbps * GB), across / (hw.inter_gbps * GB)
         )
     else:
         seconds["ep_all_to_all"] = a2a / (hw.intra_gbps * GB)
@@ -94,6 +110,9 @@ def estimate(layout, mode: str, flops_per_token: float, hw: Hardware) -> dict:
         "compute_s": compute_s,
         "comm_s": seconds,
         "exposed_background_s": max(0.0, background - compute_s),
+        "node_share": share,  # of the remote all-to-all rows, what crosses nodes
+        "experts": layout.experts,
+        "top_k": layout.top_k,
         "step_s": step_s,
         "tokens_per_s": tokens / step_s,
     }

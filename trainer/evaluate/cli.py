@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 "in the config (or on the command line)"
             )
         p = cfg.parallel
-        dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size_from_env())
+        dims = ParallelDims.of(p, world_size_from_env())
         from trainer.evaluate.run import evaluate_weights  # torch-heavy: once the input is good
 
         record = evaluate_weights(cfg, dims, checkpoint)

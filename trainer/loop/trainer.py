@@ -240,7 +240,12 @@ class Trainer:
             record["expert_load"] = load.int().tolist()
             record["expert_load_max_over_mean"] = (load.max(1).values / load.mean(1)).tolist()
         if self.dispatchers:
-            record["a2a_bytes"] = sum(d.reset_bytes() for d in self.dispatchers)
+            traffic = [d.reset_traffic() for d in self.dispatchers]
+            record["a2a_bytes"] = sum(t.sent for t in traffic)
+            if self.meshes.ranks_per_node < self.dims.world_size:  # more than one node
+                record["a2a_internode_bytes"] = sum(
+                    t.internode + t.internode_routing for t in traffic
+                )
         return record
 
     def next_micro_batches(self) -> list[Batch]:
@@ -262,7 +267,7 @@ class Trainer:
         state is untouched, and the EP bytes it moved are not the step's."""
         record = self.evaluator(self.model)
         for dispatcher in self.dispatchers:
-            dispatcher.reset_bytes()
+            dispatcher.reset_traffic()
         return record
 
     # --- checkpoints ------------------------------------------------------------------

@@ -1,0 +1,113 @@
+"""Two-stage expert dispatch for an `ep` group that spans whole nodes (DeepEP's internode
+mode, with the plain all-to-all underneath).
+
+The `ep` group is nodes x ranks_per_node ranks, in that order, so node n holds the experts
+[n * E_node, (n + 1) * E_node). Each rank talks across nodes only to its "rail": the ranks of
+the same local index on the other nodes.
+
+    stage 1 (rail):   each (token, destination node) row once, with the routing of the
+                      token's assignments on that node (expert inside the node, weight)
+    stage 2 (node):   the relay that received it forwards one row per (token, rank) to the
+                      ranks of its node that own the token's experts
+    experts:          each rank computes its rows' weighted sums over their local experts
+    combine:          stage 2 reversed, summed per (token, node) on the relay, then stage 1
+                      reversed (one row per (token, node) crosses back), summed per token
+
+A token's inter-node traffic is one row per remote node holding any of its experts, however
+many of its experts sit there. With group-limited routing whose groups line up with nodes
+(docs/architecture.md, "Expert parallelism"), that is at most `topk_group` nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from parallelisms.all_to_all import NOTHING, ROUTING, ROWS, Dispatcher, all_to_all
+from parallelisms.all_to_all import exclusive_cumsum as starts_of
+
+RAIL, NODE = 1, 2  # the dispatcher's stages (parallelisms/all_to_all.py)
+
+
+class NodeDispatcher(Dispatcher):
+    def __init__(self, rail_mesh: DeviceMesh, node_mesh: DeviceMesh, num_experts: int) -> None:
+        self.nodes, self.per_node = rail_mesh.size(), node_mesh.size()
+        rail_remote = [peer != rail_mesh.get_local_rank() for peer in range(self.nodes)]
+        super().__init__(
+            {RAIL: rail_mesh.get_group(), NODE: node_mesh.get_group()},
+            {RAIL: rail_remote, NODE: [False] * self.per_node},
+        )
+        self.local_experts = num_experts // (self.nodes * self.per_node)
+        self.node_experts = self.local_experts * self.per_node
+
+    def _exchange(self, stage, rows, row_counts, routing, weights, assign_counts):
+        """Send rows [sum(row_counts), H] and their assignments' routing [A, 2] (row inside
+        the sender's chunk, expert) and weights [A] to the stage's peers (chunks in peer
+        order). -> received rows, routing with rows indexing the received rows, weights,
+        and the (send, receive) row splits for the way back."""
+        counts = torch.stack([row_counts, assign_counts], 1)  # [peers, 2]
+        ones = [1] * len(row_counts)
+        recv = all_to_all(counts, ones, ones, self.handle, stage, NOTHING)  # [peers, 2]
+        # NOTE: one host read for both stages' splits (the device sync of any dispatch).
+        (send_rows, send_assign), (recv_rows, recv_assign) = torch.stack(
+            [counts.t(), recv.t()]
+        ).tolist()
+        rows_in = all_to_all(rows, recv_rows, send_rows, self.handle, stage, ROWS)
+        routing_in = all_to_all(routing, recv_assign, send_assign, self.handle, stage, ROUTING)
+        weights_in = all_to_all(weights, recv_assign, send_assign, self.handle, stage, ROUTING)
+        sender = torch.repeat_interleave(
+            torch.arange(len(ones), device=rows.device), recv[:, 1], output_size=len(routing_in)
+        )
+        row_in = routing_in[:, 0].long() + starts_of(recv[:, 0])[sender]
+        return rows_in, row_in, routing_in[:, 1].long(), weights_in, (send_rows, recv_rows)
+
+    def dispatch(self, x, tokens_per_expert, token_of, weights):
+        tokens, device = x.shape[0], x.device
+        experts = torch.arange(len(tokens_per_expert), device=device)
+        expert = torch.repeat_interleave(experts, tokens_per_expert, output_size=len(token_of))
+        node = expert // self.node_experts  # [N], non-decreasing (assignments expert-major)
+
+        # Stage 1: one row per (destination node, token), node-major.
+        pairs, pair_of = torch.unique(node * tokens + token_of, return_inverse=True)
+        pair_node, pair_token = pairs // tokens, pairs % tokens
+        pair_counts = torch.bincount(pair_node, minlength=self.nodes)
+        routing = torch.stack(
+            [pair_of - starts_of(pair_counts)[node], expert - node * self.node_experts], 1
+        )
+        assign_counts = tokens_per_expert.view(self.nodes, -1).sum(1)
+        rows1, row1, expert1, weights1, splits1 = self._exchange(
+            RAIL, x[pair_token], pair_counts, routing.int(), weights, assign_counts
+        )
+
+        # Stage 2 (on the relay): one row per (destination rank in this node, row received).
+        dest = expert1 // self.local_experts  # [A1] local rank owning each assignment
+        received = len(rows1)
+        keys, key_of = torch.unique(dest * received + row1, return_inverse=True)
+        key_dest, key_row = keys // received, keys % received
+        key_counts = torch.bincount(key_dest, minlength=self.per_node)
+        by_dest = torch.argsort(dest, stable=True)
+        routing = torch.stack(
+            [key_of - starts_of(key_counts)[dest], expert1 % self.local_experts], 1
+        )[by_dest]
+        rows2, row2, expert2, weights2, splits2 = self._exchange(
+            NODE,
+            rows1[key_row],
+            key_counts,
+            routing.int(),
+            weights1[by_dest],
+            torch.bincount(dest, minlength=self.per_node),
+        )
+
+        # On the expert's rank: its assignments expert-major over the rows it received.
+        by_expert = torch.argsort(expert2, stable=True)
+        counts = torch.bincount(expert2, minlength=self.local_experts)
+        self._pending.append((splits1, pair_token, tokens, splits2, key_row, received))
+        return rows2, counts, row2[by_expert], weights2[by_expert]
+
+    def combine(self, y_local: torch.Tensor) -> torch.Tensor:
+        (send1, recv1), pair_token, tokens, (send2, recv2), key_row, received = self._pending.pop()
+        y_keys = all_to_all(y_local, send2, recv2, self.handle, NODE, ROWS)  # [keys, H]
+        # Sum inside the node: one row per (token, node) goes back across.
+        y_rows = y_keys.new_zeros(received, y_keys.shape[1]).index_add_(0, key_row, y_keys)
+        y_pairs = all_to_all(y_rows, send1, recv1, self.handle, RAIL, ROWS)  # [pairs, H]
+        return y_pairs.new_zeros(tokens, y_pairs.shape[1]).index_add_(0, pair_token, y_pairs)
