@@ -20,7 +20,7 @@ index), so a token reaches at most `topk_group` nodes: DeepSeek-V3's node-limite
 falls out of group-limited routing (see --nodes 8 --ranks-per-node 4: one group a node).
 Prints one JSON object (or writes --json FILE), then a one-line summary.
 
-    python benchmarks/node_dispatch.py --measure [--nodes 4] [--ranks-per-node 2]
+    python benchmarks/node_dispatch.py --measure --ranks-per-node 2 [--nodes 4]
 
 runs the dispatchers themselves: nodes x ranks-per-node CPU processes (gloo), each with
 --tokens-per-rank tokens (default 512) through one MoE layer of that routing (hidden 64,

@@ -50,8 +50,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import checkpoint
 
+import parallelisms.all_to_all  # noqa: F401  (registers moetrain::all_to_all)
 import parallelisms.context_parallel  # noqa: F401  (registers moetrain::ring_attention)
-import parallelisms.expert_parallel  # noqa: F401  (registers moetrain::all_to_all)
 from models.common.replay import replay
 
 MODES = ("none", "full", "selective")

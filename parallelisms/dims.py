@@ -1,4 +1,5 @@
-"""Parallel degrees and their checks: arithmetic on the config and the world size only.
+"""Parallel degrees and their checks: arithmetic on the config, the world size and the ranks
+per node (torchrun's LOCAL_WORLD_SIZE unless the config sets them) only.
 
 Degrees (docs/architecture.md, "Device mesh"): world = dp_replicate * dp_shard * cp;
 expert parallelism borrows its ranks from dp_shard * cp. Every check here is arithmetic, so a

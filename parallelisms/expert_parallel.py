@@ -120,7 +120,12 @@ def apply_expert_parallel(
     if node_meshes is None:
         dispatcher: TokenDispatcher = AllToAllDispatcher(ep_mesh, num_experts, ranks_per_node)
     else:
-        dispatcher = NodeDispatcher(*node_meshes, num_experts)
+        rail, node = node_meshes
+        # Expert e lives on ep rank e // (E / ep); the two-stage routing assumes ep rank =
+        # node index * ranks per node + local index (parallelisms/mesh.py builds it so).
+        if rail.get_local_rank() * node.size() + node.get_local_rank() != ep_mesh.get_local_rank():
+            raise ValueError("the node split of the ep mesh does not follow the ep ranks' order")
+        dispatcher = NodeDispatcher(rail, node, num_experts)
 
     # NOTE: under train.compile the hooks run eagerly (a graph break on each side of the
     # experts): the dispatch reads split sizes on the host, and traced code would bake each

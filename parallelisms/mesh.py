@@ -23,7 +23,7 @@ class Meshes:
     # each node, ep_node: the ranks of one node), for the two-stage dispatch.
     ep_rail: DeviceMesh | None = None
     ep_node: DeviceMesh | None = None
-    ranks_per_node: int = 1
+    ranks_per_node: int = 0  # 0: every rank on one node
 
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (dp_replicate-major)."""
@@ -45,8 +45,7 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     # does the same); it keeps every view a slice of the one world mesh.
     fsdp = world["dp_shard", "cp"]._flatten("fsdp")
     dense = world["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else fsdp
-    per_node = dims.ranks_per_node or dims.world_size
-    meshes = Meshes(world=world, dense=dense, ranks_per_node=per_node)
+    meshes = Meshes(world=world, dense=dense, ranks_per_node=dims.ranks_per_node)
     if dims.ep > 1:
         # NOTE: a second mesh over the same ranks in the same (row-major) order: ep groups
         # are runs of consecutive ranks inside one fsdp group, so EP traffic stays as local

@@ -14,8 +14,8 @@ the same local index on the other nodes.
                       reversed (one row per (token, node) crosses back), summed per token
 
 A token's inter-node traffic is one row per remote node holding any of its experts, however
-many of its experts sit there. With group-limited routing whose groups line up with nodes
-(docs/architecture.md, "Expert parallelism"), that is at most `topk_group` nodes.
+many of its experts sit there. With a router that limits each token to a few expert groups,
+groups lined up with nodes (docs/architecture.md, "Expert parallelism") bound the nodes too.
 """
 
 from __future__ import annotations
@@ -27,6 +27,14 @@ from parallelisms.all_to_all import NOTHING, ROUTING, ROWS, Dispatcher, all_to_a
 from parallelisms.all_to_all import exclusive_cumsum as starts_of
 
 RAIL, NODE = 1, 2  # the dispatcher's stages (parallelisms/all_to_all.py)
+
+
+def _counts(index: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0..n-1 occurs in `index`. NOTE: not bincount, which reads the
+    index's max on the host (a device sync on CUDA); this one is [n] by construction."""
+    return torch.zeros(n, dtype=torch.int64, device=index.device).index_add_(
+        0, index, torch.ones_like(index)
+    )
 
 
 class NodeDispatcher(Dispatcher):
@@ -48,7 +56,8 @@ class NodeDispatcher(Dispatcher):
         counts = torch.stack([row_counts, assign_counts], 1)  # [peers, 2]
         ones = [1] * len(row_counts)
         recv = all_to_all(counts, ones, ones, self.handle, stage, NOTHING)  # [peers, 2]
-        # NOTE: one host read for both stages' splits (the device sync of any dispatch).
+        # NOTE: one host read per stage for its rows' and assignments' splits (the device
+        # sync any variable-split all-to-all needs).
         (send_rows, send_assign), (recv_rows, recv_assign) = torch.stack(
             [counts.t(), recv.t()]
         ).tolist()
@@ -70,7 +79,7 @@ class NodeDispatcher(Dispatcher):
         # Stage 1: one row per (destination node, token), node-major.
         pairs, pair_of = torch.unique(node * tokens + token_of, return_inverse=True)
         pair_node, pair_token = pairs // tokens, pairs % tokens
-        pair_counts = torch.bincount(pair_node, minlength=self.nodes)
+        pair_counts = _counts(pair_node, self.nodes)
         routing = torch.stack(
             [pair_of - starts_of(pair_counts)[node], expert - node * self.node_experts], 1
         )
@@ -84,7 +93,7 @@ class NodeDispatcher(Dispatcher):
         received = len(rows1)
         keys, key_of = torch.unique(dest * received + row1, return_inverse=True)
         key_dest, key_row = keys // received, keys % received
-        key_counts = torch.bincount(key_dest, minlength=self.per_node)
+        key_counts = _counts(key_dest, self.per_node)
         by_dest = torch.argsort(dest, stable=True)
         routing = torch.stack(
             [key_of - starts_of(key_counts)[dest], expert1 % self.local_experts], 1
@@ -95,12 +104,12 @@ class NodeDispatcher(Dispatcher):
             key_counts,
             routing.int(),
             weights1[by_dest],
-            torch.bincount(dest, minlength=self.per_node),
+            _counts(dest, self.per_node),
         )
 
         # On the expert's rank: its assignments expert-major over the rows it received.
         by_expert = torch.argsort(expert2, stable=True)
-        counts = torch.bincount(expert2, minlength=self.local_experts)
+        counts = _counts(expert2, self.local_experts)
         self._pending.append((splits1, pair_token, tokens, splits2, key_row, received))
         return rows2, counts, row2[by_expert], weights2[by_expert]
 

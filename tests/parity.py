@@ -182,9 +182,9 @@ def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing
                 # Each (token, remote node) row: out and back, forward and backward; each
                 # remote assignment's routing: expert and row (int32 x 2) and weight (fp32)
                 # out, the weight's gradient back.
-                out["a2a_internode_expected"] = (
-                    4 * counter.remote_pairs * row + 16 * counter.remote_node_assignments
-                )
+                pairs, assignments = counter.remote_pairs, counter.remote_node_assignments
+                out["a2a_internode_expected"] = 4 * pairs * row + 16 * assignments
+                out["a2a_internode_forward"] = 2 * pairs * row + 12 * assignments
             counter.remote = counter.remote_pairs = counter.remote_node_assignments = 0
         records.append(out)
     gathered = [None] * world
@@ -192,7 +192,10 @@ def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing
         gathered,
         [
             {k: r.get(k) for k in ("a2a_bytes", "a2a_expected", "p2p_ops")}
-            | {k: r.get(k) for k in ("a2a_internode_bytes", "a2a_internode_expected")}
+            | {
+                k: r.get(k)
+                for k in ("a2a_internode_bytes", "a2a_internode_expected", "a2a_internode_forward")
+            }  # fmt: skip
             for r in records
         ],
     )

@@ -13,8 +13,9 @@ Traffic: under selective the replay gets the all-to-all and ring outputs back wi
 running them, so `a2a_bytes` and ring operations equal none's; under full the replayed
 forward dispatches and combines again, which adds exactly the forward's share: half of the
 per-step bytes (summed over ranks: half of the expected bytes counted independently from
-the routers' outputs, dispatch + combine, forward + backward), and 2(cp-1) ring operations
-per attention call. Each mode's three runs share one spawn per layout.
+the routers' outputs, dispatch + combine, forward + backward; across simulated nodes the
+forward's rows and routing, counted the same way), and 2(cp-1) ring operations per
+attention call. Each mode's three runs share one spawn per layout.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ CASES = {  # name: (model, world, layout)
     "fsdp2": (TINY, 2, []),
     "ep2_efsdp2": (TINY, 4, [EP2]),
     "cp2_ep2": (TINY, 4, [CP2, EP2]),
-    # MLA, group-limited routing with the bias update, the MTP module (a block of its own),
-    # experts over 2 simulated nodes of 2 ranks (the two-stage dispatch).
+    # MLA, group-limited routing with the bias update, the MTP module (a block of its own).
+    "dsv3_mtp_ep2_efsdp2": (TINY_DSV3, 4, [EP2]),
+    # ... with its experts over 2 simulated nodes of 2 ranks (the two-stage dispatch)
     "dsv3_mtp_ep4_2nodes": (TINY_DSV3, 4, ["--parallel.ep=4", "--parallel.ranks_per_node=2"]),
 }
 
@@ -90,11 +92,12 @@ def test_checkpointing_is_invisible(name, tmp_path):
         if "--parallel.ranks_per_node=2" in layout:  # two stages (tests/test_node_dispatch.py)
             across = {m: [rank[step]["a2a_internode_bytes"] for rank in per_rank[m]] for m in MODES}
             expected = sum(rank[step]["a2a_internode_expected"] for rank in per_rank["none"])
+            forward = sum(rank[step]["a2a_internode_forward"] for rank in per_rank["none"])
             assert sent["selective"] == sent["none"] and across["selective"] == across["none"]
             assert sum(across["none"]) == expected > 0, f"step {step}"
-            # full re-dispatches: the forward's rows and routing again (the routing is not
-            # symmetric: each weight goes out in forward, only its gradient comes back)
-            assert sum(across["full"]) > sum(across["none"]), f"step {step}"
+            # full re-dispatches the forward's rows and routing (not half of the step: each
+            # weight goes out in forward, only its gradient comes back)
+            assert sum(across["full"]) == expected + forward, f"step {step}"
             continue
         # A rank sends the same in forward and backward (its dispatch rows and the combine
         # rows it owes others, then their gradients the other way): per rank, full's

@@ -113,6 +113,14 @@ def test_refusals_of_a_real_launch_apply():
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert run.returncode == 2 and "--world-size" in run.stderr
+    # an ep group of 4 ranks straddling the planned nodes of 6 (12 ranks in all)
+    run = subprocess.run(
+        [sys.executable, "-m", "trainer.dry_run", "--world-size=12", "--config", CONFIG,
+         "--parallel.ep=4", "--train.global_batch_size=12", "--train.micro_batch_size=1",
+         "--ranks-per-node=6"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 2 and "nodes of 6 ranks" in run.stderr, run.stderr
 
 
 @pytest.mark.slow

@@ -29,6 +29,13 @@ def _layer() -> MoE:
     return layer
 
 
+def _skew(_router, _inputs, out):
+    """Every token to experts 0..3: all on ep rank 0, so node 1's relays and ranks 1..3
+    receive nothing (a routing no load balancer would allow)."""
+    probs, weights, experts = out
+    return probs, weights, experts % TOP_K
+
+
 def _grads(layer: MoE, x: torch.Tensor) -> dict[str, torch.Tensor]:
     """Output and every gradient of sum(y^2) over x [B, T, H] (full tensors)."""
     x = x.clone().requires_grad_()
@@ -87,6 +94,20 @@ def _worker(rank: int, world: int, out_path: str) -> None:
                 "routing_bytes": (12 * remote_assignments, 4 * remote_assignments),
                 "nodes_per_token": int(max(len(set(t)) for t in node_of.tolist())),
             }
+    # Skewed: the two-stage dispatch with empty chunks, relays and expert ranks.
+    reference, layer = _layer(), _layer()
+    for m in (reference, layer):
+        m.gate.register_forward_hook(_skew)
+    want = _grads(reference, x_all)
+    split = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rail", "node"))
+    apply_expert_parallel(layer.experts, ep_mesh, 2, (split["rail"], split["node"]))
+    got = _grads(layer, x)
+    mine = {k: want[k][rank : rank + 1] for k in ("y", "x")}
+    experts = ("experts.gate_up_proj", "experts.down_proj")  # full tensors: every rank's tokens
+    results["skewed"] = max(
+        ((got[k] - {**want, **mine}[k]).abs().max() / want[k].abs().max()).item()
+        for k in ("y", "x", *experts)
+    )
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -97,6 +118,7 @@ def _worker(rank: int, world: int, out_path: str) -> None:
 def test_two_stage_dispatch_matches_one_process_and_sends_each_token_once_per_node(tmp_path):
     run_distributed(_worker, 4, str(tmp_path / "out.pt"))
     per_rank = torch.load(tmp_path / "out.pt")
+    assert all(results.pop("skewed") < 1e-5 for results in per_rank)
     for nodes, kind in per_rank[0]:
         where = f"{nodes} nodes, {kind}"
         runs = [results[(nodes, kind)] for results in per_rank]

@@ -49,7 +49,7 @@ def _expected(r: dict, hw: dict, tokens: int, world: int, flops_per_token: float
         e, k, nodes = r["experts"], r["top_k"], r["ep"] // node
         missed = math.comb(e - e // nodes, k) / math.comb(e, k)
         across = a2a_bytes * remote * nodes * (1 - missed) / k
-        a2a = max((a2a_bytes * (1 - remote) + across) / link(1), across / link(node + 1))
+        a2a = (a2a_bytes * (1 - remote) + across) / link(1) + across / link(node + 1)
     else:
         a2a = a2a_bytes / link(1)
     step = compute + a2a + max(0.0, fsdp + hsdp + ring - compute)

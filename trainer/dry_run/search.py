@@ -13,7 +13,8 @@ The model, per rank and step (every figure it uses is printed with the estimate)
   all-to-all over more ranks than a node splits its bytes between the two, and its
   two-stage dispatch (`parallelisms.node_dispatch`) sends one row per (token, remote node)
   across instead of one per (token, remote expert): `node_share` of them under uniform
-  routing, the crossed rows fanning out again inside the node;
+  routing, the crossed rows fanning out again inside the node after they arrive (the
+  stages' times add up);
 - overlap as the trainer has it: FSDP's gathers and reductions are prefetched and run
   under compute, and so do the ring's transfers (posted before each block is computed), so
   only what exceeds the compute shows; the expert all-to-all waits for its split sizes on
@@ -98,8 +99,10 @@ def estimate(layout, mode: str, flops_per_token: float, hw: Hardware) -> dict:
         remote = (dims.ep - hw.ranks_per_node) / (dims.ep - 1)
         share = node_share(layout.experts, layout.top_k, dims.ep // hw.ranks_per_node)
         across = a2a * remote * share  # two stages: each (token, remote node) row once
-        seconds["ep_all_to_all"] = max(
-            (a2a * (1 - remote) + across) / (hw.intra_gbps * GB), across / (hw.inter_gbps * GB)
+        # NOTE: stage 2's split sizes come from stage 1's output (a host read), so the two
+        # stages run one after the other: their times add up.
+        seconds["ep_all_to_all"] = (a2a * (1 - remote) + across) / (hw.intra_gbps * GB) + across / (
+            hw.inter_gbps * GB
         )
     else:
         seconds["ep_all_to_all"] = a2a / (hw.intra_gbps * GB)
@@ -134,8 +137,8 @@ def candidates(cfg, world_size: int, hw: Hardware) -> list[dict]:
                 continue
             dp = world_size // cp
             for ep in (1, 2, 4, 8, 16, 32, 64):
-                if ep > shard_world or shard_world % ep:
-                    continue
+                if ep > shard_world or shard_world % ep or (ep % node and node % ep):
+                    continue  # (an ep group must sit in a node or span whole nodes)
                 for mb in (1, 2, 4):
                     if cfg.train.global_batch_size % (dp * mb):
                         continue

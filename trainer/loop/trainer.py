@@ -242,7 +242,7 @@ class Trainer:
         if self.dispatchers:
             traffic = [d.reset_traffic() for d in self.dispatchers]
             record["a2a_bytes"] = sum(t.sent for t in traffic)
-            if self.meshes.ranks_per_node < self.dims.world_size:  # more than one node
+            if 0 < self.meshes.ranks_per_node < self.dims.world_size:  # several nodes
                 record["a2a_internode_bytes"] = sum(
                     t.internode + t.internode_routing for t in traffic
                 )
