@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from models.common.attention import block_mask
+from models.common.attention import block_mask, document_positions
 from parallelisms.dims import CP_CHUNKS_PER_RANK
 
 Block = tuple[slice, slice, bool]  # (query rows, key rows, causal within the block)
@@ -197,26 +197,18 @@ def split_for_cp(
     return torch.cat([chunks[cp_rank], chunks[2 * cp - 1 - cp_rank]], dim=1)
 
 
-def balanced_table(
-    document_ids: torch.Tensor, cp: int, causal: bool = True, window: int | None = None
-) -> torch.Tensor:
+def balanced_table(document_ids: torch.Tensor, cp: int) -> torch.Tensor:
     """`parallel.cp_layout=balanced`: which chunks each rank holds for one micro-batch,
     [cp, CP_CHUNKS_PER_RANK] int64, each row ascending (so a rank's rows stay in position
     order). The sequence is cut into cp * CP_CHUNKS_PER_RANK chunks; a chunk's work is the
     query-key pairs its queries see (over the micro-batch); chunks go, largest first, to the
     rank with the least work that still has room. Every rank computes the same table from
     the same ids, and the ring reads it for the masks' global positions."""
-    b, s = document_ids.shape
+    s = document_ids.shape[1]
     n = cp * CP_CHUNKS_PER_RANK
-    pos = torch.arange(s, device=document_ids.device)
-    # keys each query sees: the earlier tokens of its document (all of them, non-causal),
-    # within the window; a document starts where the id changes
-    new_doc = torch.ones_like(document_ids, dtype=torch.bool)
-    new_doc[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    start = torch.where(new_doc, pos, torch.zeros_like(pos)).cummax(dim=1).values
-    seen = pos - start + 1 if causal else _document_lengths(document_ids)
-    if window is not None:  # (a window is causal in every model here)
-        seen = seen.clamp(max=window)
+    # keys each query sees under the causal document mask: the earlier tokens of its
+    # document and itself. NOTE: a sliding window is not weighed (its layers share the table)
+    seen = document_positions(document_ids) + 1  # [B, S]
     work = seen.sum(0).view(n, s // n).sum(1).tolist()
     load, held = [0] * cp, [[] for _ in range(cp)]
     for chunk in sorted(range(n), key=lambda c: -work[c]):
@@ -226,12 +218,3 @@ def balanced_table(
         held[rank].append(chunk)
         load[rank] += work[chunk]
     return torch.tensor([sorted(h) for h in held], dtype=torch.int64)
-
-
-def _document_lengths(document_ids: torch.Tensor) -> torch.Tensor:
-    """[B, S]: the length of each token's document (non-causal: a query sees all of it)."""
-    out = torch.empty_like(document_ids)
-    for i, row in enumerate(document_ids):
-        _, inverse, counts = torch.unique_consecutive(row, return_inverse=True, return_counts=True)
-        out[i] = counts[inverse]
-    return out

@@ -59,6 +59,22 @@ def ranks_per_node_from_env(world_size: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
+def ep_fits_nodes(ep: int, ranks_per_node: int) -> bool:
+    """Whether each ep group sits inside one node or spans whole nodes: what the dispatchers
+    support. NOTE: ep groups are runs of consecutive ranks, so divisibility says it."""
+    return ranks_per_node % ep == 0 or ep % ranks_per_node == 0
+
+
+def check_ep_nodes(ep: int, ranks_per_node: int, where: str) -> None:
+    """Refuse an ep that straddles nodes; `where`: what set the ranks per node."""
+    if not ep_fits_nodes(ep, ranks_per_node):
+        raise LayoutError(
+            f"parallel.ep={ep} with {ranks_per_node} ranks per node ({where}): an "
+            "expert-parallel group must fit inside one node (ep divides the ranks per "
+            "node) or span whole nodes (ep a multiple of them); change parallel.ep"
+        )
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     dp_replicate: int
@@ -108,14 +124,7 @@ class ParallelDims:
                 f"{where} = {ranks_per_node} does not divide the world size {world_size}; "
                 "every node must hold the same number of ranks"
             )
-        if ranks_per_node % ep and ep % ranks_per_node:
-            # NOTE: ep groups are runs of consecutive ranks, so this is exactly "each group
-            # sits inside one node or spans whole nodes", what the dispatchers support.
-            raise LayoutError(
-                f"parallel.ep={ep} with {ranks_per_node} ranks per node ({where}): an "
-                "expert-parallel group must fit inside one node (ep divides the ranks per "
-                "node) or span whole nodes (ep a multiple of them); change parallel.ep"
-            )
+        check_ep_nodes(ep, ranks_per_node, where)
         return cls(dp_replicate, dp_shard, cp, ep, world_size, ranks_per_node)
 
     @classmethod

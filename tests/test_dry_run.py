@@ -120,7 +120,7 @@ def test_refusals_of_a_real_launch_apply():
          "--ranks-per-node=6"],
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
-    assert run.returncode == 2 and "nodes of 6 ranks" in run.stderr, run.stderr
+    assert run.returncode == 2 and "with 6 ranks per node" in run.stderr, run.stderr
 
 
 @pytest.mark.slow

@@ -39,6 +39,18 @@ def block_mask(
     return mask
 
 
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 where each document starts (`data.reset_positions`):
+    document_ids [..., S] -> [..., S] int64, the index of each token within its document."""
+    seq = document_ids.shape[-1]
+    index = torch.arange(seq, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
+    # The index of the latest start at or before each token, carried forward by cummax.
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
+    return index - first
+
+
 def document_mask(
     document_ids: torch.Tensor, causal: bool, window: int | None = None
 ) -> torch.Tensor:

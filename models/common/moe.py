@@ -10,6 +10,7 @@ mesh-agnostic.
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -164,13 +165,13 @@ class GroupLimitedRouter(nn.Module):
         return scores / scores.sum(-1, keepdim=True), top_weights, top_experts
 
 
-class RoutedExperts(nn.Module):
+class RoutedExperts(nn.Module, abc.ABC):
     """E experts with stacked weights, called on routed tokens (the seam expert parallelism
     wraps). A subclass defines `ffn`, the experts' arithmetic on expert-major rows."""
 
+    @abc.abstractmethod
     def ffn(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x_sorted [N, dim] expert-major, tokens_per_expert [E_local] -> [N, dim]."""
-        raise NotImplementedError
 
     def forward(
         self,

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from models.common.attention import document_positions
 from trainer.data.batch import Batch
 from trainer.data.holdout import held_out
 from trainer.data.tokenizers import Tokenizer
@@ -133,18 +134,6 @@ def pack_documents(
 ) -> torch.Tensor:
     """`pack_corpus`'s flat token stream as an int32 tensor."""
     return torch.from_numpy(pack_corpus(documents, tokenizer, max_tokens)[0])
-
-
-def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
-    """Positions that restart at 0 where each document starts (`data.reset_positions`):
-    document_ids [..., S] -> [..., S] int64, the index of each token within its document."""
-    seq = document_ids.shape[-1]
-    index = torch.arange(seq, device=document_ids.device).expand_as(document_ids)
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
-    # The index of the latest start at or before each token, carried forward by cummax.
-    first = torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
-    return index - first
 
 
 class TokenStream(Protocol):

@@ -255,18 +255,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("no --config given: pass --config FILE.toml")
         cfg = load_config(rest)
         p = cfg.parallel
-        from parallelisms.dims import LayoutError, ParallelDims
+        from parallelisms.dims import ParallelDims, check_ep_nodes
         from trainer.loop.setup import preflight
 
         dims = ParallelDims.of(p, world_size)
         # the planned machines' nodes too (a planning process has no LOCAL_WORLD_SIZE)
         per_node = p.ranks_per_node or hw.ranks_per_node
-        if per_node < world_size and p.ep % per_node and per_node % p.ep:
-            raise LayoutError(
-                f"parallel.ep={p.ep} on nodes of {per_node} ranks (parallel.ranks_per_node, "
-                "else --ranks-per-node or the --hardware preset): an expert-parallel group "
-                "must fit inside one node or span whole nodes; change parallel.ep"
-            )
+        if per_node < world_size:
+            where = "parallel.ranks_per_node, else --ranks-per-node or the --hardware preset"
+            check_ep_nodes(p.ep, per_node, where)
         preflight(cfg, dims)  # every refusal of a real launch
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)

@@ -27,6 +27,9 @@ byte counts), latency of small messages, and the optimizer step.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from math import comb
+
+from parallelisms.dims import ep_fits_nodes
 
 GB = 1e9
 
@@ -63,8 +66,6 @@ def node_share(experts: int, top_k: int, nodes: int) -> float:
     """(token, remote node) pairs per remote (token, expert) assignment when each token takes
     `top_k` of `experts` uniformly at random, spread evenly over `nodes` nodes: a node is
     reached unless all k experts miss it, so nodes * P(reached) / k."""
-    from math import comb
-
     missed = comb(experts - experts // nodes, top_k) / comb(experts, top_k)
     return nodes * (1 - missed) / top_k
 
@@ -137,8 +138,8 @@ def candidates(cfg, world_size: int, hw: Hardware) -> list[dict]:
                 continue
             dp = world_size // cp
             for ep in (1, 2, 4, 8, 16, 32, 64):
-                if ep > shard_world or shard_world % ep or (ep % node and node % ep):
-                    continue  # (an ep group must sit in a node or span whole nodes)
+                if ep > shard_world or shard_world % ep or not ep_fits_nodes(ep, node):
+                    continue
                 for mb in (1, 2, 4):
                     if cfg.train.global_batch_size % (dp * mb):
                         continue

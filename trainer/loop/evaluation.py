@@ -123,11 +123,14 @@ def batch_preparer(
     read it: `parallelisms.context_parallel.use_cp_table`)."""
 
     def prepare(batch: Batch) -> Batch:
+        # NOTE: from the loader's host copy: the greedy fill reads the work on the host, and
+        # after the copy to a GPU that would wait for it on every micro-batch
+        balanced = cp > 1 and layout == "balanced"
+        table = balanced_table(batch.document_ids, cp) if balanced else None
         batch = batch.to(device)
         if mtp_depth:  # before the cp split: depth k reads tokens k ahead
             batch = with_mtp_targets(batch, mtp_depth)
         if cp > 1:  # this rank's part of each sequence, true positions kept
-            table = balanced_table(batch.document_ids, cp) if layout == "balanced" else None
             zigzag = layout == "zigzag"
             batch = batch.map(lambda t: split_for_cp(t, cp_rank, cp, zigzag, table))
             batch = replace(batch, cp_table=table)

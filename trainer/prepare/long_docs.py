@@ -39,11 +39,10 @@ from typing import Any
 import numpy as np
 
 from trainer.data.reader import TextStream
-from trainer.errors import DataError
+from trainer.prepare.encode import BATCH_CHARS, encode_or_explain, encoder_of
 
 STREAM_BYTES = 1 << 20  # a longer JSON line or text file is streamed (bytes as read)
 PIECE_CHARS = 1 << 18  # text per piece of a streamed document (about)
-BATCH_CHARS = 1 << 20  # pieces per tokenizer call, as the batched path's documents
 CHECK_CHARS = 1 << 12  # text on each side of a cut that its check encodes
 TRIES = 3  # candidates of one kind checked before the next kind
 WARN_CHARS = 1 << 21  # text without a cut that makes a warning (~270 MB to tokenize)
@@ -59,25 +58,13 @@ CANDIDATES = (
 Report = Callable[[int, int, int, bool], None]  # worker.Report
 
 
-class _Encoder:
-    """Pieces to ids, with the tokenizer (a `tokenizers.Tokenizer`; None: UTF-8 bytes)."""
+class _Joins:
+    """Where a `tokenizers.Tokenizer` cannot merge across: `joins(left, right)`."""
 
-    def __init__(self, tok: Any, where: Callable[[], str]) -> None:
-        self.tok, self.where = tok, where
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
         self.vocab: list[str] | None = None  # read on first use
         self.spans: dict[str, bool] = {}  # two characters -> whether a token holds them
-
-    def encode(self, pieces: list[str]) -> list[np.ndarray]:
-        try:
-            if self.tok is None:
-                return [np.frombuffer(p.encode("utf-8"), np.uint8) for p in pieces]
-            encodings = self.tok.encode_batch(pieces, add_special_tokens=False)
-            return [np.array(e.ids, np.int64) for e in encodings]
-        except Exception as err:  # e.g. a lone surrogate ("\\ud800" in JSON) has no UTF-8
-            raise DataError(
-                f"{self.where()}: the tokenizer failed on a document ({type(err).__name__}: "
-                f"{err}); repair or remove that document"
-            ) from None
 
     def joins(self, left: str, right: str) -> bool:
         """Whether encoding left + right gives the ids of left then right, because the place
@@ -177,18 +164,17 @@ def write(
 ) -> None:
     """Tokenize a streamed document in pieces and append it to `writer` (a worker.ShardWriter)
     in parts, then its EOS; nothing for an empty one. Progress goes to `report` as it goes."""
-    encoder = _Encoder(tok, stream.where)
-    cutter = None if tok is None else Cutter(encoder.joins, stream.where)
+    encode = encoder_of(tok)
+    cutter = None if tok is None else Cutter(_Joins(tok).joins, stream.where)
     batch: list[str] = []
     chars, empty = 0, True
 
     def flush() -> None:
         nonlocal batch, chars
-        tokens = 0
-        for ids in encoder.encode(batch):
+        flat, lengths = encode_or_explain(encode, batch, stream.where)
+        for ids in np.split(flat, np.cumsum(lengths)[:-1]):  # one part per piece
             writer.add_part(ids)
-            tokens += len(ids)
-        report(0, 0, tokens, True)
+        report(0, 0, len(flat), True)
         batch, chars = [], 0
         if not alive():
             raise SystemExit(1)  # the main process is gone: stop, leave no marker

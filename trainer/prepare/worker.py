@@ -17,7 +17,6 @@ import os
 import signal
 import traceback
 from collections.abc import Callable, Iterator
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -28,9 +27,9 @@ from trainer.data.shards import file_sha256
 from trainer.errors import DataError
 from trainer.fileio import fsync_path, read_json, write_atomic
 from trainer.prepare import instructions, long_docs
+from trainer.prepare.encode import BATCH_CHARS, Encoder, encode_or_explain, encoder_of
 
 WORK_DIR = ".work"  # plan.json and one done-NNNNN.json per finished unit
-BATCH_CHARS = 1 << 20  # text per tokenizer call: bounds a worker's memory, amortises the call
 
 Job = dict[str, Any]
 # (input bytes, documents, tokens, fresh): fresh is False for a unit found already done.
@@ -108,45 +107,25 @@ def _hf_documents(job: Job, unit: dict) -> Iterator[tuple[str, int]]:
 
 # --- tokenizing and writing ------------------------------------------------------------------
 
-Encoder = Callable[[list[str]], tuple[np.ndarray, np.ndarray]]  # -> (flat ids, lengths)
 _TOKENIZERS: dict[str, Any] = {}
 
 
-def _encoder(job: Job) -> Encoder:
+def _tokenizer(job: Job) -> Any:
+    """The job's `tokenizers.Tokenizer`, loaded once per worker; None: the byte tokenizer."""
     path = job["tokenizer_path"]
-    if path is None:  # the byte tokenizer: ids are the UTF-8 bytes (tokenizers.ByteTokenizer)
-
-        def encode_bytes(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-            encoded = [t.encode("utf-8") for t in texts]
-            lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
-            return np.frombuffer(b"".join(encoded), np.uint8), lengths
-
-        return encode_bytes
-    if path not in _TOKENIZERS:
+    if path is not None and path not in _TOKENIZERS:
         from tokenizers import Tokenizer
 
         _TOKENIZERS[path] = Tokenizer.from_file(path)
-    tok = _TOKENIZERS[path]
-
-    def encode_hf(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        # The call HFTokenizer.encode_batch makes: no special tokens, EOS is added by us.
-        ids = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
-        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-        return np.fromiter(chain.from_iterable(ids), np.int64, int(lengths.sum())), lengths
-
-    return encode_hf
+    return _TOKENIZERS.get(path)
 
 
 def _encode_or_explain(encode: Encoder, batch: list[str], job: Job, unit: dict) -> tuple:
-    try:
-        return encode(batch)
-    except Exception as err:  # e.g. a lone surrogate ("\\ud800" in JSON) has no UTF-8 bytes
+    def where() -> str:
         files = {job["files"][piece[0]] for piece in unit.get("pieces", [])}
-        where = ", ".join(sorted(files)) or f"{job['hf']['path']} rows {unit.get('rows')}"
-        raise DataError(
-            f"{where}: the tokenizer failed on a document ({type(err).__name__}: {err}); "
-            "repair or remove that document"
-        ) from None
+        return ", ".join(sorted(files)) or f"{job['hf']['path']} rows {unit.get('rows')}"
+
+    return encode_or_explain(encode, batch, where)
 
 
 class ShardWriter:
@@ -288,7 +267,8 @@ def run_unit(
         return _run_instruction_unit(job, index, report, alive)
     read = {"jsonl": _jsonl_documents, "text": _text_documents, "hf_datasets": _hf_documents}
     documents = read[job["kind"]](job, unit)
-    encode = _encoder(job)
+    tok = _tokenizer(job)
+    encode = encoder_of(tok)
     writer = ShardWriter(
         job["out"], shard_name(index), job["dtype"], job["eos_id"], job["block_bytes"]
     )
@@ -308,7 +288,7 @@ def run_unit(
             nbytes += consumed
             if isinstance(text, reader.TextStream):  # a long document, tokenized in pieces
                 flush()
-                long_docs.write(text, writer, _TOKENIZERS.get(job["tokenizer_path"]), report, alive)
+                long_docs.write(text, writer, tok, report, alive)
             elif text:
                 batch.append(text)
                 chars += len(text)
