@@ -1,6 +1,9 @@
 """`python -m trainer.dry_run --search`: the step-time model's ranking follows from the
 bytes and FLOPs it prints, recomputed here from the documented formula (docs/architecture.md,
-"Step-time model"), and faster links never make a layout slower."""
+"Step-time model"), and faster links never make a layout slower. With `--gemm-rates FILE`
+(measured efficiency per kind of kernel, `benchmarks/gemm_rates.py`) the compute is each
+kind's FLOPs at its own efficiency, recomputed from a hand-written file and a FLOP split
+counted here from the config's values."""
 
 from __future__ import annotations
 
@@ -14,11 +17,28 @@ from types import SimpleNamespace
 import pytest
 
 from tests.distributed import ROOT
-from trainer.dry_run.search import Hardware, estimate
+from trainer.dry_run.search import Hardware, estimate, rates_by_kind, read_rates
 
 GB = 1e9
 SEARCH = ["--world-size=4", "--config=configs/debug_qwen3_moe.toml",
           "--train.global_batch_size=4", "--train.micro_batch_size=1", "--search", "--ranks-per-node=2", "--gpu-memory=1"]  # fmt: skip
+# A rates file as benchmarks/gemm_rates.py writes it, written by hand; its efficiencies are
+# fractions of half the H100 preset's peak, which the planner converts to its own.
+RATES = {"model": "qwen3_moe", "peak_tflops": 989 / 2,
+         "categories": {"dense": {"efficiency": 0.6}, "grouped": {"efficiency": 0.25},
+                        "attention": {"efficiency": 0.4}}}  # fmt: skip
+
+
+def _debug_flops_by_kind() -> dict:
+    """Training FLOPs per token of configs/debug_qwen3_moe.toml by kind, counted from its
+    values: 4 blocks (the first dense), hidden 128, 4 heads x 32 (2 KV heads), 8 experts
+    of width 64, top-2, dense width 256, vocab 320 (an untied head), seq 128."""
+    attn_proj = 128 * 4 * 32 * 2 + 128 * 2 * 32 * 2  # q and o, k and v
+    norms = 2 * 32 + 2 * 128  # q/k norms per head, the block's two norms
+    # + the 3 routers, the dense block's MLP, the final norm and the head
+    dense = 4 * (attn_proj + norms) + 3 * 8 * 128 + 3 * 128 * 256 + 128 + 320 * 128
+    grouped = 3 * 8 * (3 * 128 * 64) * 2 / 8
+    return {"dense": 6 * dense, "grouped": 6 * grouped, "attention": 6 * 4 * 4 * (32 + 32) * 128}
 
 
 def _search(tmp_path) -> dict:
@@ -30,13 +50,22 @@ def _search(tmp_path) -> dict:
     return json.loads(out.read_text())
 
 
-def _expected(r: dict, hw: dict, tokens: int, world: int, flops_per_token: float) -> dict:
-    """The documented model, written out again from the printed figures."""
+def _expected(
+    r: dict, hw: dict, tokens: int, world: int, flops_per_token: float, rates: dict | None = None
+) -> dict:
+    """The documented model, written out again from the printed figures; with `rates` (a
+    rates file) the compute by kind, from the FLOPs counted by `_debug_flops_by_kind`."""
     node = hw["ranks_per_node"]
     link = lambda n: (hw["intra_gbps"] if n <= node else hw["inter_gbps"]) * GB  # noqa: E731
     full = r["activation_checkpoint"] == "full"
     flops = flops_per_token * tokens / world * (4 / 3 if full else 1)
     compute = flops / (hw["tflops"] * 1e12 * hw["efficiency"])
+    if rates is not None:
+        per_rank = tokens / world * (4 / 3 if full else 1)
+        compute = sum(
+            f * per_rank / (rates["peak_tflops"] * 1e12 * rates["categories"][k]["efficiency"])
+            for k, f in _debug_flops_by_kind().items()
+        )
     c, n, rep = r["comm_bytes"], r["dp_shard"] * r["cp"], r["dp_replicate"]
     fsdp = (c["fsdp_all_gather"] + c["fsdp_reduce_scatter"]) * (n - 1) / n / link(n)
     hsdp = c["hsdp_all_reduce"] * 2 * (rep - 1) / rep / link(n * rep)
@@ -84,6 +113,57 @@ def test_search_ranks_by_the_step_time_its_printed_figures_give(tmp_path):
         assert fast >= r["tokens_per_s"] * (1 - 1e-12)
         sped_up += fast > 1.01 * r["tokens_per_s"]
     assert sped_up > 0
+    # Measured rates instead of the constant: each layout's compute by kind, as written out.
+    flops = _with_split(plan["flops_per_token"])
+    (tmp_path / "rates.json").write_text(json.dumps(RATES))
+    by_kind = rates_by_kind(read_rates(str(tmp_path / "rates.json")), flops, hardware)
+    for r in ranked:
+        est = estimate(_layout(r, tokens), r["activation_checkpoint"], flops, hardware, by_kind)
+        want = _expected(r, hw, tokens, world, flops, RATES)
+        assert est["compute_s"] == pytest.approx(want["compute"], rel=1e-12)
+        assert est["step_s"] == pytest.approx(want["step"], rel=1e-12)
+
+
+def test_measured_rates_give_each_kind_its_own_efficiency(tmp_path):
+    rates, out = tmp_path / "rates.json", tmp_path / "plan.json"
+    rates.write_text(json.dumps(RATES))
+    args = [a for a in SEARCH if a != "--search"]
+    cmd = [sys.executable, "-m", "trainer.dry_run", *args, "--train.activation_checkpoint=full",
+           f"--gemm-rates={rates}", f"--json={out}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    effs = "dense 0.3, grouped 0.125, attention 0.2"  # the file's, at the planner's peak
+    assert f"989 TFLOP/s x measured efficiency ({effs}: {rates}, qwen3_moe)" in proc.stdout
+    plan = json.loads(out.read_text())
+    split = plan["gemm_rates"]["flops_by_kind"]
+    assert split == pytest.approx(_debug_flops_by_kind(), rel=1e-12)
+    assert sum(split.values()) == pytest.approx(plan["flops_per_token"], rel=1e-12)
+    est = plan["estimate"]
+    r = {**plan["layout"], **est, "activation_checkpoint": "full", "comm_bytes": plan["per_step"]}
+    want = _expected(r, plan["hardware"], 4 * 128, 4, plan["flops_per_token"], RATES)
+    assert est["compute_s"] == pytest.approx(want["compute"], rel=1e-12)
+    assert est["step_s"] == pytest.approx(want["step"], rel=1e-12)
+
+
+def test_a_rates_file_without_a_kind_the_model_has_is_refused(tmp_path):
+    from trainer.config import ConfigError
+    from trainer.dry_run.search import PRESETS
+
+    rates = tmp_path / "rates.json"
+    kinds = {k: v for k, v in RATES["categories"].items() if k != "grouped"}
+    rates.write_text(json.dumps({**RATES, "categories": kinds}))
+    flops = _with_split(sum(_debug_flops_by_kind().values()))
+    with pytest.raises(ConfigError, match="no efficiency for grouped"):
+        rates_by_kind(read_rates(str(rates)), flops, PRESETS["h100"])
+    rates.write_text("{}")
+    with pytest.raises(ConfigError, match="not the JSON of benchmarks/gemm_rates.py"):
+        read_rates(str(rates))
+
+
+def _with_split(total: float):
+    from models.common.flops import FlopsPerToken
+
+    return FlopsPerToken(total, _debug_flops_by_kind())
 
 
 def _layout(r: dict, tokens: int) -> SimpleNamespace:
@@ -103,3 +183,35 @@ def _layout(r: dict, tokens: int) -> SimpleNamespace:
 def _key(r: dict) -> tuple:
     return tuple(r[k] for k in ("dp_replicate", "dp_shard", "cp", "ep", "micro_batch_size",
                                 "activation_checkpoint"))  # fmt: skip
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_the_rates_benchmark_times_the_matmuls_the_model_counts(model):
+    """benchmarks/gemm_rates.py reads its shapes off the built model; weighted by how often
+    the model runs each, their FLOPs per token are the model's split by kind: the dense
+    ones short of the norms' (no GEMM), the grouped ones of GPT-OSS's expert biases."""
+    import torch
+
+    from benchmarks.gemm_rates import attention_flops, attention_shapes, gemm_shapes
+    from models import get_model_spec
+    from models.common.moe import MoE
+    from trainer.config import load_config
+    from trainer.dry_run.search import flops_per_token
+
+    cfg = load_config(["--config", f"{ROOT}/configs/debug_{model}.toml"])
+    split, seq, tokens = flops_per_token(cfg).by_kind, cfg.data.seq_len, 64
+    spec = get_model_spec(model)
+    with torch.device("meta"):
+        built = spec.build(cfg.model.args)
+    gemms = gemm_shapes(built, tokens, 1, "bf16")
+    timed = {k: sum(6 * e["m"] * e["k"] * e["n"] * e["count"] for e in gemms if e["kind"] == k)
+             / tokens for k in ("dense", "grouped")}  # fmt: skip
+    cores = attention_shapes(built, 2, seq, "bf16")
+    timed["attention"] = sum(attention_flops(e) * e["count"] for e in cores) / (2 * seq)
+    assert timed["attention"] == pytest.approx(split["attention"], rel=1e-12)
+    for kind in ("dense", "grouped"):
+        assert 0.98 < timed[kind] / split[kind] <= 1 + 1e-12
+    # under ep 2 each rank's grouped GEMM holds half the experts
+    halves = {m.num_experts // 2 for m in built.modules() if isinstance(m, MoE)}
+    ep2 = gemm_shapes(built, tokens, 2, "bf16")
+    assert {e["groups"] for e in ep2 if e["kind"] == "grouped"} == halves

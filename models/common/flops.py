@@ -2,6 +2,9 @@
 
 A model's spec calls `training_flops_per_token` with the facts only it knows (its
 attention shape, whether its input embedding is a separate matrix from its head).
+The count it returns also says how it splits by kind of kernel (`FlopsPerToken.by_kind`),
+for the planner's step-time model, whose efficiency differs by kind
+(`trainer.dry_run.search`, `benchmarks/gemm_rates.py`).
 """
 
 from __future__ import annotations
@@ -9,6 +12,35 @@ from __future__ import annotations
 from torch import nn
 
 from models.common.moe import MoE
+
+# dense: every matmul of a weight all tokens use (projections, dense and shared MLPs, routers,
+# head); grouped: the routed experts' grouped GEMMs; attention: the scores and their use.
+KINDS = ("dense", "grouped", "attention")
+
+
+class FlopsPerToken(float):
+    """A float (what MFU divides by) that also carries its split by kind of kernel.
+
+    NOTE: a float subclass, so that every spec's `flops_per_token` passes the split on
+    unchanged and every caller that wants the number alone still gets one."""
+
+    by_kind: dict[str, float]
+
+    def __new__(cls, total: float, by_kind: dict[str, float]) -> FlopsPerToken:
+        out = super().__new__(cls, total)
+        out.by_kind = dict(by_kind)
+        return out
+
+
+def routed_params(model: nn.Module) -> float:
+    """The routed experts' parameters one token multiplies with (top_k / num_experts of
+    their size)."""
+    total = 0.0
+    for module in model.modules():
+        if isinstance(module, MoE):
+            n = sum(p.numel() for p in module.experts.parameters())
+            total += n * module.top_k / module.num_experts
+    return total
 
 
 def active_params(model: nn.Module, input_embedding: nn.Module | None) -> float:
@@ -34,8 +66,11 @@ def training_flops_per_token(
     qk_dim: int,
     v_dim: int,
     input_embedding: nn.Module | None,
-) -> float:
+) -> FlopsPerToken:
     """6 * active params + 6 * seq * heads * (qk dim + v dim) per attention layer (the
     scores and their use, forward + backward; causal masking not discounted, as usual)."""
     attention = 6 * attention_layers * heads * (qk_dim + v_dim) * seq_len
-    return 6 * active_params(model, input_embedding) + attention
+    matmuls = 6 * active_params(model, input_embedding)
+    grouped = 6 * routed_params(model)
+    split = {"dense": matmuls - grouped, "grouped": grouped, "attention": attention}
+    return FlopsPerToken(matmuls + attention, split)

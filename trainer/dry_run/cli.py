@@ -3,6 +3,7 @@
     python -m trainer.dry_run --world-size N --config X.toml [--section.key=value ...]
         [--json FILE] [--gpu-memory GiB] [--search] [--hardware h100|h200|h800]
         [--gpu-tflops F] [--efficiency E] [--intra-gbps B] [--inter-gbps B] [--ranks-per-node R]
+        [--gemm-rates FILE]
 
 The real mesh is built over PyTorch's fake process group (one process plays rank 0 of N;
 collectives do nothing), the model on the meta device, the real plan applied. What it
@@ -13,8 +14,10 @@ all-to-all bytes under balanced routing and the CP ring bytes. Every refusal of 
 launch applies (`trainer.loop.setup.preflight`, exit 2). With --gpu-memory it says whether the
 layout fits and, if not, which knob brings it in; last, the estimated step time on the
 `--hardware` (and with --search the layouts that fit, fastest first:
-`trainer.dry_run.search`). How each figure is measured:
-`trainer.dry_run.footprint` and docs/architecture.md ("Will it fit?").
+`trainer.dry_run.search`), its compute at the efficiency --gemm-rates FILE measured per
+kind of kernel (`benchmarks/gemm_rates.py`'s JSON) where given, else at --efficiency. How
+each figure is measured: `trainer.dry_run.footprint` and docs/architecture.md ("Will it
+fit?").
 """
 
 from __future__ import annotations
@@ -24,14 +27,24 @@ import json
 import sys
 import time
 
-from trainer.dry_run.layout_cost import MODES, Layout, measure_layout, peak_bytes, step_bytes
+from trainer.dry_run.layout_cost import (
+    MODES,
+    Layout,
+    measure_layout,
+    peak_bytes,
+    step_bytes,
+    update_bytes,
+)
 from trainer.dry_run.search import (
     PRESETS,
     describe,
+    efficiency_text,
     estimate,
     flops_per_token,
     format_ranked,
     hardware,
+    rates_by_kind,
+    read_rates,
     run_search,
 )
 from trainer.fileio import write_atomic
@@ -88,6 +101,8 @@ def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str
         "activation_checkpoint": cfg.train.activation_checkpoint,
         "per_rank": per_rank,
         "fsdp_buffers": layout.fsdp_buffers,
+        # the update (norm, clip, optimizer step): gradients and the step's temporaries
+        "update_increase_rank0": update_bytes(layout),
         "modes": modes,
         "per_step": layout.comm,
         "peak": peak_bytes(layout, cfg.train.activation_checkpoint),
@@ -141,6 +156,9 @@ def format_report(r: dict) -> str:
     for mode, m in r["modes"].items():
         mark = "  <- configured" if mode == r["activation_checkpoint"] else ""
         lines.append(f"{mode:<22}{g(m['activation_peak'])}     {g(m['peak_rank0'])}{mark}")
+    lines.append(f"(a rank peak is the higher of the forward/backward and the optimizer step, "
+                 f"which adds {r['update_increase_rank0'] / unit:.2f} {name}: gradients and "
+                 "its temporaries)")  # fmt: skip
     c = r["per_step"]
     lines += [
         "",
@@ -225,7 +243,7 @@ def _variant(cfg, **sections):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = {"--world-size": None, "--json": None, "--gpu-memory": None, "--hardware": "h100",
-             **dict.fromkeys(HW_FLAGS)}  # fmt: skip
+             "--gemm-rates": None, **dict.fromkeys(HW_FLAGS)}  # fmt: skip
     search_flag = "--search" in argv
     argv = [a for a in argv if a != "--search"]
     rest = []
@@ -265,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
             where = "parallel.ranks_per_node, else --ranks-per-node or the --hardware preset"
             check_ep_nodes(p.ep, per_node, where)
         preflight(cfg, dims)  # every refusal of a real launch
+        flops = flops_per_token(cfg)
+        rates = read_rates(flags["--gemm-rates"]) if flags["--gemm-rates"] else None
+        by_kind = rates_by_kind(rates, flops, hw) if rates else None
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -281,29 +302,31 @@ def main(argv: list[str] | None = None) -> int:
         layout = measure_layout(cfg, world_size)
         suggestions = suggest(layout, world_size, gpu_memory * GIB) if gpu_memory else []
         mode = cfg.train.activation_checkpoint
-        flops = flops_per_token(cfg)
-        configured = estimate(layout, mode, flops, hw)
+        configured = estimate(layout, mode, flops, hw, by_kind)
         if search_flag:
             budget = (gpu_memory or hw.memory_gib) * GIB
-            ranked = run_search(
-                cfg, world_size, hw, budget, log=lambda m: print(m, file=sys.stderr)
-            )
+            log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+            ranked = run_search(cfg, world_size, hw, budget, log=log, by_kind=by_kind)
     finally:
         dist.destroy_process_group()
     result = report(layout, gpu_memory, suggestions)
     result["hardware"] = describe(hw)
     result["flops_per_token"] = flops
     result["estimate"] = configured
+    efficiency = efficiency_text(hw, by_kind, rates)
+    if rates:
+        result["gemm_rates"] = {**rates, "flops_by_kind": {k: f for k, (f, _) in by_kind.items()},
+                                "efficiency_used": {k: e for k, (_, e) in by_kind.items()}}  # fmt: skip
     lines = [format_report(result), "", (
         f"estimated step on {hw.name}: {configured['step_s']:.3f} s, "
         f"{configured['tokens_per_s']:,.0f} tok/s (compute {configured['compute_s']:.3f} s at "
-        f"{hw.tflops:g} TFLOP/s x {hw.efficiency:g}; all-to-all "
+        f"{efficiency}; all-to-all "
         f"{configured['comm_s']['ep_all_to_all']:.3f} s; FSDP {configured['comm_s']['fsdp']:.3f} s, "
         f"ring {configured['comm_s']['cp_ring']:.3f} s, HSDP {configured['comm_s']['hsdp']:.3f} s "
         f"under compute, {configured['exposed_background_s']:.3f} s exposed)")]  # fmt: skip
     if search_flag:
         result["search"] = ranked
-        lines += ["", *format_ranked(ranked, hw)]
+        lines += ["", *format_ranked(ranked, hw, efficiency=efficiency)]
     result["planning_s"] = round(time.perf_counter() - start, 1)
     print("\n".join(lines))
     if flags["--json"]:

@@ -1,11 +1,13 @@
-"""What one rank holds and moves per step, measured without memory: the dry-run planner's
-instruments (`python -m trainer.dry_run`).
+"""What one rank holds and moves per step, measured without memory, for the dry-run
+planner (`python -m trainer.dry_run`; the instruments: `trainer.dry_run.meta_trace`).
 
 - State (`sharded_state`): the model is built on the meta device and the real plan is
   applied over a fake process group, so every local shard has the shape a real run gives
   it. Parameters and gradients are FSDP2's padded shards (one size on every rank); the
   optimizer state is what the real optimizer creates for the unpadded local shards,
   computed for every rank from the DTensor placements.
+- Update (`update_transient`): the temporaries of the gradient norm, clipping and the
+  optimizer step, measured by running them on meta copies of the rank's local shards.
 - Activations (`trace_step`): one micro-batch's forward, loss and backward run on the meta
   device under a dispatch mode that follows every storage from its creation to its death,
   with the block's real activation checkpointing. The model is the plain one (no FSDP, EP
@@ -19,29 +21,19 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from models.common.replay import is_replay
 from parallelisms.plan import match_modules
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views counted once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        s = _local(t).untyped_storage()
-        seen[s._cdata] = s.nbytes()
-    return sum(seen.values())
+from trainer.dry_run.meta_trace import (
+    FusedAttention,
+    StorageTimeline,
+    live_curve,
+    local_tensor,
+    storage_bytes,
+)
 
 
 def local_numel_by_rank(p: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -71,6 +63,8 @@ class ShardedState:
     params: list[int]
     grads: list[int]
     optimizer: list[int]
+    # the update's temporaries (norm, clip, optimizer step) above params, grads and state
+    update: list[int]
 
 
 def sharded_state(
@@ -85,14 +79,15 @@ def sharded_state(
     optimizer class, with the same groups, initialises its state on the meta local
     shards; a state tensor shaped like the shard scales with each rank's unpadded shard,
     any other is counted as is. `weight` (id of a parameter -> factor, default 1): how
-    many times a parameter counts, for the blocks `sample_blocks` stands in for.
+    many times a parameter counts, for the blocks `sample_blocks` stands in for. Update:
+    `update_transient`, scaled to each rank's unpadded shards as the state is.
     """
     weight = weight or {}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     padded = sum(
-        weight.get(id(p), 1.0) * _local(p).untyped_storage().nbytes() for p in params
+        weight.get(id(p), 1.0) * local_tensor(p).untyped_storage().nbytes() for p in params
     )  # FSDP2 gives every parameter its own padded storage
-    local = {id(p): nn.Parameter(torch.empty_like(_local(p))) for p in params}
+    local = {id(p): nn.Parameter(torch.empty_like(local_tensor(p))) for p in params}
     groups = [
         {
             **{k: v for k, v in g.items() if k != "params"},
@@ -115,110 +110,57 @@ def sharded_state(
             else:
                 per_rank += value.untyped_storage().nbytes() * w
     padded = round(padded)
+    update = update_transient(optimizer, weight) * per_rank / per_rank[0].clamp(min=1)
     return ShardedState(
-        [padded] * world_size, [padded] * world_size, per_rank.round().long().tolist()
+        [padded] * world_size,
+        [padded] * world_size,
+        per_rank.round().long().tolist(),
+        update.round().long().tolist(),
     )
 
 
+def update_transient(optimizer: torch.optim.Optimizer, weight: dict[int, float]) -> int:
+    """The bytes the update allocates above this rank's parameters, gradients and optimizer
+    state at its highest point: the real gradient norm and clipping (`parallelisms.clip`)
+    and the real optimizer's step, in the trainer's order, on meta copies of this rank's
+    local shards, once the state exists.
+
+    NOTE: AdamW's foreach step allocates, per parameter group, a list shaped like the
+    group (the second moment's square root, in the state's dtype), and the norm squares
+    one gradient at a time in fp32. With the 2-D weights in one group that is one more fp32
+    copy of the rank's parameters while the gradients are alive: Qwen3-30B-A3B's 4-block
+    proxy on one H100 peaked there, 58.1 GiB, above its forward and backward. A parameter
+    that counts `weight` times (`sample_blocks`) gets int(weight) copies and a flat one
+    of the fraction left."""
+    from parallelisms.clip import clip_grads_, grad_norm
+
+    groups = []
+    for g in optimizer.param_groups:
+        copies = []
+        for p in g["params"]:
+            shard, w = local_tensor(p), weight.get(id(p), 1.0)
+            copies += [torch.empty_like(shard) for _ in range(int(w))]
+            if rest := round((w - int(w)) * shard.numel()):
+                copies.append(shard.new_empty(rest))
+        rest_of_group = {k: v for k, v in g.items() if k != "params"}
+        groups.append({**rest_of_group, "params": [nn.Parameter(c) for c in copies]})
+    opt = type(optimizer)(groups)
+    params = [q for g in opt.param_groups for q in g["params"]]
+    for q in params:
+        q.grad = torch.zeros_like(q)
+    opt.step()  # creates the state, which rests from then on like params and gradients
+    resting = [*params, *(q.grad for q in params), *tree_leaves(list(opt.state.values()))]
+    timeline = StorageTimeline(
+        {t.untyped_storage()._cdata for t in resting if isinstance(t, torch.Tensor)}
+    )
+    with timeline:
+        clip_grads_(params, 1.0, grad_norm(params))
+        opt.step()
+        timeline.poll()
+    return int(max(live_curve(timeline.spans, set(), 1.0)))
+
+
 # --- activations ------------------------------------------------------------------------
-
-
-class _StorageTimeline(TorchDispatchMode):
-    """Every storage an op creates, with the op index of its creation and of its death
-    (polled after each op: a storage dies when its last tensor does)."""
-
-    def __init__(self, resting: set[int]) -> None:
-        super().__init__()
-        self.resting = resting  # parameters and buffers: not activations
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}  # cdata -> (ref, serial)
-        self.spans: list[list[int]] = []  # serial -> [nbytes, born, died (-1: alive)]
-        self.op = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = _meta_op(func, args, kwargs or {})
-        self.op += 1
-        self._poll()
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
-                if s._cdata in self.resting or s._cdata in self.live:
-                    continue
-                self.live[s._cdata] = (StorageWeakRef(s), len(self.spans))
-                self.spans.append([s.nbytes(), self.op, -1])
-        return out
-
-    def _poll(self) -> None:
-        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
-        for k in dead:
-            self.spans[self.live.pop(k)[1]][2] = self.op
-
-    def live_bytes(self) -> int:
-        return sum(self.spans[serial][0] for _, serial in self.live.values())
-
-    def serial(self, t: torch.Tensor) -> int | None:
-        entry = self.live.get(t.untyped_storage()._cdata)
-        return None if entry is None else entry[1]
-
-
-def _meta_op(func, args, kwargs):
-    # NOTE: the grouped GEMM's meta kernel takes bf16 only; the shapes do not depend on the
-    # dtype, so an fp32 product is shaped by its bf16 twin. Not `moetrain::grouped_mm`
-    # (the compile path): the trace runs the op a real run runs, the one `selective` keeps.
-    if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
-        low = [
-            a.bfloat16() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-            for a in args
-        ]
-        return torch.empty_like(func(*low, **kwargs), dtype=args[0].dtype)
-    return func(*args, **kwargs)
-
-
-class _FusedAttention(TorchFunctionMode):
-    """SDPA as a fused kernel on the meta device. NOTE: on meta, SDPA decomposes into its
-    math path, which saves the [S, S] scores; the CPU and CUDA kernels a run uses save only
-    q, k, v, the output and the log-sum-exp. The fused CPU kernel's meta form has that
-    footprint (and takes GQA and masks)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        q, k, v = args[:3]
-        kwargs.pop("enable_gqa", None)
-        dv = v.shape[-1]
-        if dv != q.shape[-1]:  # the fused kernels want one head dim: pad V (as MLA code does)
-            v = F.pad(v, (0, q.shape[-1] - dv))
-        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q,
-            k,
-            v,
-            kwargs.pop("dropout_p", 0.0),
-            kwargs.pop("is_causal", False),
-            attn_mask=kwargs.pop("attn_mask", None),
-            scale=kwargs.pop("scale", None),
-        )
-        return out[0][..., :dv]
-
-
-class _FusedCore(nn.Module):
-    """An attention core run under `_FusedAttention` from inside its own forward, so that
-    an activation-checkpointing replay (which does not see the tracer's torch-function
-    mode) takes the fused path too."""
-
-    def __init__(self, core: nn.Module) -> None:
-        super().__init__()
-        self.core = core
-
-    def forward(self, *args, **kwargs):
-        with _FusedAttention():
-            return self.core(*args, **kwargs)
-
-
-def use_fused_attention(model: nn.Module, plan) -> None:
-    """Swap the plan's attention cores of a meta model for `_FusedCore`s (in place)."""
-    if plan.attention_core is not None:
-        for fqn, core in match_modules(model, plan.attention_core, "attention_core"):
-            model.set_submodule(fqn, _FusedCore(core))
 
 
 def sample_blocks(model: nn.Module, plan, keep: int = 2) -> list[tuple[list[nn.Module], int]]:
@@ -227,10 +169,10 @@ def sample_blocks(model: nn.Module, plan, keep: int = 2) -> list[tuple[list[nn.M
     stay; the trace adds the others' saved activations by extrapolation. Returns, per
     structure, (the kept blocks, how many were dropped).
 
-    NOTE: a structure's blocks save the same bytes at the same local shapes, and the peak
-    of a step comes after every block's forward (the loss, or backward), when all their
-    saved activations are alive; so a dropped block adds its kept twins' mean saving.
-    Only blocks held in a ModuleList are dropped; others are traced as they are."""
+    NOTE: a structure's blocks save the same bytes and take the same gradients at the same
+    local shapes, so a dropped block adds its kept twins' mean of each, at the time it
+    would hold them (`trace_step`). Only blocks held in a ModuleList are dropped; others
+    are traced as they are."""
     groups: dict[tuple, list[tuple[str, nn.Module]]] = {}
     for fqn, block in match_modules(model, plan.blocks, "blocks"):
         shape = tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
@@ -278,9 +220,16 @@ def trace_step(
     inputs) under the storage timeline. The plain model's gradients are scaled to this
     rank's sharded ones (`sharded_grad_bytes`). The peak is over op boundaries: the
     activations alive plus the gradients written so far. `sampled`: what
-    `sample_blocks` dropped, added back by extrapolation."""
+    `sample_blocks` dropped, added back by extrapolation at the time they would live.
+
+    NOTE: a structure's dropped blocks stood after its last kept one. So their saved
+    activations (the kept twins' mean) live from the end of that block's forward until
+    the start of its backward (the gradient reaching its output), and their gradients from
+    then on. Adding the saved bytes to the peak wherever it falls would count them at the
+    end of backward too, where a step without checkpointing peaks on its gradients while
+    every activation is freed (Qwen3-30B-A3B, 4 blocks: +1.8 GiB)."""
     resting = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
-    timeline = _StorageTimeline(resting)
+    timeline = StorageTimeline(resting)
     trace = StepTrace()
     per_block: dict[int, list[int]] = {}  # id(block) -> [saved, routed, kv, kv_fp32]
     current: list[list[int]] = [[0, 0, 0, 0]]  # the bucket of the block running now
@@ -300,13 +249,24 @@ def trace_step(
 
     def before_block(block, _args):
         if not is_replay():
-            timeline._poll()
+            timeline.poll()
             current.append(per_block.setdefault(id(block), [-timeline.live_bytes(), 0, 0, 0]))
 
-    def after_block(block, _args, _out):
+    forward_done: dict[int, int] = {}  # id(block) -> op at the end of its forward
+    backward_from: dict[int, int] = {}  # id(block) -> op when its output's gradient is in
+
+    def after_block(block, _args, out):
         if not is_replay():
-            timeline._poll()
+            timeline.poll()
             current.pop()[0] += timeline.live_bytes()
+            forward_done[id(block)] = timeline.op
+
+            def turned(_grad) -> None:  # the hidden state's gradient starts the block's backward
+                backward_from.setdefault(id(block), timeline.op)
+
+            first = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+            if first is not None and first.requires_grad:
+                first.register_hook(turned)
 
     hooks = []
     if plan.routed_experts is not None:
@@ -320,46 +280,55 @@ def trace_step(
         hooks.append(block.register_forward_hook(after_block))
     forward_end: list[int] = []
     try:
-        with _FusedAttention(), timeline:
+        with FusedAttention(), timeline:
             run_step(lambda: forward_end.append(timeline.op))
-            timeline._poll()
+            timeline.poll()
     finally:
         for h in hooks:
             h.remove()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    grad_scale = sharded_grad_bytes / max(1, storage_bytes(grads))
     grad_serials = {timeline.serial(g) for g in grads}
-    at = forward_end[0] if forward_end else 0
-    trace.peak, trace.saved_after_forward = _peak(timeline.spans, grad_serials, grad_scale, at)
-    trace.activations, _ = _peak(timeline.spans, grad_serials, 0.0, at)
+    plain_grads = storage_bytes(grads)
+    spans = list(timeline.spans)
     totals = [sum(col) for col in zip(*per_block.values(), current[0], strict=False)]
     trace.routed, trace.kv, trace.kv_fp32 = totals[1:]
+    # A dropped block's own backward is its last kept twin's, [start, end) in ops. The first
+    # of them runs while the twin and the other dropped blocks still hold their saved
+    # activations, and none of them has its gradients yet: the twin's window plus
+    # `dropped` x (saved - gradients); the later ones, fewer of each.
+    mirrored = []  # (start, end, dropped, one block's saved, one block's plain gradients)
     for blocks, dropped in sampled:  # what sample_blocks dropped: its kept twins' mean
+        if not dropped:
+            continue
         mean = [sum(col) / len(blocks) for col in zip(*(per_block[id(b)] for b in blocks))]
         extra = [int(x * dropped) for x in mean]
-        trace.peak += extra[0]
-        trace.activations += extra[0]
-        trace.saved_after_forward += extra[0]
         trace.routed += extra[1]
         trace.kv += extra[2]
         trace.kv_fp32 += extra[3]
+        last = id(blocks[-1])
+        turn = backward_from.get(last, timeline.op)
+        spans.append([extra[0], forward_done[last], turn])  # their saved activations
+        twin = [p.grad for b in blocks for p in b.parameters() if p.grad is not None]
+        grad_mean = storage_bytes(twin) // len(blocks)
+        grad_serials.add(len(spans))
+        spans.append([grad_mean * dropped, turn, -1])  # their gradients, from their backward on
+        plain_grads += grad_mean * dropped
+        end = min((t for t in backward_from.values() if t > turn), default=timeline.op)
+        mirrored.append((turn, end, dropped, mean[0], grad_mean))
+    grad_scale = sharded_grad_bytes / max(1, plain_grads)
+    at = forward_end[0] if forward_end else 0
+
+    def highest(scale: float) -> int:  # live activations + gradients x scale, at their peak
+        live = live_curve(spans, grad_serials, scale)
+        peak = max(live, default=0.0)
+        for start, end, dropped, saved, grad in mirrored:
+            window = max(live[start : max(end, start + 1)])
+            peak = max(peak, window + dropped * max(0.0, saved - grad * scale))
+        return int(peak)
+
+    trace.peak, trace.activations = highest(grad_scale), highest(0.0)
+    trace.saved_after_forward = sum(
+        n for i, (n, born, died) in enumerate(spans)
+        if i not in grad_serials and born <= at and (died < 0 or at < died)
+    )  # fmt: skip
     return trace
-
-
-def _peak(spans, grad_serials, grad_scale, at) -> tuple[int, int]:
-    """(max over ops of live activations + scaled gradients, activations live at op `at`)."""
-    ops = 1 + max((max(b, d) for _, b, d in spans), default=0)
-    delta = [0.0] * (ops + 1)
-    saved = 0
-    for serial, (nbytes, born, died) in enumerate(spans):
-        weight = grad_scale if serial in grad_serials else 1.0
-        end = ops if died < 0 else died
-        delta[born] += weight * nbytes
-        delta[end] -= weight * nbytes
-        if serial not in grad_serials and born <= at < end:
-            saved += nbytes
-    live = peak = 0.0
-    for d in delta:
-        live += d
-        peak = max(peak, live)
-    return int(peak), saved

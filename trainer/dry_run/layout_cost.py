@@ -1,6 +1,8 @@
 """What a layout costs one rank, measured on the meta device over the fake process group:
-the resting state, FSDP's buffers, the activations of each checkpointing mode, and the
-bytes each collective moves per step (`python -m trainer.dry_run` reports them).
+the resting state, FSDP's buffers, the activations of each checkpointing mode, the
+update's temporaries, and the bytes each collective moves per step (`python -m
+trainer.dry_run` reports them). A step peaks in its forwards and backwards or in its
+update (norm, clip, optimizer step), whichever is higher (`peak_bytes`).
 
 Instruments: `trainer.dry_run.footprint`. The process group must be the fake one, already
 initialised with the launch's world size (the planner's `main` does that).
@@ -191,7 +193,8 @@ def _trace(cfg, spec, dims, meshes, mode: str, sharded_grad_bytes: int):
     from parallelisms.activation_checkpoint import apply_activation_checkpointing
     from parallelisms.plan import match_modules
     from trainer.data.batch import Batch
-    from trainer.dry_run.footprint import sample_blocks, trace_step, use_fused_attention
+    from trainer.dry_run.footprint import sample_blocks, trace_step
+    from trainer.dry_run.meta_trace import use_fused_attention
     from trainer.loop.losses import GlobalCounts, StepLoss, model_inputs, with_mtp_targets
 
     param_dtype = _param_dtype(cfg)
@@ -223,7 +226,10 @@ def _trace(cfg, spec, dims, meshes, mode: str, sharded_grad_bytes: int):
     def run_step(mark_forward_end) -> None:
         step_loss.start(GlobalCounts(B * S, B * S, 0, [B * S] * terms.mtp_depth))
         inputs = model_inputs(batch, terms, cfg.data.document_mask)
-        loss = step_loss(model(batch.input_ids, batch.position_ids, **inputs), batch)
+        # NOTE: `out` held through the backward, as `Trainer.forward_backward` holds it:
+        # its logits ([B, S, vocab] in the compute dtype) outlive the loss's use of them
+        out = model(batch.input_ids, batch.position_ids, **inputs)
+        loss = step_loss(out, batch)
         mark_forward_end()
         loss.backward()
 
@@ -231,10 +237,11 @@ def _trace(cfg, spec, dims, meshes, mode: str, sharded_grad_bytes: int):
 
 
 def step_bytes(layout: Layout, mode: str, rank: int = 0, gather: str | None = None) -> int:
-    """What a step adds to the resting state at its highest point: activations and
-    gradients (all of them already, from the second micro-batch of an accumulation on),
-    and FSDP's buffers. `gather`: `parallel.fsdp_gather` (default: the config's); with
-    `step`, every unit's gathered parameters and unsharded gradients instead."""
+    """What the forwards and backwards of a step add to the resting state at their highest
+    point: activations and gradients (all of them already, from the second micro-batch of
+    an accumulation on), and FSDP's buffers. `gather`: `parallel.fsdp_gather` (default:
+    the config's); with `step`, every unit's gathered parameters and unsharded gradients
+    instead."""
     trace = layout.activations[mode]
     if (gather or layout.cfg.parallel.fsdp_gather) == "step":
         return trace.activations + layout.fsdp_step_buffers
@@ -245,6 +252,14 @@ def step_bytes(layout: Layout, mode: str, rank: int = 0, gather: str | None = No
     return working + layout.fsdp_buffers
 
 
+def update_bytes(layout: Layout, rank: int = 0) -> int:
+    """What the update (norm, clip, optimizer step) adds to the resting state at its
+    highest point: every gradient, and the temporaries of the update itself."""
+    return layout.state.grads[rank] + layout.state.update[rank]
+
+
 def peak_bytes(layout: Layout, mode: str, rank: int = 0, gather: str | None = None) -> int:
+    """The rank's peak: resting state plus the higher of the two phases of a step."""
     s = layout.state
-    return s.params[rank] + s.optimizer[rank] + step_bytes(layout, mode, rank, gather)
+    working = max(step_bytes(layout, mode, rank, gather), update_bytes(layout, rank))
+    return s.params[rank] + s.optimizer[rank] + working

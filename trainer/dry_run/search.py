@@ -6,6 +6,10 @@ The model, per rank and step (every figure it uses is printed with the estimate)
 - compute: training FLOPs of the rank's tokens (the model's own `flops_per_token`, as MFU
   counts them; `full` checkpointing adds one forward: x4/3; `selective` keeps the matmul
   outputs, so its replay adds only element-wise work, not counted) / (peak x efficiency);
+  with measured rates (`--gemm-rates FILE`, the JSON of `benchmarks/gemm_rates.py`) the
+  sum over kinds of kernel (dense GEMMs, grouped expert GEMMs, attention: the split the
+  model's count carries, `models.common.flops.FlopsPerToken`) of each kind's FLOPs /
+  (peak x that kind's measured efficiency), instead of one constant efficiency;
 - each collective's bytes on the wire (ring algorithms: (n-1)/n of an all-gather or
   reduce-scatter, 2(n-1)/n of an all-reduce; the all-to-all's bytes already leave the
   rank) / the bandwidth of the link it crosses: inside a node while its group fits in one
@@ -20,12 +24,14 @@ The model, per rank and step (every figure it uses is printed with the estimate)
   only what exceeds the compute shows; the expert all-to-all waits for its split sizes on
   the host and is not overlapped: step = compute + all-to-all + max(0, background - compute).
 
-Not modelled: kernel efficiency per shape, routing imbalance (balanced routing, as the
-byte counts), latency of small messages, and the optimizer step.
+Not modelled: element-wise work (norms, activations, the routing's permutations), host
+synchronisations, routing imbalance (balanced routing, as the byte counts), latency of
+small messages, and the optimizer step; without `--gemm-rates`, kernel efficiency by shape.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, replace
 from math import comb
 
@@ -75,12 +81,72 @@ def _link(group: int, hw: Hardware) -> float:
     return hw.intra_gbps if group <= hw.ranks_per_node else hw.inter_gbps
 
 
-def estimate(layout, mode: str, flops_per_token: float, hw: Hardware) -> dict:
-    """Step time of `layout` (a `layout_cost.Layout`) under checkpointing `mode`."""
+def read_rates(path: str) -> dict:
+    """The measured efficiency of each kind of kernel from `benchmarks/gemm_rates.py`'s JSON:
+    {"file", "model", "device", "peak_tflops", "efficiency": {kind: fraction of that peak}}."""
+    from trainer.config import ConfigError
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        kinds = data["categories"]
+        efficiency = {k: float(v["efficiency"]) for k, v in kinds.items() if v.get("efficiency")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ConfigError(
+            f"--gemm-rates {path}: not the JSON of benchmarks/gemm_rates.py ({err!r})"
+        ) from err
+    if any(e <= 0 for e in efficiency.values()):
+        raise ConfigError(f"--gemm-rates {path}: an efficiency <= 0: {efficiency}")
+    peak = data.get("peak_tflops")
+    return {"file": path, "model": data.get("model"), "device": data.get("device"),
+            "peak_tflops": float(peak) if peak else None, "efficiency": efficiency}  # fmt: skip
+
+
+def rates_by_kind(rates: dict, flops_per_token: float, hw: Hardware) -> dict:
+    """kind -> (training FLOPs per token, efficiency against `hw.tflops`) for `estimate`.
+    The file's efficiencies are fractions of the peak it was measured against: converted,
+    so that each kind runs at the TFLOP/s measured whatever peak the planner assumes."""
+    from trainer.config import ConfigError
+
+    split = getattr(flops_per_token, "by_kind", None)
+    if split is None:
+        raise ConfigError("--gemm-rates: this model's flops_per_token gives no split by kind "
+                          "(models.common.flops.FlopsPerToken)")  # fmt: skip
+    scale = (rates["peak_tflops"] or hw.tflops) / hw.tflops
+    missing = [k for k, f in split.items() if f and k not in rates["efficiency"]]
+    if missing:
+        raise ConfigError(f"--gemm-rates {rates['file']}: no efficiency for {', '.join(missing)}")
+    return {k: (f, rates["efficiency"][k] * scale) for k, f in split.items() if f}
+
+
+def efficiency_text(hw: Hardware, by_kind: dict | None, rates: dict | None) -> str:
+    """Where the compute's efficiency came from, for the printed reports: the constant, or
+    (with `by_kind` from `rates`) each kind's, the file, and what it measured on."""
+    if by_kind is None:
+        return f"{hw.tflops:g} TFLOP/s x {hw.efficiency:g}"
+    effs = ", ".join(f"{k} {e:.3g}" for k, (_, e) in by_kind.items())
+    what = [rates["model"] or "", f"on {rates['device']}" if rates["device"] else ""]
+    where = ", ".join([rates["file"], " ".join(w for w in what if w)]).rstrip(", ")
+    return f"{hw.tflops:g} TFLOP/s x measured efficiency ({effs}: {where})"
+
+
+def estimate(
+    layout, mode: str, flops_per_token: float, hw: Hardware, by_kind: dict | None = None
+) -> dict:
+    """Step time of `layout` (a `layout_cost.Layout`) under checkpointing `mode`; with
+    `by_kind` (`rates_by_kind`), the compute from each kind's FLOPs and measured efficiency
+    instead of the whole count at `hw.efficiency`."""
     cfg, dims, comm = layout.cfg, layout.dims, layout.comm
     tokens = cfg.train.global_batch_size * cfg.data.seq_len  # per step, all ranks
-    flops = flops_per_token * tokens / dims.world_size * (4 / 3 if mode == "full" else 1.0)
-    compute_s = flops / (hw.tflops * 1e12 * hw.efficiency)
+    replay = 4 / 3 if mode == "full" else 1.0
+    flops = flops_per_token * tokens / dims.world_size * replay
+    by_kind_s = None
+    if by_kind is None:
+        compute_s = flops / (hw.tflops * 1e12 * hw.efficiency)
+    else:
+        by_kind_s = {k: f * tokens / dims.world_size * replay / (hw.tflops * 1e12 * e)
+                     for k, (f, e) in by_kind.items()}  # fmt: skip
+        compute_s = sum(by_kind_s.values())
     fsdp_n = dims.dp_shard * dims.cp
     ring_f = (fsdp_n - 1) / fsdp_n
     gather = comm[
@@ -109,7 +175,7 @@ def estimate(layout, mode: str, flops_per_token: float, hw: Hardware) -> dict:
         seconds["ep_all_to_all"] = a2a / (hw.intra_gbps * GB)
     background = seconds["fsdp"] + seconds["hsdp"] + seconds["cp_ring"]
     step_s = compute_s + seconds["ep_all_to_all"] + max(0.0, background - compute_s)
-    return {
+    out = {
         "flops_per_rank": flops,
         "compute_s": compute_s,
         "comm_s": seconds,
@@ -120,6 +186,9 @@ def estimate(layout, mode: str, flops_per_token: float, hw: Hardware) -> dict:
         "step_s": step_s,
         "tokens_per_s": tokens / step_s,
     }
+    if by_kind_s is not None:
+        out["compute_by_kind_s"] = by_kind_s
+    return out
 
 
 def candidates(cfg, world_size: int, hw: Hardware) -> list[dict]:
@@ -149,8 +218,11 @@ def candidates(cfg, world_size: int, hw: Hardware) -> list[dict]:
     return out
 
 
-def run_search(cfg, world_size: int, hw: Hardware, budget: float, log=print) -> list[dict]:
-    """Every candidate x checkpointing mode that fits `budget` bytes, fastest first."""
+def run_search(
+    cfg, world_size: int, hw: Hardware, budget: float, log=print, by_kind: dict | None = None
+) -> list[dict]:
+    """Every candidate x checkpointing mode that fits `budget` bytes, fastest first (`by_kind`:
+    measured efficiencies, as `estimate` takes them)."""
     import copy
 
     from trainer.config import ConfigError
@@ -173,7 +245,7 @@ def run_search(cfg, world_size: int, hw: Hardware, budget: float, log=print) -> 
             peak = peak_bytes(layout, mode)
             if peak > budget:
                 continue
-            est = estimate(layout, mode, flops, hw)
+            est = estimate(layout, mode, flops, hw, by_kind)
             ranked.append({**cand["parallel"], "micro_batch_size": cand["train"]["micro_batch_size"],
                            "activation_checkpoint": mode, "peak": peak, "comm_bytes": layout.comm,
                            **est})  # fmt: skip
@@ -185,7 +257,8 @@ def run_search(cfg, world_size: int, hw: Hardware, budget: float, log=print) -> 
 
 
 def flops_per_token(cfg) -> float:
-    """Training FLOPs per token of the config's model (the model's own count, as MFU's)."""
+    """Training FLOPs per token of the config's model (the model's own count, as MFU's; its
+    split by kind of kernel, where the model gives one, in `.by_kind`)."""
     import torch
 
     from models import get_model_spec
@@ -195,8 +268,12 @@ def flops_per_token(cfg) -> float:
         return spec.flops_per_token(spec.build(cfg.model.args), cfg.data.seq_len)
 
 
-def format_ranked(ranked: list[dict], hw: Hardware, top: int = 10) -> list[str]:
-    lines = [f"fastest layouts that fit ({hw.name}: {hw.tflops:g} TFLOP/s x {hw.efficiency:g}, "
+def format_ranked(
+    ranked: list[dict], hw: Hardware, top: int = 10, efficiency: str = ""
+) -> list[str]:
+    """`efficiency`: `efficiency_text`'s words (default: the constant's)."""
+    efficiency = efficiency or efficiency_text(hw, None, None)
+    lines = [f"fastest layouts that fit ({hw.name}: {efficiency}, "
              f"{hw.intra_gbps:g} GB/s in a node, {hw.inter_gbps:g} GB/s across, "
              f"{hw.ranks_per_node} per node):",
              "      tok/s     step s   compute       a2a   exposed  layout"]  # fmt: skip

@@ -1,0 +1,146 @@
+"""The dry-run planner's instruments (`trainer.dry_run.footprint` measures with them): a
+dispatch mode that follows every storage a meta run creates from its birth to its death,
+and what the meta device needs to run a training step with the footprint of the kernels
+a real run takes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from parallelisms.plan import match_modules
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = local_tensor(t).untyped_storage()
+        seen[s._cdata] = s.nbytes()
+    return sum(seen.values())
+
+
+class StorageTimeline(TorchDispatchMode):
+    """Every storage an op creates, with the op index of its creation and of its death
+    (polled after each op: a storage dies when its last tensor does)."""
+
+    def __init__(self, resting: set[int]) -> None:
+        super().__init__()
+        self.resting = resting  # storages that were there before: parameters, buffers, state
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}  # cdata -> (ref, serial)
+        self.spans: list[list[int]] = []  # serial -> [nbytes, born, died (-1: alive)]
+        self.op = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = meta_op(func, args, kwargs or {})
+        self.op += 1
+        self.poll()
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                if s._cdata in self.resting or s._cdata in self.live:
+                    continue
+                self.live[s._cdata] = (StorageWeakRef(s), len(self.spans))
+                self.spans.append([s.nbytes(), self.op, -1])
+        return out
+
+    def poll(self) -> None:
+        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
+        for k in dead:
+            self.spans[self.live.pop(k)[1]][2] = self.op
+
+    def live_bytes(self) -> int:
+        return sum(self.spans[serial][0] for _, serial in self.live.values())
+
+    def serial(self, t: torch.Tensor) -> int | None:
+        entry = self.live.get(t.untyped_storage()._cdata)
+        return None if entry is None else entry[1]
+
+
+def live_curve(spans, grad_serials, grad_scale) -> list[float]:
+    """Live bytes after each op: activations + gradients scaled by `grad_scale`."""
+    ops = 1 + max((max(b, d) for _, b, d in spans), default=0)
+    delta = [0.0] * (ops + 1)
+    for serial, (nbytes, born, died) in enumerate(spans):
+        weight = grad_scale if serial in grad_serials else 1.0
+        delta[born] += weight * nbytes
+        delta[ops if died < 0 else died] -= weight * nbytes
+    live, out = 0.0, []
+    for d in delta:
+        live += d
+        out.append(live)
+    return out
+
+
+def meta_op(func, args, kwargs):
+    """`func` run on meta tensors, where its meta kernel needs help.
+
+    NOTE: the grouped GEMM's meta kernel takes bf16 only; the shapes do not depend on the
+    dtype, so an fp32 product is shaped by its bf16 twin. Not `moetrain::grouped_mm` (the
+    compile path): the trace runs the op a real run runs, the one `selective` keeps."""
+    if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+        low = [
+            a.bfloat16() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in args
+        ]
+        return torch.empty_like(func(*low, **kwargs), dtype=args[0].dtype)
+    return func(*args, **kwargs)
+
+
+class FusedAttention(TorchFunctionMode):
+    """SDPA as a fused kernel on the meta device. NOTE: on meta, SDPA decomposes into its
+    math path, which saves the [S, S] scores; the CPU and CUDA kernels a run uses save only
+    q, k, v, the output and the log-sum-exp. The fused CPU kernel's meta form has that
+    footprint (and takes GQA and masks)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        kwargs.pop("enable_gqa", None)
+        dv = v.shape[-1]
+        if dv != q.shape[-1]:  # the fused kernels want one head dim: pad V (as MLA code does)
+            v = F.pad(v, (0, q.shape[-1] - dv))
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q,
+            k,
+            v,
+            kwargs.pop("dropout_p", 0.0),
+            kwargs.pop("is_causal", False),
+            attn_mask=kwargs.pop("attn_mask", None),
+            scale=kwargs.pop("scale", None),
+        )
+        return out[0][..., :dv]
+
+
+class _FusedCore(nn.Module):
+    """An attention core run under `FusedAttention` from inside its own forward, so that
+    an activation-checkpointing replay (which does not see the tracer's torch-function
+    mode) takes the fused path too."""
+
+    def __init__(self, core: nn.Module) -> None:
+        super().__init__()
+        self.core = core
+
+    def forward(self, *args, **kwargs):
+        with FusedAttention():
+            return self.core(*args, **kwargs)
+
+
+def use_fused_attention(model: nn.Module, plan) -> None:
+    """Swap the plan's attention cores of a meta model for `_FusedCore`s (in place)."""
+    if plan.attention_core is not None:
+        for fqn, core in match_modules(model, plan.attention_core, "attention_core"):
+            model.set_submodule(fqn, _FusedCore(core))
