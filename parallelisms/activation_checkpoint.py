@@ -50,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import checkpoint
 
+import models.common.flex  # noqa: F401  (registers moetrain::flex_attention)
 import parallelisms.all_to_all  # noqa: F401  (registers moetrain::all_to_all)
 import parallelisms.context_parallel  # noqa: F401  (registers moetrain::ring_attention)
 from models.common.replay import replay
@@ -66,6 +67,7 @@ def kept_ops() -> frozenset:
         {
             ours.all_to_all.default,  # EP dispatch, combine and their counts exchange
             ours.ring_attention.default,  # CP
+            ours.flex_attention.default,  # masked attention on CUDA (models/common/flex.py)
             aten._scaled_dot_product_flash_attention_for_cpu.default,
             aten._scaled_dot_product_flash_attention.default,
             aten._scaled_dot_product_efficient_attention.default,

@@ -6,9 +6,14 @@ its exact share). Layouts: q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, D
 out [B, Sq, Hq, Dv] fp32, lse [B, Hq, Sq] fp32. A causal block is a diagonal one (Sq == Sk,
 aligned). GQA: Hkv divides Hq; K/V are never repeated.
 
-Document masks: `mask` [B, Sq, Sk] bool (True = the query sees the key), on top of
-`causal`. Only the math kernel takes one. A query row that sees no key of the block gets
-out 0 and lse -inf (not NaN), so the ring's online softmax can fold it in as "nothing".
+Document masks: `mask` is a `Visibility` (the rule for the block, which FlexAttention
+reads as it is) or a [B, Sq, Sk] bool tensor (True = the query sees the key), on top of
+`causal`. The math, memory-efficient and flex kernels take one. A query row that sees no
+key of the block gets out 0 and lse -inf (not NaN), so the ring's online softmax can fold
+it in as "nothing".
+
+The CUDA kernels (SDPA's flash, memory-efficient and cuDNN ops, FlexAttention) are in
+`attention_kernels_cuda`; `resolve_kernel` picks one by device, dtype, head dims and mask.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from models.common.visibility import dense_mask
+from parallelisms import attention_kernels_cuda as cuda
 
 
 def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -53,7 +61,7 @@ def _ungroup(x: torch.Tensor) -> torch.Tensor:
 
 
 def math_forward(q, k, v, scale, causal, mask=None):
-    s = _scores(q, k, scale, causal, mask)
+    s = _scores(q, k, scale, causal, dense_mask(mask))
     lse = s.logsumexp(-1)  # [B, Hkv, G, Sq]; -inf where a row sees no key
     out = torch.exp(s - _finite(lse)[..., None]) @ _kv(v)
     return _ungroup(out), lse.flatten(1, 2)
@@ -62,7 +70,7 @@ def math_forward(q, k, v, scale, causal, mask=None):
 def math_backward(grad_out, q, k, v, out, lse, scale, causal, mask=None):
     hkv = k.shape[2]
     lse = _finite(lse.view(*lse.shape[:1], hkv, -1, lse.shape[-1]))  # [B, Hkv, G, Sq]
-    p = torch.exp(_scores(q, k, scale, causal, mask) - lse[..., None])
+    p = torch.exp(_scores(q, k, scale, causal, dense_mask(mask)) - lse[..., None])
     do = _grouped(grad_out, hkv)  # [B, Hkv, G, Sq, Dv]
     dv = (p.transpose(-1, -2) @ do).sum(2)  # [B, Hkv, Sk, Dv]
     dp = do @ _kv(v).transpose(-1, -2)
@@ -113,21 +121,45 @@ class BlockKernel:
 KERNELS = {
     "math": BlockKernel("math", math_forward, math_backward),
     "cpu_flash": BlockKernel("cpu_flash", cpu_flash_forward, cpu_flash_backward),
+    "sdpa_flash": BlockKernel("sdpa_flash", cuda.flash_forward, cuda.flash_backward),
+    "sdpa_efficient": BlockKernel(
+        "sdpa_efficient", cuda.efficient_forward, cuda.efficient_backward
+    ),
+    "sdpa_cudnn": BlockKernel("sdpa_cudnn", cuda.cudnn_forward, cuda.cudnn_backward),
+    "flex": BlockKernel("flex", cuda.flex_forward, cuda.flex_backward),
 }
+CUDA_ONLY = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex")
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _auto(device: torch.device, dtype, head_dim: int, v_head_dim: int, masked: bool) -> str:
+    """CPU: the CPU flash op where it applies, else math. CUDA: flex for masks (no dense
+    mask), SDPA's flash op for half precision with one head dim, else the memory-efficient op
+    (fp32, or v's head dim apart)."""
+    if device.type == "cpu":
+        return "cpu_flash" if head_dim == v_head_dim and not masked else "math"
+    if device.type != "cuda":
+        return "math"
+    if masked:
+        return "flex"
+    if dtype in _HALF and head_dim == v_head_dim and head_dim <= 256:
+        return "sdpa_flash"
+    return "sdpa_efficient"
 
 
 def resolve_kernel(
-    name: str, device: torch.device, head_dim: int, v_head_dim: int, masked: bool = False
+    name: str,
+    device: torch.device,
+    head_dim: int,
+    v_head_dim: int,
+    masked: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> BlockKernel:
-    """auto: the CPU flash op (it returns the LSE) where it applies, else the math kernel.
-    `masked` (document masks): only the math kernel takes a mask.
-
-    NOTE: GPU block kernels (flash-attn, SDPA's efficient/flash ops) are not wired yet; on
-    CUDA, auto takes the math kernel (exact, not fast).
-    """
+    """`parallel.cp_kernel` -> the block kernel; auto picks by device, dtype, head dims and
+    mask (`masked`: document masks or a window). A kernel that cannot run the ring is
+    refused, naming why."""
     if name == "auto":
-        use_flash = device.type == "cpu" and head_dim == v_head_dim and not masked
-        name = "cpu_flash" if use_flash else "math"
+        name = _auto(device, dtype, head_dim, v_head_dim, masked)
     if name not in KERNELS:
         raise ValueError(
             f"unknown attention kernel {name!r}; choose one of auto, {', '.join(KERNELS)}"
@@ -137,9 +169,18 @@ def resolve_kernel(
             "parallel.cp_kernel=cpu_flash needs CPU tensors and equal q/k and v head dims "
             f"(got {device.type}, {head_dim} vs {v_head_dim}); use auto or math"
         )
-    if name == "cpu_flash" and masked:
+    if name in CUDA_ONLY and device.type != "cuda":
+        raise ValueError(f"parallel.cp_kernel={name} runs on CUDA only; use auto or math")
+    if name in ("cpu_flash", "sdpa_flash", "sdpa_cudnn") and masked:
         raise ValueError(
-            "parallel.cp_kernel=cpu_flash cannot apply document masks (data.document_mask=true);"
-            " use parallel.cp_kernel=auto or math"
+            f"parallel.cp_kernel={name} cannot apply document masks or windows; use "
+            "parallel.cp_kernel=auto (flex on CUDA, math on CPU), flex, sdpa_efficient or math"
+        )
+    if name in ("sdpa_flash", "sdpa_cudnn") and (
+        dtype not in _HALF or head_dim != v_head_dim or head_dim > 256
+    ):
+        raise ValueError(
+            f"parallel.cp_kernel={name} needs bf16/fp16 and one head dim <= 256 for q, k and v "
+            f"(got {dtype}, {head_dim} and {v_head_dim}); use auto, sdpa_efficient or flex"
         )
     return KERNELS[name]

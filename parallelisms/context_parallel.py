@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from models.common.attention import block_mask
+from models.common.visibility import Visibility
 from parallelisms.attention_kernels import BlockKernel, resolve_kernel
 from parallelisms.cp_schedule import document_blocks, local_positions, ring_blocks
 from parallelisms.ring_messages import (
@@ -78,7 +78,7 @@ class Ring:
 
 def _step_blocks(ring: Ring, step: int, src: int, seq: int, ids, k_ids):
     """(rows, cols, causal, mask) of one ring step: `ring_blocks` without document ids or
-    window; with them the visible pieces (the mask [B, rows, cols] carries the causality).
+    window; with them the visible pieces (the mask, a `Visibility`, carries the causality).
     A window alone is a mask over one document: `ids` and `k_ids` are zeros then."""
     cp, rank, window = ring.group.size(), ring.group.rank(), ring.window
     if ids is None:
@@ -91,12 +91,21 @@ def _step_blocks(ring: Ring, step: int, src: int, seq: int, ids, k_ids):
         )
         ring.pieces.append(pieces)
     q_pos, k_pos = (ring.positions(r, seq, ids.device) for r in (rank, src))
+    if ring.kernel.name == "flex":
+        # NOTE: flex skips the tiles nobody sees by itself; one whole (seq x seq) block per
+        # step keeps its shapes fixed, and a compiled kernel per piece length would not be.
+        if not ring.pieces[step]:
+            return []
+        whole = slice(0, seq)
+        vis = Visibility(ids, k_ids, q_pos, k_pos, ring.causal, window)
+        return [(whole, whole, False, vis)]
+    # The mask travels as its description: a math kernel materialises it.
     return [
         (
             rows,
             cols,
             False,
-            block_mask(ids[:, rows], k_ids[:, cols], q_pos[rows], k_pos[cols], ring.causal, window),
+            Visibility(ids[:, rows], k_ids[:, cols], q_pos[rows], k_pos[cols], ring.causal, window),
         )
         for rows, cols in ring.pieces[step]
     ]
@@ -282,7 +291,7 @@ def ring_attention(
                          "them zigzag is already balanced")  # fmt: skip
     if isinstance(sinks, DTensor):
         sinks = sinks.full_tensor()
-    block_kernel = resolve_kernel(kernel, q.device, q.shape[-1], v.shape[-1], masked)
+    block_kernel = resolve_kernel(kernel, q.device, q.shape[-1], v.shape[-1], masked, q.dtype)
     stats = stats or RingStats()
     if isinstance(document_ids, DTensor):
         document_ids = document_ids.to_local()

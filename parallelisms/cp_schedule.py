@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from models.common.attention import block_mask, document_positions
+from models.common.visibility import block_mask, document_positions
 from parallelisms.dims import CP_CHUNKS_PER_RANK
 
 Block = tuple[slice, slice, bool]  # (query rows, key rows, causal within the block)

@@ -24,9 +24,12 @@ from parallelisms import ring_messages
 from parallelisms.attention_kernels import KERNELS, resolve_kernel
 from parallelisms.context_parallel import RingStats, ring_attention
 from parallelisms.cp_schedule import attention_work, document_attention_work, split_for_cp
+from parallelisms.dims import LayoutError
 from tests.distributed import ROOT, run_distributed, run_per_world, run_train
 from tests.parity import TINY_DSV3, assert_same_training, layout_worker, reference_run
+from trainer.config.load import load_config
 from trainer.data.packing import PackedDataset, document_positions
+from trainer.loop.setup import check_cp_kernel
 
 B, S, HQ, HKV, D = 4, 48, 8, 2, 12  # S splits into 2 * 4 chunks of 6
 SCALE = D**-0.5
@@ -259,6 +262,23 @@ def test_cpu_flash_cannot_take_a_document_mask(capsys, monkeypatch):
     assert resolve_kernel("auto", torch.device("cpu"), D, D).name == "cpu_flash"
     with pytest.raises(ValueError, match="cpu_flash cannot apply document masks"):
         resolve_kernel("cpu_flash", torch.device("cpu"), D, D, masked=True)
+    # CUDA: flex for masks, SDPA's flash op in half precision with one head dim, else the
+    # memory-efficient op (fp32, or MLA's 192/128 head dims).
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    pick = {
+        (True, bf16, D): "flex",
+        (False, bf16, D): "sdpa_flash",
+        (False, torch.float32, D): "sdpa_efficient",
+        (False, bf16, D // 2): "sdpa_efficient",
+    }
+    for (masked, dtype, dv), name in pick.items():
+        assert resolve_kernel("auto", cuda, D, dv, masked, dtype).name == name
+    with pytest.raises(ValueError, match="sdpa_flash cannot apply document masks or windows"):
+        resolve_kernel("sdpa_flash", cuda, D, D, True, bf16)
+    with pytest.raises(ValueError, match="sdpa_cudnn needs bf16/fp16"):
+        resolve_kernel("sdpa_cudnn", cuda, D, D, False, torch.float32)
+    with pytest.raises(ValueError, match="flex runs on CUDA only"):
+        resolve_kernel("flex", torch.device("cpu"), D, D, True)
     import train
 
     monkeypatch.chdir(ROOT)
@@ -268,6 +288,17 @@ def test_cpu_flash_cannot_take_a_document_mask(capsys, monkeypatch):
     assert train.main([*argv, "--parallel.cp=2", "--parallel.cp_kernel=cpu_flash"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "cpu_flash cannot apply document masks" in err, err
+    assert train.main([*argv, "--parallel.cp=2", "--parallel.cp_kernel=sdpa_flash"]) == 2
+    err = capsys.readouterr().err
+    assert "sdpa_flash cannot apply document masks" in err, err
+    # The kernel against the run's device and precision (setup, before any process group).
+    cfg = load_config([f"--config={ROOT / 'configs/debug_qwen3_moe.toml'}"])
+    with pytest.raises(
+        LayoutError, match="cp_kernel=flex runs on CUDA only, but training runs on cpu"
+    ):
+        check_cp_kernel("flex", "cpu", cfg)
+    with pytest.raises(LayoutError, match="sdpa_flash computes in bf16 only"):
+        check_cp_kernel("sdpa_flash", "cuda", cfg)  # the debug config says fp32
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])

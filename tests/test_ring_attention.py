@@ -139,7 +139,7 @@ def test_block_kernels_match_sdpa():
         ).transpose(1, 2)
         grad = torch.randn(ref.shape, generator=g)
         ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
-        for kernel in KERNELS.values():
+        for kernel in (KERNELS["math"], KERNELS["cpu_flash"]):  # CUDA's: tests/test_gpu.py
             with torch.no_grad():
                 out, lse = kernel.forward(q, k, v, 0.3, causal)
                 grads = kernel.backward(grad, q, k, v, out, lse, 0.3, causal)

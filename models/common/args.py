@@ -36,6 +36,19 @@ def arg(
     return field(default=default, metadata=meta)
 
 
+def embedding_init_std() -> Any:
+    """The field every model's args share: the token embedding's init std (see
+    docs/architecture.md, "Weights that do not depend on the layout")."""
+    return arg(
+        0.0,
+        "std of the token embedding's init; 0 = initializer_range (Hugging Face's). 1.0 "
+        "(torchtitan's) keeps each token's identity in the residual stream at a random init, "
+        "where with 0.02 attention's running mean, shared by all positions, outweighs the "
+        "embedding from the second block on and every router picks the same experts",
+        ge=0,
+    )
+
+
 def _fmt(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 

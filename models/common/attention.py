@@ -10,54 +10,23 @@ model code. Its variants, stated by the model per layer:
 - `sinks` [Hq] (attention sinks, GPT-OSS): a learned logit per head that joins every
   softmax denominator, as a key each query sees whose value is zero.
 
-The visibility rules are one function, `block_mask`, used by this plain path and by the
-ring's block schedule (parallelisms/cp_schedule.py) alike.
+The visibility rules are one function, `block_mask` (models/common/visibility.py), used by
+this plain path and by the ring's block schedule (parallelisms/cp_schedule.py) alike;
+`Visibility` describes them for a block without materialising the [Sq, Sk] mask.
+
+On CUDA, a masked core (documents, window or sinks) runs FlexAttention
+(models/common/flex.py): no dense [S, S] mask, memory O(S). On CPU it runs SDPA with the
+dense mask, as before.
 """
+
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def block_mask(
-    q_ids: torch.Tensor,
-    k_ids: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    causal: bool,
-    window: int | None = None,
-) -> torch.Tensor:
-    """Which queries see which keys: q_ids [B, nq], k_ids [B, nk] document ids, q_pos [nq],
-    k_pos [nk] global positions -> [B, nq, nk] bool: same document, key not after the
-    query (causal), and fewer than `window` positions away (sliding window)."""
-    mask = q_ids[:, :, None] == k_ids[:, None, :]
-    distance = q_pos[:, None] - k_pos[None, :]  # [nq, nk]
-    if causal:
-        mask = mask & (distance >= 0)
-    if window is not None:
-        mask = mask & (distance.abs() < window)
-    return mask
-
-
-def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
-    """Positions that restart at 0 where each document starts (`data.reset_positions`):
-    document_ids [..., S] -> [..., S] int64, the index of each token within its document."""
-    seq = document_ids.shape[-1]
-    index = torch.arange(seq, device=document_ids.device).expand_as(document_ids)
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
-    # The index of the latest start at or before each token, carried forward by cummax.
-    first = torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
-    return index - first
-
-
-def document_mask(
-    document_ids: torch.Tensor, causal: bool, window: int | None = None
-) -> torch.Tensor:
-    """document_ids [B, S] -> [B, 1, S, S] bool, True where query i may see key j
-    (`block_mask`). Every query sees at least itself."""
-    positions = torch.arange(document_ids.shape[1], device=document_ids.device)
-    return block_mask(document_ids, document_ids, positions, positions, causal, window)[:, None]
+from models.common.flex import flex_attention_core
+from models.common.visibility import document_mask
 
 
 def _with_sinks(q, k, v, mask, sinks, scale):
@@ -85,6 +54,32 @@ def _with_sinks(q, k, v, mask, sinks, scale):
     )
 
 
+def sdpa_attention(q, k, v, document_ids, causal, window, scale, sinks=None):
+    """SDPA with a dense [B, 1, S, S] mask for documents and windows (the CPU path, and
+    CUDA's before FlexAttention: memory O(S^2)): q [B, Hq, S, D], k/v [B, Hkv, S, D*]."""
+    gqa = k.shape[1] != q.shape[1]
+    mask = None
+    if document_ids is not None or window is not None:
+        if document_ids is None:  # one document: the window alone
+            document_ids = q.new_zeros(q.shape[0], q.shape[2], dtype=torch.int64)
+        mask = document_mask(document_ids, causal, window)  # [B, 1, S, S]
+    if sinks is not None:
+        if not causal and mask is None:
+            mask = torch.ones(1, 1, q.shape[2], q.shape[2], dtype=torch.bool, device=q.device)
+        return _with_sinks(q, k, v, mask, sinks, scale)
+    if mask is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa
+        )
+    if gqa and q.device.type != "cpu":
+        # NOTE: SDPA's CUDA kernel for arbitrary masks (memory-efficient attention) does
+        # not take GQA; without the repeat it would fall back to the math path.
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        gqa = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
 class AttentionCore(nn.Module):
     """q: [B, S, Hq, D], k/v: [B, S, Hkv, Dv] -> out [B, S, Hq, Dv].
 
@@ -109,30 +104,9 @@ class AttentionCore(nn.Module):
     ) -> torch.Tensor:
         """sinks [Hq] (or None): each head's sink logit (see the module doc)."""
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # -> [B, H, S, D]
-        gqa = k.shape[1] != q.shape[1]
-        mask = None
-        if document_ids is not None or self.window is not None:
-            if document_ids is None:  # one document: the window alone
-                document_ids = q.new_zeros(q.shape[0], q.shape[2], dtype=torch.int64)
-            mask = document_mask(document_ids, self.causal, self.window)  # [B, 1, S, S]
-        if sinks is not None:
-            if not self.causal and mask is None:
-                mask = torch.ones(1, 1, q.shape[2], q.shape[2], dtype=torch.bool, device=q.device)
-            return _with_sinks(q, k, v, mask, sinks, self.scale).transpose(1, 2)
-        if mask is None:
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=self.causal, scale=self.scale, enable_gqa=gqa
-            )
-            return out.transpose(1, 2)
-        if gqa and q.device.type != "cpu":
-            # NOTE: SDPA's CUDA kernel for arbitrary masks (memory-efficient attention) does
-            # not take GQA; without the repeat it would fall back to the math path.
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            gqa = False
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa
-        )
+        masked = document_ids is not None or self.window is not None or sinks is not None
+        attend = flex_attention_core if masked and q.is_cuda else sdpa_attention
+        out = attend(q, k, v, document_ids, self.causal, self.window, self.scale, sinks)
         return out.transpose(1, 2)
 
     def extra_repr(self) -> str:

@@ -55,15 +55,19 @@ def normal_init_(
     std: float,
     generator: torch.Generator | None,
     zero_leaves: tuple[str, ...] = ("bias",),
+    embedding_std: float = 0.0,
 ) -> None:
     """Hugging Face's init for decoder LMs: RMSNorm weights 1, the `zero_leaves` (biases,
-    routing state) 0, every other weight N(0, std). Elementwise, so it fills a tile as it
-    would the whole tensor."""
+    routing state) 0, every other weight N(0, std); token embeddings N(0, embedding_std)
+    when it is set (the models' `embedding_init_std`). Elementwise, so it fills a tile as
+    it would the whole tensor."""
     owner = model.get_submodule(name.rpartition(".")[0])
     if isinstance(owner, RMSNorm):
         tensor.fill_(1.0)
     elif name.rpartition(".")[2] in zero_leaves:
         tensor.zero_()
+    elif embedding_std > 0 and isinstance(owner, torch.nn.Embedding):
+        tensor.normal_(0.0, embedding_std, generator=generator)
     else:
         tensor.normal_(0.0, std, generator=generator)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.common.args import arg as _h
+from models.common.args import embedding_init_std
 
 
 @dataclass
@@ -53,6 +54,7 @@ class DeepseekV3Args:
     initializer_range: float = _h(
         0.02, "std of the normal init of linear and embedding weights", ge=0
     )
+    embedding_init_std: float = embedding_init_std()
     attention_bias: bool = _h(False, "bias in q_a/kv_a/o projections")
     num_nextn_predict_layers: int = _h(0, "multi-token prediction modules (0 = off)", ge=0)
     mtp_loss_weight: float = _h(0.1, "lambda: weight of the mean MTP loss", ge=0)

@@ -245,6 +245,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.args.initializer_range,
             generator,
             ("bias", "e_score_correction_bias", "tokens_per_expert"),
+            self.args.embedding_init_std,
         )
 
     def init_weights(self, seed: int = 0) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.common.args import arg as _h
+from models.common.args import embedding_init_std
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -49,6 +50,7 @@ class GptOssArgs:
         0.001, "weight of the load-balancing auxiliary loss", ge=0, note="0 = off"
     )
     initializer_range: float = _h(0.02, "std of the normal init of the weights", gt=0)
+    embedding_init_std: float = embedding_init_std()
     tie_word_embeddings: bool = _h(False, "share the embedding matrix with the LM head")
 
     def layer_type(self, i: int) -> str:

@@ -175,7 +175,15 @@ class GptOssForCausalLM(nn.Module):
     ) -> None:
         """Norm weights 1, biases 0, every other weight (the sinks too) N(0, initializer_range)."""
         zero = ("bias", "gate_up_proj_bias", "down_proj_bias")
-        normal_init_(self, name, tensor, self.args.initializer_range, generator, zero)
+        normal_init_(
+            self,
+            name,
+            tensor,
+            self.args.initializer_range,
+            generator,
+            zero,
+            self.args.embedding_init_std,
+        )
 
     def init_weights(self, seed: int = 0) -> None:
         """Initialise every (unsharded) parameter from `seed`."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.common.args import arg as _h
+from models.common.args import embedding_init_std
 
 
 @dataclass
@@ -45,6 +46,7 @@ class OlmoeArgs:
     initializer_range: float = _h(
         0.02, "std of the normal init of linear, embedding and expert weights", gt=0
     )
+    embedding_init_std: float = embedding_init_std()
 
     @property
     def resolved_head_dim(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.common.args import arg as _h
+from models.common.args import embedding_init_std
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Qwen3MoeArgs:
     initializer_range: float = _h(
         0.02, "std of the normal init of linear and embedding weights", ge=0
     )
+    embedding_init_std: float = embedding_init_std()
     attention_bias: bool = _h(False, "bias in the q/k/v/o projections")
 
     def is_moe_layer(self, layer_idx: int) -> bool:

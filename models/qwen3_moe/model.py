@@ -119,7 +119,14 @@ class Qwen3MoeForCausalLM(nn.Module):
         Hugging Face initialises Qwen3-MoE. Taking the tensor as an argument lets the
         trainer initialise each global parameter identically on any parallel layout.
         """
-        normal_init_(self, name, tensor, self.args.initializer_range, generator)
+        normal_init_(
+            self,
+            name,
+            tensor,
+            self.args.initializer_range,
+            generator,
+            embedding_std=self.args.embedding_init_std,
+        )
 
     def init_weights(self, seed: int = 0) -> None:
         """Initialise every (unsharded) parameter from `seed`; see `param_generator`."""

@@ -22,6 +22,9 @@ NEEDS_PATH = {
 }
 
 
+UNMASKED_KERNELS = ("cpu_flash", "sdpa_flash", "sdpa_cudnn")  # ring kernels that take no mask
+
+
 def config_problems(cfg: JobConfig) -> list[str]:
     """Every impossible value in `cfg`, each message naming the key(s) and the fix."""
     problems: list[str] = []
@@ -79,10 +82,10 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
         f"{NEEDS_PATH.get(d.source)})",
     )
     need(
-        not (d.document_mask and p.cp > 1 and p.cp_kernel == "cpu_flash"),
-        "parallel.cp_kernel=cpu_flash cannot apply document masks (data.document_mask=true): "
-        "the CPU flash op takes no mask; use parallel.cp_kernel=auto (picks the masked math "
-        "kernel) or math",
+        not (d.document_mask and p.cp > 1 and p.cp_kernel in UNMASKED_KERNELS),
+        f"parallel.cp_kernel={p.cp_kernel} cannot apply document masks "
+        "(data.document_mask=true): the op takes no mask; use parallel.cp_kernel=auto (flex "
+        "on CUDA, the masked math kernel on CPU), flex, sdpa_efficient or math",
     )
     need(
         not (t.compile and t.activation_checkpoint == "selective"),

@@ -198,8 +198,13 @@ class ParallelSection:
     )
     cp_kernel: str = arg(
         "auto",
-        "block kernel of ring attention: auto | cpu_flash (CPU, equal head dims) | math",
-        choices=("auto", "cpu_flash", "math"),
+        "block kernel of ring attention: auto (CPU: cpu_flash, or math with masks; CUDA: "
+        "flex with masks, else sdpa_flash in bf16 with one head dim, else sdpa_efficient) | "
+        "cpu_flash (CPU, one head dim, no mask) | math (exact fp32, dense block mask) | "
+        "sdpa_flash (CUDA bf16, one head dim <= 256, no mask) | sdpa_efficient (CUDA, masks "
+        "as a dense block bias) | sdpa_cudnn (CUDA bf16, no mask) | flex (CUDA "
+        "FlexAttention: masks and windows without a dense mask)",
+        choices=("auto", "cpu_flash", "math", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex"),
     )
     fsdp_gather: str = arg(
         "micro_batch",

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from models.common.attention import document_positions
+from models.common.visibility import document_positions
 from trainer.data.batch import Batch
 from trainer.data.holdout import held_out
 from trainer.data.tokenizers import Tokenizer

@@ -21,6 +21,7 @@ from models import get_model_spec
 from models.common.args import field_problems
 from models.common.moe import MoEOptions
 from models.spec import ModelSpec
+from parallelisms.attention_kernels import CUDA_ONLY
 from parallelisms.dims import LayoutError, ParallelDims
 from parallelisms.mesh import Meshes
 from parallelisms.parallelize import Parallelized, check_layout, parallelize
@@ -31,6 +32,26 @@ from trainer.data.run_data import check_held_out
 from trainer.data.tokenizers import build_tokenizer
 from trainer.errors import DataError
 from trainer.metrics.sinks import check_sinks
+
+
+def check_cp_kernel(kernel: str, device_type: str, cfg) -> None:
+    """The ring's block kernel against the device and precision training runs in."""
+    if kernel == "cpu_flash" and device_type != "cpu":
+        raise LayoutError(
+            "parallel.cp_kernel=cpu_flash runs on CPU only, but training runs on "
+            f"{device_type}; use parallel.cp_kernel=auto or math"
+        )
+    if kernel in CUDA_ONLY and device_type != "cuda":
+        raise LayoutError(
+            f"parallel.cp_kernel={kernel} runs on CUDA only, but training runs on "
+            f"{device_type}; use parallel.cp_kernel=auto or math"
+        )
+    if kernel in ("sdpa_flash", "sdpa_cudnn") and cfg.train.mixed_precision == "fp32":
+        raise LayoutError(
+            f"parallel.cp_kernel={kernel} computes in bf16 only, but "
+            f"train.mixed_precision={cfg.train.mixed_precision}; set "
+            "train.mixed_precision=bf16, or use parallel.cp_kernel=auto, sdpa_efficient or flex"
+        )
 
 
 def resolve_model_args(cfg: JobConfig) -> None:
@@ -77,15 +98,8 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
     resolve_model_args(cfg)
     if cfg.checkpoint.resume not in ("auto", "none"):
         check_checkpoint(cfg.checkpoint.resume)
-    if (
-        dims.cp > 1
-        and cfg.parallel.cp_kernel == "cpu_flash"
-        and resolve_device(cfg.train.device).type != "cpu"
-    ):
-        raise LayoutError(
-            "parallel.cp_kernel=cpu_flash runs on CPU only, but training runs on CUDA; use "
-            "parallel.cp_kernel=auto or math"
-        )
+    if dims.cp > 1:
+        check_cp_kernel(cfg.parallel.cp_kernel, resolve_device(cfg.train.device).type, cfg)
     spec = get_model_spec(cfg.model.name)
     with torch.device("meta"):
         check_layout(spec.build(cfg.model.args), spec.plan, dims)

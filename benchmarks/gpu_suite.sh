@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in parts of under 10 minutes each (one device call a part):
+#
+#   bash benchmarks/gpu_suite.sh PART...   run the parts in order:
+#     tests          pytest -m gpu tests/test_gpu.py (CUDA kernels against plain attention)
+#     attention      benchmarks/attention_kernels.py (ring blocks 4k-32k, core 8k-32k)
+#     flex_training  debug GPT-OSS with document masks: eager, selective, compiled
+#     proxy          Qwen3-30B-A3B proxy: the planner's peak, then training (PROXY_MODES)
+#     gemm           GEMM rates by shape (benchmarks/gemm_rates.py), MoE host syncs
+#     titan          the proxy against torchtitan's Qwen3 MoE (benchmarks/vs_torchtitan.py)
+#
+# Each part writes $OUT/results.json (one object: env, per-step rc and seconds, summaries,
+# benchmark JSON) and $OUT/log.txt. Carry .whl/ (torchdata, torchtitan and its needs) and
+# .gpu/ (the BPE tokenizer of benchmarks/bpe_tokenizer.py), both git-ignored.
+# Knobs: PY (python3), BUDGET_S (540), PROXY_LAYERS (4), PROXY_STEPS (30).
+set -u
+(($#)) || { echo "usage: gpu_suite.sh PART... (tests attention flex_training proxy gemm titan)" >&2; exit 2; }
+OUT=${OUT:-/tmp/gpu_suite_out}
+PY=${PY:-python3}
+DEVICE=${DEVICE:-cuda}
+PREC=${PREC:-bf16}
+STEPS=${STEPS:-}
+BUDGET_S=${BUDGET_S:-540}
+PROXY_LAYERS=${PROXY_LAYERS:-4}
+PROXY_STEPS=${PROXY_STEPS:-30}
+PROXY_MODES=${PROXY_MODES:-none,selective,full,compile}
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+RESULTS=$OUT/results.json
+RUNS=/tmp/gpu_suite_runs
+rm -rf "$RUNS" && mkdir -p "$RUNS"
+echo "{\"parts\": \"$*\"}" >"$RESULTS"
+DATA=()
+source benchmarks/gpu_lib.sh
+
+step env 60 "$PY" -c '
+import json, torch
+print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
+    "device": torch.cuda.get_device_name(), "memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30}))' \
+    && merge env stdout "$RUNS/env.out"
+
+# The Qwen3-30B-A3B proxy: full width, PROXY_LAYERS blocks, seq 4096, micro-batch 1, trained
+# on BPE ids (a 32k vocabulary learnt from the stdlib; the byte tokenizer's 257 ids are not
+# a corpus) at a pretraining learning rate, from an init whose routing is not collapsed
+# (embedding std 1: see models' embedding_init_std).
+PROXY=(--model.num_hidden_layers="$PROXY_LAYERS" --data.seq_len=4096 --train.micro_batch_size=1
+    --train.global_batch_size=1 --train.warmup_steps=5 --train.lr=3e-4
+    --data.tokenizer=.gpu/tokenizer.json --data.source=stdlib --data.max_tokens=2000000
+    --model.embedding_init_std=1.0)
+
+tests() { # two processes: a kernel that faults the device cannot take the others with it
+    step pytest_gpu 240 "$PY" -m pytest -v -s -m gpu tests/test_gpu.py -p no:cacheprovider \
+        -k "not efficient" --junitxml="$OUT/pytest_gpu.xml"
+    step pytest_gpu_efficient 120 "$PY" -m pytest -v -s -m gpu tests/test_gpu.py \
+        -p no:cacheprovider -k efficient --junitxml="$OUT/pytest_gpu_efficient.xml"
+}
+attention() {
+    step attention_kernels 200 "$PY" benchmarks/attention_kernels.py --json "$RUNS/attn.json"
+    merge bench.attention_kernels file "$RUNS/attn.json"
+}
+flex_training() { # FlexAttention in training: GPT-OSS (windows, sinks) with document masks
+    for mode in none selective; do
+        train "gpt_oss_documents_$mode" 90 configs/debug_gpt_oss.toml --train.steps=20 \
+            --data.document_mask=true --train.activation_checkpoint=$mode
+    done
+    train gpt_oss_documents_compile 150 configs/debug_gpt_oss.toml --train.steps=20 \
+        --data.document_mask=true --train.compile=true
+}
+proxy() { # PROXY_MODES: activation checkpointing modes, "compile", "aux" (aux weight 0.01)
+    for mode in ${PROXY_MODES//,/ }; do
+        if [[ $mode == aux ]]; then # the same with 10x the published aux-loss weight
+            train proxy_aux001 120 configs/qwen3_30b_a3b.toml --train.steps="$PROXY_STEPS" \
+                "${PROXY[@]}" --model.router_aux_loss_coef=0.01
+            continue
+        fi
+        if [[ $mode == compile ]]; then
+            train proxy_compile 180 configs/qwen3_30b_a3b.toml --train.steps="$PROXY_STEPS" \
+                "${PROXY[@]}" --train.compile=true
+            continue
+        fi
+        step "plan_$mode" 60 "$PY" -m trainer.dry_run --world-size=1 \
+            --config configs/qwen3_30b_a3b.toml --train.device=cuda --train.mixed_precision=bf16 \
+            "${PROXY[@]}" --train.activation_checkpoint=$mode --gpu-memory=80 --hardware=h100 \
+            --json "$RUNS/plan_$mode.json"
+        merge "plan.$mode" file "$RUNS/plan_$mode.json"
+        train "proxy_$mode" 120 configs/qwen3_30b_a3b.toml --train.steps="$PROXY_STEPS" \
+            "${PROXY[@]}" --train.activation_checkpoint=$mode
+    done
+}
+gemm() { # GEMM rates at the proxy's shapes (the planner's --gemm-rates), MoE host syncs
+    step gemm_rates 90 "$PY" benchmarks/gemm_rates.py --config configs/qwen3_30b_a3b.toml \
+        --model.num_hidden_layers="$PROXY_LAYERS" --data.seq_len=4096 --train.micro_batch_size=1 \
+        --json "$RUNS/gemm_rates.json"
+    merge bench.gemm_rates file "$RUNS/gemm_rates.json"
+    cp "$RUNS/gemm_rates.json" "$OUT/gemm_rates_qwen3_proxy.json"
+    step moe_syncs 90 "$PY" benchmarks/moe_syncs.py --json "$RUNS/moe_syncs.json"
+    merge bench.moe_syncs file "$RUNS/moe_syncs.json"
+}
+titan() {
+    step vs_torchtitan 400 "$PY" benchmarks/vs_torchtitan.py --layers "$PROXY_LAYERS" \
+        --seq 4096 --warmup 3 --steps 10 --json "$RUNS/titan.json"
+    merge bench.vs_torchtitan file "$RUNS/titan.json"
+}
+
+for part in "$@"; do
+    case $part in
+    tests | attention | flex_training | proxy | gemm | titan) "$part" ;;
+    *)
+        echo "unknown part $part: tests | attention | flex_training | proxy | gemm | titan" >&2
+        exit 2
+        ;;
+    esac
+done
+echo "=== done in $SECONDS s" | tee -a "$LOG"
