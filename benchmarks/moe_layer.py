@@ -46,15 +46,16 @@ def time_fwd_bwd(layer: MoE, x: torch.Tensor, iters: int) -> float:
 
 def build(args, gemm: str, device: torch.device, dtype: torch.dtype) -> MoE:
     torch.manual_seed(0)
-    layer = MoE(
-        args.hidden,
-        args.inter,
-        TopKRouter(args.hidden, args.experts, args.topk, True),
-        MoEOptions(gemm=gemm),
-    )
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    return layer.to(device, dtype)
+    with device:  # built where it runs: the full shapes are slow to fill on the host
+        layer = MoE(
+            args.hidden,
+            args.inter,
+            TopKRouter(args.hidden, args.experts, args.topk, True),
+            MoEOptions(gemm=gemm),
+        )
+        for p in layer.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+    return layer.to(dtype)
 
 
 def main() -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -44,8 +43,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THIS = os.path.relpath(os.path.abspath(__file__), ROOT)
 sys.path.insert(0, ROOT)
 
+from benchmarks.moe_layer import _sync, build, time_fwd_bwd  # noqa: E402
 from benchmarks.report import write_result  # noqa: E402
-from models.common.moe import MoE, MoEOptions, TopKRouter  # noqa: E402
+from models.common.moe import MoE  # noqa: E402
 
 SYNC = "synchroniz"  # in the debug mode's message: "called a synchronizing CUDA operation"
 
@@ -146,25 +146,6 @@ class SyncTimer(TorchDispatchMode):
         return out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_step(layer: MoE, x: torch.Tensor, iters: int) -> float:
-    """Median seconds of a step, host-timed between device syncs (the syncs inside count)."""
-    times = []
-    for i in range(iters + 2):  # two warm-up steps
-        _sync(x.device)
-        start = time.perf_counter()
-        step(layer, x)
-        _sync(x.device)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    layer.zero_grad(set_to_none=True)
-    return statistics.median(times)
-
-
 def study(layer: MoE, x: torch.Tensor, iters: int) -> dict:
     cuda = x.device.type == "cuda"
     step(layer, x)  # warm-up: lazy initialisations are not the layer's syncs
@@ -181,7 +162,7 @@ def study(layer: MoE, x: torch.Tensor, iters: int) -> dict:
         s["host_ms"] = timed[2] * 1e3 if timed else None
     waits = [s["wait_ms"] for s in finder.found]
     out = {
-        "fwd_bwd_ms": time_step(layer, x, iters) * 1e3,
+        "fwd_bwd_ms": time_fwd_bwd(layer, x, iters) * 1e3,
         "ops_per_step": finder.index,
         "syncs": count_warnings(layer, x) if cuda else None,
         "sync_ops": finder.found if cuda else None,
@@ -194,31 +175,22 @@ def study(layer: MoE, x: torch.Tensor, iters: int) -> dict:
 def injected_sync(layer: MoE, x: torch.Tensor, iters: int) -> dict:
     """The step with and without one host read of the counts per expert, in the forward
     where expert parallelism reads its split sizes."""
-    without = time_step(layer, x, iters)
+    without = time_fwd_bwd(layer, x, iters)
+    layer.zero_grad(set_to_none=True)  # both timings start with no gradients to add to
 
     def read_counts(module, args) -> None:  # None: the call's arguments stay as they are
         args[1].tolist()
 
     hook = layer.experts.register_forward_pre_hook(read_counts)
     try:
-        with_read = time_step(layer, x, iters)
+        with_read = time_fwd_bwd(layer, x, iters)
     finally:
         hook.remove()
+        layer.zero_grad(set_to_none=True)
     # a CPU has no queue to drain: there the difference is noise, not a cost
     cost = (with_read - without) * 1e3 if x.device.type == "cuda" else None
     return {"fwd_bwd_ms_without": without * 1e3, "fwd_bwd_ms_with": with_read * 1e3,
             "cost_ms": cost}  # fmt: skip
-
-
-def build(args, device: torch.device, dtype: torch.dtype) -> MoE:
-    """benchmarks/moe_layer.py's layer, built on the device (faster at the full shape)."""
-    torch.manual_seed(0)
-    with device:
-        layer = MoE(args.hidden, args.inter, TopKRouter(args.hidden, args.experts, args.topk, True),
-                    MoEOptions(gemm="auto"))  # fmt: skip
-        for p in layer.parameters():
-            torch.nn.init.normal_(p, std=0.02)
-    return layer.to(dtype)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -233,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    layer = build(args, device, dtype)
+    layer = build(args, "auto", device, dtype)  # its gemm is switched per implementation
     x = torch.randn(1, args.tokens, args.hidden, device=device, dtype=dtype)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     shape = {k: v for k, v in vars(args).items() if k != "json"}

@@ -111,11 +111,16 @@ def cpu_flash_backward(grad_out, q, k, v, out, lse, scale, causal, mask=None):
 @dataclass(frozen=True)
 class BlockKernel:
     """forward(q, k, v, scale, causal, mask=None) -> (out, lse); backward(grad_out, q, k, v,
-    out, lse, scale, causal, mask=None) -> (dq, dk, dv), all fp32."""
+    out, lse, scale, causal, mask=None) -> (dq, dk, dv), all fp32.
+
+    `whole_blocks`: the kernel reads a mask's rule and skips the tiles nobody sees itself,
+    so the ring gives it one whole block per step instead of the trimmed pieces. NOTE: flex
+    wants that: its compiled kernel has fixed shapes, and the pieces' lengths vary."""
 
     name: str
     forward: Callable
     backward: Callable
+    whole_blocks: bool = False
 
 
 KERNELS = {
@@ -126,7 +131,7 @@ KERNELS = {
         "sdpa_efficient", cuda.efficient_forward, cuda.efficient_backward
     ),
     "sdpa_cudnn": BlockKernel("sdpa_cudnn", cuda.cudnn_forward, cuda.cudnn_backward),
-    "flex": BlockKernel("flex", cuda.flex_forward, cuda.flex_backward),
+    "flex": BlockKernel("flex", cuda.flex_forward, cuda.flex_backward, whole_blocks=True),
 }
 CUDA_ONLY = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex")
 _HALF = (torch.bfloat16, torch.float16)

@@ -34,9 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from models.common.visibility import Visibility
-from parallelisms.attention_kernels import BlockKernel, resolve_kernel
-from parallelisms.cp_schedule import document_blocks, local_positions, ring_blocks
+from parallelisms.attention_kernels import resolve_kernel
 from parallelisms.ring_messages import (
     RingStats,
     merge,
@@ -46,82 +44,8 @@ from parallelisms.ring_messages import (
     unpack_ids,
     wait_all,
 )
+from parallelisms.ring_steps import Ring, mask_ids, sink_lse, step_blocks
 from parallelisms.trace import named_range
-
-
-class Ring:
-    """What a ring needs besides q, k, v: its process group, the attention's shape (and
-    sliding window) and the block kernel; `stats` counts the point-to-point operations it
-    posts."""
-
-    def __init__(
-        self, group, scale, causal, zigzag, kernel: BlockKernel, stats: RingStats, window=None,
-        table=None,
-    ):  # fmt: skip
-        self.group, self.scale, self.causal, self.zigzag = group, scale, causal, zigzag
-        self.kernel, self.stats, self.window = kernel, stats, window
-        self.table = table  # a balanced layout's chunks per rank (cp_schedule.balanced_table)
-        # Document masks: the (rows, cols) pieces of each ring step, decided in forward and
-        # reused by backward, so both skip the same block pairs (and backward reads no mask
-        # bounds back from the device).
-        self.pieces: list[list[tuple[slice, slice]]] = []
-        self._positions: dict[int, torch.Tensor] = {}
-
-    def positions(self, rank: int, seq: int, device: torch.device) -> torch.Tensor:
-        """Global positions of `rank`'s local rows (computed once per ring and rank)."""
-        if rank not in self._positions:
-            cp = self.group.size()
-            pos = local_positions(rank, cp, seq, self.zigzag, self.table)
-            self._positions[rank] = pos.to(device)
-        return self._positions[rank]
-
-
-def _step_blocks(ring: Ring, step: int, src: int, seq: int, ids, k_ids):
-    """(rows, cols, causal, mask) of one ring step: `ring_blocks` without document ids or
-    window; with them the visible pieces (the mask, a `Visibility`, carries the causality).
-    A window alone is a mask over one document: `ids` and `k_ids` are zeros then."""
-    cp, rank, window = ring.group.size(), ring.group.rank(), ring.window
-    if ids is None:
-        return [
-            (r, c, bc, None) for r, c, bc in ring_blocks(rank, src, seq, ring.causal, ring.zigzag)
-        ]
-    if step == len(ring.pieces):  # forward: which pieces does any query see into?
-        pieces = document_blocks(
-            rank, src, cp, ids, k_ids, ring.causal, ring.zigzag, window, ring.table
-        )
-        ring.pieces.append(pieces)
-    q_pos, k_pos = (ring.positions(r, seq, ids.device) for r in (rank, src))
-    if ring.kernel.name == "flex":
-        # NOTE: flex skips the tiles nobody sees by itself; one whole (seq x seq) block per
-        # step keeps its shapes fixed, and a compiled kernel per piece length would not be.
-        if not ring.pieces[step]:
-            return []
-        whole = slice(0, seq)
-        vis = Visibility(ids, k_ids, q_pos, k_pos, ring.causal, window)
-        return [(whole, whole, False, vis)]
-    # The mask travels as its description: a math kernel materialises it.
-    return [
-        (
-            rows,
-            cols,
-            False,
-            Visibility(ids[:, rows], k_ids[:, cols], q_pos[rows], k_pos[cols], ring.causal, window),
-        )
-        for rows, cols in ring.pieces[step]
-    ]
-
-
-def _mask_ids(ids, k_ids, ring: Ring, q: torch.Tensor):
-    """The document ids the masks read: the block's own, or zeros for a window alone."""
-    if ids is None and ring.window is not None:
-        zeros = torch.zeros(q.shape[:2], dtype=torch.int64, device=q.device)
-        return zeros, zeros
-    return ids, k_ids
-
-
-def _sink_lse(sinks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """sinks [Hq] -> [B, Hq, s] fp32: a block with that LSE and output 0 (each row's sink)."""
-    return sinks.float()[None, :, None].expand(q.shape[0], q.shape[2], q.shape[1])
 
 
 def _ring_forward(q, k, v, ids, sinks, ring: Ring) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,9 +61,9 @@ def _ring_forward(q, k, v, ids, sinks, ring: Ring) -> tuple[torch.Tensor, torch.
         if step + 1 < cp:  # overlap: the next block is on its way while this one computes
             next_kv, works = pass_to_next(kv, group, 0, stats)
         k_blk, v_blk = unpack(kv, k.shape, v.shape)
-        q_ids, k_ids = _mask_ids(ids, unpack_ids(kv, k.shape, v.shape, ids), ring, q)
+        q_ids, k_ids = mask_ids(ids, unpack_ids(kv, k.shape, v.shape, ids), ring, q)
         with named_range(f"cp.ring.step{step}"):
-            for rows, cols, blk_causal, mask in _step_blocks(ring, step, src, seq, q_ids, k_ids):
+            for rows, cols, blk_causal, mask in step_blocks(ring, step, src, seq, q_ids, k_ids):
                 blk_out, blk_lse = kernel.forward(
                     q[:, rows], k_blk[:, cols], v_blk[:, cols], ring.scale, blk_causal, mask
                 )
@@ -150,7 +74,7 @@ def _ring_forward(q, k, v, ids, sinks, ring: Ring) -> tuple[torch.Tensor, torch.
             wait_all(works)
             kv = next_kv
     if sinks is not None:  # once per row, after every key block
-        merge(out, lse, torch.zeros_like(out), _sink_lse(sinks, q), slice(None))
+        merge(out, lse, torch.zeros_like(out), sink_lse(sinks, q), slice(None))
     return out, lse
 
 
@@ -166,11 +90,11 @@ def _ring_backward(grad_out, q, k, v, out, lse, ids, sinks, ring: Ring):
         if step + 1 < cp:
             next_kv, kv_works = pass_to_next(kv, group, 0, stats)
         k_blk, v_blk = unpack(kv, k.shape, v.shape)
-        q_ids, k_ids = _mask_ids(ids, unpack_ids(kv, k.shape, v.shape, ids), ring, q)
+        q_ids, k_ids = mask_ids(ids, unpack_ids(kv, k.shape, v.shape, ids), ring, q)
         dkv = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=kv.device)
         dk_blk, dv_blk = unpack(dkv, k.shape, v.shape)
         with named_range(f"cp.ring.step{step}.backward"):
-            for rows, cols, blk_causal, mask in _step_blocks(ring, step, src, seq, q_ids, k_ids):
+            for rows, cols, blk_causal, mask in step_blocks(ring, step, src, seq, q_ids, k_ids):
                 dq_b, dk_b, dv_b = kernel.backward(
                     grad_out[:, rows], q[:, rows], k_blk[:, cols], v_blk[:, cols],
                     out[:, rows], lse[:, :, rows], ring.scale, blk_causal, mask,
@@ -197,7 +121,7 @@ def _ring_backward(grad_out, q, k, v, out, lse, ids, sinks, ring: Ring):
         # d out / d sink = -p_sink * out per row, p_sink = exp(sink - lse): summed over this
         # rank's rows (FSDP sums the ranks' shares like any gradient).
         delta = (grad_out * out).sum(-1).transpose(1, 2)  # [B, Hq, s]
-        dsinks = -(torch.exp(_sink_lse(sinks, q) - lse) * delta).sum((0, 2)).to(sinks.dtype)
+        dsinks = -(torch.exp(sink_lse(sinks, q) - lse) * delta).sum((0, 2)).to(sinks.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
 
 

@@ -24,9 +24,9 @@ import torch
 from models.common.attention import AttentionCore
 from models.common.visibility import Visibility
 from parallelisms.attention_kernels import KERNELS
-from parallelisms.context_parallel import Ring, _mask_ids, _sink_lse, _step_blocks
 from parallelisms.cp_schedule import local_positions, split_for_cp
 from parallelisms.ring_messages import RingStats, merge
+from parallelisms.ring_steps import Ring, mask_ids, sink_lse, step_blocks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -178,12 +178,12 @@ def simulate_ring(q, k, v, ids, sinks, d_out, kernel, cp, scale, window=None):
         lse = torch.full((q.shape[0], HQ, seq), float("-inf"), device=q.device)
         for step in range(cp):
             src = (r - step) % cp
-            q_ids, k_ids = _mask_ids(part(ids, r), part(ids, src), ring, qs[r])
-            for rows, cols, causal, mask in _step_blocks(ring, step, src, seq, q_ids, k_ids):
+            q_ids, k_ids = mask_ids(part(ids, r), part(ids, src), ring, qs[r])
+            for rows, cols, causal, mask in step_blocks(ring, step, src, seq, q_ids, k_ids):
                 blk = kernel.forward(qs[r][:, rows], ks[src][:, cols], vs[src][:, cols], scale, causal, mask)  # fmt: skip
                 merge(out, lse, *blk, rows)
         if sinks is not None:
-            merge(out, lse, torch.zeros_like(out), _sink_lse(sinks, qs[r]), slice(None))
+            merge(out, lse, torch.zeros_like(out), sink_lse(sinks, qs[r]), slice(None))
         states.append((out, lse))
     dq = [torch.zeros(t.shape, device=q.device) for t in qs]
     dk = [torch.zeros(t.shape, device=q.device) for t in ks]
@@ -193,8 +193,8 @@ def simulate_ring(q, k, v, ids, sinks, d_out, kernel, cp, scale, window=None):
         out, lse = states[r]
         for step in range(cp):
             src = (r - step) % cp
-            q_ids, k_ids = _mask_ids(part(ids, r), part(ids, src), ring, qs[r])
-            for rows, cols, causal, mask in _step_blocks(ring, step, src, seq, q_ids, k_ids):
+            q_ids, k_ids = mask_ids(part(ids, r), part(ids, src), ring, qs[r])
+            for rows, cols, causal, mask in step_blocks(ring, step, src, seq, q_ids, k_ids):
                 g = kernel.backward(
                     dos[r][:, rows], qs[r][:, rows], ks[src][:, cols], vs[src][:, cols],
                     out[:, rows], lse[:, :, rows], scale, causal, mask,
@@ -204,7 +204,7 @@ def simulate_ring(q, k, v, ids, sinks, d_out, kernel, cp, scale, window=None):
                 dv[src][:, cols] += g[2]
         if sinks is not None:
             delta = (dos[r].float() * out).sum(-1).transpose(1, 2)
-            dsinks -= (torch.exp(_sink_lse(sinks, qs[r]) - lse) * delta).sum((0, 2))
+            dsinks -= (torch.exp(sink_lse(sinks, qs[r]) - lse) * delta).sum((0, 2))
 
     def whole(parts):  # each rank's rows back to their global positions
         full = torch.zeros(parts[0].shape[0], q.shape[1], *parts[0].shape[2:], device=q.device)

@@ -43,11 +43,11 @@ _TOP_LEVEL_KEYS = (
 
 
 @functools.cache
-def _compiled(name: str) -> Callable:
+def _compiled_flex() -> Callable:
     # NOTE: static shapes: with symbolic lengths inductor's flex template found no kernel
     # (H100, torch 2.11). The callers keep shapes fixed: the core its sequence, the ring
     # one whole block per step.
-    return torch.compile(getattr(flex_module, name), dynamic=False)
+    return torch.compile(flex_module.flex_attention, dynamic=False)
 
 
 # NOTE: past dynamo's recompile limit (8 by default) a compiled function silently runs
@@ -152,7 +152,7 @@ def block_mask_of(vis: Visibility, sq: int, sk: int) -> flex_module.BlockMask:
 
 def flex_attend(q, k, v, block_mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse fp32) of one flex call."""
-    fn = _compiled("flex_attention") if q.is_cuda else flex_module.flex_attention
+    fn = _compiled_flex() if q.is_cuda else flex_module.flex_attention
     gqa = k.shape[1] != q.shape[1]
     kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=gqa)
     with torch._dynamo.config.patch(**_LIMITS):

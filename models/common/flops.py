@@ -32,26 +32,29 @@ class FlopsPerToken(float):
         return out
 
 
-def routed_params(model: nn.Module) -> float:
-    """The routed experts' parameters one token multiplies with (top_k / num_experts of
-    their size)."""
-    total = 0.0
+def _routed(model: nn.Module) -> tuple[float, float]:
+    """(the routed experts' parameters, the share of them one token multiplies with:
+    top_k / num_experts of each layer's)."""
+    every = share = 0.0
     for module in model.modules():
         if isinstance(module, MoE):
             n = sum(p.numel() for p in module.experts.parameters())
-            total += n * module.top_k / module.num_experts
-    return total
+            every += n
+            share += n * module.top_k / module.num_experts
+    return every, share
+
+
+def routed_params(model: nn.Module) -> float:
+    """The routed experts' parameters one token multiplies with."""
+    return _routed(model)[1]
 
 
 def active_params(model: nn.Module, input_embedding: nn.Module | None) -> float:
     """Parameters one token multiplies with: routed experts count top_k / num_experts of
     their size; `input_embedding` (a lookup, not a matmul) is left out. Pass None for an
     embedding tied to the head: its one matrix is counted once, as the head's matmul."""
-    total = float(sum(p.numel() for p in model.parameters()))
-    for module in model.modules():
-        if isinstance(module, MoE):
-            n = sum(p.numel() for p in module.experts.parameters())
-            total -= n * (1 - module.top_k / module.num_experts)
+    every, share = _routed(model)
+    total = float(sum(p.numel() for p in model.parameters())) - every + share
     if input_embedding is not None:
         total -= sum(p.numel() for p in input_embedding.parameters())
     return total
