@@ -16,37 +16,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-from report import write_result  # noqa: E402  (this script's folder is on sys.path)
+from report import train_run, write_result  # noqa: E402  (this script's folder is on sys.path)
 
 WINDOW = 20  # steps in the moving average
 
 
 def train(config: str, steps: int, nproc: int, precision: str, out_dir: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "train.py", f"--config={config}", f"--train.steps={steps}",
-           f"--train.mixed_precision={precision}", f"--job.output_dir={out_dir}",
-           "--metrics.log_interval=1", "--metrics.progress=false",
-           "--checkpoint.interval=0"]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{precision} run failed: {shlex.join(cmd)}\n{proc.stderr[-3000:]}")
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    argv = [f"--config={config}", f"--train.steps={steps}", f"--train.mixed_precision={precision}"]
+    records, seconds, _ = train_run(argv, nproc, out_dir)
     losses = [r["loss"] for r in records if "loss" in r]
     return {"losses": losses, "seconds": seconds}
 

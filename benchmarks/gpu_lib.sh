@@ -25,6 +25,10 @@ def train_summary(run_dir):
     recs = [json.loads(l) for l in open(f"{run_dir}/metrics.jsonl") if l.strip()]
     recs = [r for r in recs if "loss" in r and "tokens_per_s" in r]
     steady = recs[2:] or recs  # the first steps pay for warm-up, allocation, compilation
+    # Expert load per MoE layer, at the run's first step (the routing of its init: "step
+    # 0") and at the last logged one: max/mean is the busiest expert's tokens over the
+    # mean, from 1 (even) to E/k (every token on the same k experts); starved counts the
+    # experts under 10% of the mean load.
     last_load = [r for r in recs if "expert_load_max_over_mean" in r]
     return {
         "steps": len(recs),
@@ -37,6 +41,11 @@ def train_summary(run_dir):
         "mfu": statistics.median(r["mfu"] for r in steady) if steady[0].get("mfu") else None,
         "skipped_steps": recs[-1].get("skipped_steps"),
         "expert_load_max_over_mean": last_load[-1]["expert_load_max_over_mean"] if last_load else None,
+        "expert_load_starved": last_load[-1].get("expert_load_starved") if last_load else None,
+        "expert_load_step": last_load[-1]["step"] if last_load else None,
+        "step1_expert_load_max_over_mean": last_load[0]["expert_load_max_over_mean"] if last_load else None,
+        "step1_expert_load_starved": last_load[0].get("expert_load_starved") if last_load else None,
+        "aux_loss_last": recs[-1].get("aux_loss"), "z_loss_last": recs[-1].get("z_loss"),
     }
 
 try:

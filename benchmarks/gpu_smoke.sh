@@ -4,7 +4,12 @@
 #   bash benchmarks/gpu_smoke.sh        (on the GPU machine; results under $OUT)
 #
 # Writes $OUT/log.txt (every command's output) and $OUT/results.json (one object: env,
-# per-step rc and seconds, train-run summaries, dry-run plan, benchmark JSON). The GPU
+# per-step rc and seconds, train-run summaries, dry-run plan, benchmark JSON). Each
+# training summary holds the routing per MoE layer at the first step (step1_*: the init's
+# routing) and at the last logged step: expert_load_max_over_mean is the busiest expert's
+# tokens over the mean, 1 when even and E/k when every token goes to the same k experts
+# (16 for Qwen3-30B's top-8 of 128: one group of 8 experts takes everything; it does not
+# say which); expert_load_starved counts the experts under 10% of the mean load. The GPU
 # machine returns at most 8 files, so everything goes into these two. Every step runs
 # under `timeout`, capped by what is left of BUDGET_S, so the script ends in time even if
 # a step hangs; a failing step is recorded and the next one runs.

@@ -8,13 +8,16 @@
 #     proxy          Qwen3-30B-A3B proxy: the planner's peak, then training (PROXY_MODES)
 #     gemm           GEMM rates by shape (benchmarks/gemm_rates.py), MoE host syncs
 #     titan          the proxy against torchtitan's Qwen3 MoE (benchmarks/vs_torchtitan.py)
+#     balance        the proxy's routing: aux loss pooled over layers against per layer,
+#                    and per layer with the z-loss (BALANCE_STEPS 60, BALANCE_AUX weights,
+#                    BALANCE_VARIANTS)
 #
 # Each part writes $OUT/results.json (one object: env, per-step rc and seconds, summaries,
 # benchmark JSON) and $OUT/log.txt. Carry .whl/ (torchdata, torchtitan and its needs) and
 # .gpu/ (the BPE tokenizer of benchmarks/bpe_tokenizer.py), both git-ignored.
 # Knobs: PY (python3), BUDGET_S (540), PROXY_LAYERS (4), PROXY_STEPS (30).
 set -u
-(($#)) || { echo "usage: gpu_suite.sh PART... (tests attention flex_training proxy gemm titan)" >&2; exit 2; }
+(($#)) || { echo "usage: gpu_suite.sh PART... (tests attention flex_training proxy gemm titan balance)" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_suite_out}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
@@ -96,6 +99,21 @@ gemm() { # GEMM rates at the proxy's shapes (the planner's --gemm-rates), MoE ho
     step moe_syncs 90 "$PY" benchmarks/moe_syncs.py --json "$RUNS/moe_syncs.json"
     merge bench.moe_syncs file "$RUNS/moe_syncs.json"
 }
+balance() { # BALANCE_AUX: aux weights ("published": the config's 0.001, the default); the
+    # per-layer balance is logged at steps 1, 10, 20, ...
+    local steps=${BALANCE_STEPS:-60}
+    for aux in ${BALANCE_AUX:-published}; do
+        for variant in ${BALANCE_VARIANTS:-pooled per_layer per_layer_z}; do
+            local extra=(--moe.aux_loss_layers="${variant%_z}") name=balance_$variant
+            [[ $variant == *_z ]] && extra+=(--moe.z_loss_coef=0.001)
+            if [[ $aux != published ]]; then # no dot in the name: merge keys split at dots
+                extra+=(--model.router_aux_loss_coef="$aux") && name+=_aux${aux//./p}
+            fi
+            train "$name" 120 configs/qwen3_30b_a3b.toml --train.steps="$steps" \
+                "${PROXY[@]}" "${extra[@]}"
+        done
+    done
+}
 titan() {
     step vs_torchtitan 400 "$PY" benchmarks/vs_torchtitan.py --layers "$PROXY_LAYERS" \
         --seq 4096 --warmup 3 --steps 10 --json "$RUNS/titan.json"
@@ -104,9 +122,9 @@ titan() {
 
 for part in "$@"; do
     case $part in
-    tests | attention | flex_training | proxy | gemm | titan) "$part" ;;
+    tests | attention | flex_training | proxy | gemm | titan | balance) "$part" ;;
     *)
-        echo "unknown part $part: tests | attention | flex_training | proxy | gemm | titan" >&2
+        echo "unknown part $part: tests | attention | flex_training | proxy | gemm | titan | balance" >&2
         exit 2
         ;;
     esac

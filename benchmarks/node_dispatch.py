@@ -52,8 +52,7 @@ def routing(args) -> torch.Tensor:
                                 True, 1.0)  # fmt: skip
     torch.nn.init.normal_(router.weight, std=0.05)
     with torch.no_grad():
-        _, _, top = router(torch.randn(args.tokens, 256))
-    return top
+        return router(torch.randn(args.tokens, 256)).top_experts
 
 
 def count(top: torch.Tensor, args, node_of_expert: torch.Tensor, source_node: int) -> dict:
@@ -100,7 +99,7 @@ def _measure_worker(rank: int, world: int, args, out_path: str) -> None:
             torch.nn.init.normal_(param, std=0.05)
         dispatcher = apply_expert_parallel(layer.experts, ep_mesh, per_node, meshes)
         with torch.no_grad():
-            top = layer.gate(x[0])[2]  # [T, k] the routing the layer will use
+            top = layer.gate(x[0]).top_experts  # [T, k] the routing the layer will use
         y, _ = layer(x.clone().requires_grad_())  # activations carry gradients
         y.square().sum().backward()
         result[kind] = tuple(dispatcher.reset_traffic())  # (sent, internode, routing)

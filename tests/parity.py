@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from models import get_model_spec
 from models.common.moe import (
     GroupLimitedRouter,
+    MoEOptions,
     TopKRouter,
     load_balancing_loss,
     sequence_balance_loss,
@@ -84,8 +85,7 @@ def num_experts_of(args) -> int:
 
 def _skew_routing(router: nn.Module, _inputs, out):
     """Send every token only to experts 0..2 (a routing no load balancer would allow)."""
-    probs, weights, experts = out
-    return probs, weights, experts % 3
+    return out._replace(top_experts=out.top_experts % 3)
 
 
 def install_routing(model: nn.Module, routing: str | None) -> None:
@@ -115,7 +115,7 @@ class RemoteAssignmentCounter:
     def _hook(self, _router, _inputs, out) -> None:
         if is_replay():
             return
-        experts = out[2]  # [T, k]
+        experts = out.top_experts  # [T, k]
         self.remote += int((experts // self._local != self._rank).sum())
         node = experts // self._per_node
         self.remote_node_assignments += int((node != self._node).sum())
@@ -211,7 +211,7 @@ def reference_run(argv: list[str], dp_size: int, routing: str | None = None) -> 
     """
     cfg = load_config(argv)
     spec = get_model_spec(cfg.model.name)
-    model = spec.build(cfg.model.args)
+    model = spec.build(cfg.model.args, MoEOptions(z_loss=True))  # z-loss gradients always
     model.init_weights(cfg.train.seed)
     install_routing(model, routing)
     opt = build_optimizer(model, cfg.train)
@@ -241,18 +241,24 @@ def reference_run(argv: list[str], dp_size: int, routing: str | None = None) -> 
             forwards = [with_mtp_targets(fw, mtp_depth) for fw in forwards]
             n_mtp = sum((fw.mtp_labels != IGNORE_INDEX).sum((0, 1)) for fw in forwards)  # [D]
         n_tokens = sum((fw.labels != IGNORE_INDEX).sum() for fw in forwards)
-        total_ce, total_aux, total_mtp = 0.0, 0.0, 0.0
+        n_routed = sum(fw.input_ids.numel() for fw in forwards)  # every token meets the routers
+        total_ce, total_aux, total_mtp, total_z = 0.0, 0.0, 0.0, 0.0
         for fw in forwards:
             inputs = {"mtp_input_ids": fw.mtp_input_ids} if mtp_depth else {}
             if cfg.data.document_mask:
                 inputs["document_ids"] = fw.document_ids
             out = model(fw.input_ids, fw.position_ids, **inputs)
             ce = F.cross_entropy(out.logits.flatten(0, 1), fw.labels.flatten(), reduction="sum")
+            stats, pooled = out.router_stats, cfg.moe.aux_loss_layers == "pooled"
             if cfg.moe.aux_loss_mode == "sequence":  # mean over all sequences of the batch
-                aux = sequence_balance_loss(out.router_stats) * len(forwards) / t.global_batch_size
+                aux = sequence_balance_loss(stats, pooled=pooled)
+                aux = aux * len(forwards) / t.global_batch_size
             else:
-                aux = load_balancing_loss(out.router_stats, num_experts)
+                aux = load_balancing_loss(stats, num_experts, pooled=pooled)
+            # ST-MoE's z-loss: mean over the batch's tokens and the layers of lse(logits)^2
+            z = stats.z_sum.sum() / (len(stats.z_sum) * n_routed)
             loss = ce / n_tokens + args.router_aux_loss_coef * aux / len(forwards)
+            loss = loss + cfg.moe.z_loss_coef * z
             for k, logits in enumerate(out.mtp_logits or []):
                 labels = fw.mtp_labels[..., k].flatten()
                 mtp = F.cross_entropy(logits.flatten(0, 1), labels, reduction="sum") / n_mtp[k]
@@ -260,6 +266,7 @@ def reference_run(argv: list[str], dp_size: int, routing: str | None = None) -> 
                 total_mtp += mtp.item() / mtp_depth
             loss.backward()
             total_ce, total_aux = total_ce + ce.item(), total_aux + aux.item()
+            total_z += z.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
         grads = {n: q.grad.detach().clone() for n, q in model.named_parameters()}  # clipped
         with torch.no_grad():  # aux-loss-free balancing, as the DeepSeek-V3 report writes it
@@ -277,6 +284,7 @@ def reference_run(argv: list[str], dp_size: int, routing: str | None = None) -> 
             {
                 "loss": total_ce / n_tokens.item(),
                 "aux_loss": total_aux / len(forwards),
+                "z_loss": total_z,
                 "grad_norm": norm.item(),
                 "grads": grads,
                 "params": params,
@@ -298,6 +306,7 @@ def assert_same_training(ours: list[dict], ref: list[dict], rtol: float = 1e-5) 
     for step, (o, r) in enumerate(zip(ours, ref, strict=True), start=1):
         assert o["loss"] == pytest.approx(r["loss"], rel=rtol), f"loss at step {step}"
         assert o["aux_loss"] == pytest.approx(r["aux_loss"], rel=rtol), f"aux at step {step}"
+        assert o["z_loss"] == pytest.approx(r["z_loss"], rel=rtol), f"z-loss at step {step}"
         assert o["grad_norm"] == pytest.approx(r["grad_norm"], rel=rtol), f"norm at step {step}"
         assert r["grad_norm"] > 0.5, "clipping should be active in this test"
         assert_tensors_close(o["grads"], r["grads"], f"step {step} grad", rtol)

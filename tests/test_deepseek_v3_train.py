@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from models.common.moe import GroupLimitedRouter, MoE, sequence_balance_loss
+from models.common.moe import GroupLimitedRouter, MoE, sequence_balance_loss, stack_stats
 from models.deepseek_v3.args import DeepseekV3Args
 from models.deepseek_v3.model import DeepseekV3ForCausalLM
 from tests.distributed import run_train
@@ -38,7 +38,7 @@ def test_sequence_balance_loss_equals_its_formula_on_a_hand_made_batch():
         router.weight.copy_(torch.tensor(weight))
         for p in moe.experts.parameters():
             p.normal_()
-    _, stats = moe(torch.tensor(x))
+    stats = stack_stats([moe(torch.tensor(x))[1]])  # one layer: [1, B, E]
 
     expected = 0.0
     for seq in x:
@@ -51,8 +51,8 @@ def test_sequence_balance_loss_equals_its_formula_on_a_hand_made_batch():
 
     # Split over two "context-parallel" parts: with the whole sequences' counts, the
     # parts' shares add up to the same value.
-    _, head = moe(torch.tensor(x)[:, :2])
-    _, tail = moe(torch.tensor(x)[:, 2:])
+    head = stack_stats([moe(torch.tensor(x)[:, :2])[1]])
+    tail = stack_stats([moe(torch.tensor(x)[:, 2:])[1]])
     counts = head.tokens_per_expert + tail.tokens_per_expert
     shares = sequence_balance_loss(head, counts, T) + sequence_balance_loss(tail, counts, T)
     assert shares.item() / len(x) == pytest.approx(expected, rel=1e-6)

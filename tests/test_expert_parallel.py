@@ -24,11 +24,11 @@ def _route(kind: str):
     every rank) or 'rank0_only' (all tokens go to experts 0 and 1, owned by ep rank 0)."""
 
     def hook(_router, _inputs, out):
-        probs, weights, experts = out
+        experts = out.top_experts
         t = torch.arange(experts.shape[0])[:, None]
         k = torch.arange(TOP_K)[None, :]
         forced = (t * TOP_K + k) % EXPERTS if kind == "balanced" else k.expand_as(experts)
-        return probs, weights, forced
+        return out._replace(top_experts=forced)
 
     return hook
 

@@ -277,7 +277,7 @@ def test_a_global_batch_without_a_masked_in_token_has_no_nan():
     from models import get_model_spec
     from parallelisms.dims import ParallelDims
     from trainer.data.batch import Batch
-    from trainer.loop.losses import StepLoss
+    from trainer.loop.losses import BalanceTerms, StepLoss
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -296,7 +296,8 @@ def test_a_global_batch_without_a_masked_in_token_has_no_nan():
             torch.zeros_like(ids),
         )
         dims = ParallelDims.resolve(1, -1, 1, 1, 1)
-        step = StepLoss(spec.loss_terms(args), "micro_batch", dims, None, 2, 1, torch.device("cpu"))
+        terms = spec.loss_terms(args)
+        step = StepLoss(terms, BalanceTerms(), dims, None, 2, 1, torch.device("cpu"))
         step.begin([batch])
         loss = step(model(batch.input_ids, batch.position_ids), batch)
         loss.backward()

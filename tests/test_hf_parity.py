@@ -59,7 +59,7 @@ def _ours_from_dir(model_dir: str):
 def _our_loss(model, input_ids, labels):
     out = model(input_ids)
     ce = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-    aux = load_balancing_loss(out.router_stats, model.args.num_experts)
+    aux = load_balancing_loss(out.router_stats, model.args.num_experts, pooled=True)
     return out.logits, aux, ce + model.args.router_aux_loss_coef * aux
 
 

@@ -30,24 +30,27 @@ class Layout(NamedTuple):
 EP2, CP2 = "--parallel.ep=2", "--parallel.cp=2"
 HSDP = ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"]
 GLOBAL_AUX = "--moe.aux_loss_mode=global_batch"
+# The aux loss is per layer by default; pooled is Hugging Face's. z-loss weighted enough that
+# its gradient shows in the routers' (losses and z_loss are compared on every row).
+POOLED, Z_LOSS = "--moe.aux_loss_layers=pooled", "--moe.z_loss_coef=0.05"
 LAYOUTS = {
     "fsdp2": Layout(TINY, 2, [], 2),  # grad accumulation 2
     "hsdp2x2": Layout(TINY, 4, HSDP, 4),  # no accumulation
     "fsdp4": Layout(TINY, 4, [], 4),
     "ep2_efsdp2": Layout(TINY, 4, [EP2], 4),
     "ep4": Layout(TINY, 4, ["--parallel.ep=4"], 4),
-    "hsdp2x2_ep2": Layout(TINY, 4, [*HSDP, EP2], 4),
+    "hsdp2x2_ep2_pooled_aux": Layout(TINY, 4, [*HSDP, EP2, POOLED], 4),
     # Experts 3..7 get no tokens; with ep 4, ranks 2 and 3 receive none at all.
     "ep4_skewed_idle_experts": Layout(TINY, 4, ["--parallel.ep=4"], 4, "skewed"),
-    "ep2_global_batch_aux": Layout(TINY, 4, [EP2, GLOBAL_AUX], 4),
+    "ep2_global_batch_aux_z": Layout(TINY, 4, [EP2, GLOBAL_AUX, Z_LOSS], 4),
     "cp2": Layout(TINY, 2, [CP2], 1),
-    "cp2_ep2": Layout(TINY, 4, [CP2, EP2], 2),  # EP borrows the cp ranks
-    "cp2_contiguous_global_aux": Layout(
-        TINY, 4, [CP2, "--parallel.cp_layout=contiguous", GLOBAL_AUX], 2
+    "cp2_ep2_z": Layout(TINY, 4, [CP2, EP2, Z_LOSS], 2),  # EP borrows the cp ranks
+    "cp2_contiguous_global_pooled_aux": Layout(
+        TINY, 4, [CP2, "--parallel.cp_layout=contiguous", GLOBAL_AUX, POOLED], 2
     ),
     # DeepSeek-V3: MLA, group-limited routing with the bias update, MTP, sequence-wise aux.
-    "dsv3_ep2_efsdp2": Layout(TINY_DSV3, 4, [EP2], 4),
-    "dsv3_cp2_ep2": Layout(TINY_DSV3, 4, [CP2, EP2], 2),
+    "dsv3_ep2_efsdp2_pooled_aux": Layout(TINY_DSV3, 4, [EP2, POOLED], 4),
+    "dsv3_cp2_ep2_z": Layout(TINY_DSV3, 4, [CP2, EP2, Z_LOSS], 2),
     # An ep group over 2 simulated nodes of 2 ranks: the two-stage dispatch.
     "dsv3_ep4_2nodes": Layout(TINY_DSV3, 4, ["--parallel.ep=4", "--parallel.ranks_per_node=2"], 4),
     # HSDP with ep 2 over 2 nodes of 1 rank: the rail stage alone (a node's stage is one rank).

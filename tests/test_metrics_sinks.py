@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
 import train
 from tests.distributed import ROOT, run_train
@@ -19,7 +20,7 @@ RUN = [
     "--data.seq_len=64",
     "--data.max_tokens=40000",
     "--metrics.log_interval=1",
-    "--metrics.expert_load_interval=1",
+    "--metrics.expert_load_interval=2",
 ]
 
 
@@ -38,13 +39,21 @@ def test_tensorboard_events_hold_the_logged_values(run_with_tensorboard):
     events = EventAccumulator(str(out / "tb"), size_guidance={"images": 0, "histograms": 0})
     events.Reload()
     tags = events.Tags()
-    for key in ("loss", "aux_loss", "grad_norm", "lr", "tokens_per_s"):
+    for key in ("loss", "aux_loss", "z_loss", "grad_norm", "lr", "tokens_per_s"):
         logged = [(s.step, s.value) for s in events.Scalars(key)]
         assert logged == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in records]
     layers = len(records[0]["expert_load"])
     assert {f"expert_load/layer{i}" for i in range(layers)} <= set(tags["histograms"])
     assert "expert_load/heatmap" in tags["images"]
     assert f"expert_load_max_over_mean/layer{layers - 1}" in tags["scalars"]
+    assert f"expert_load_starved/layer{layers - 1}" in tags["scalars"]
+    # The run's first step (the routing of the weights it began from) and every 2nd step.
+    assert [r["step"] for r in records if "expert_load" in r] == [1, 2]
+    for r in records[:2]:
+        load = torch.tensor(r["expert_load"], dtype=torch.float64)  # [L, E]
+        mean = load.mean(1)
+        assert r["expert_load_max_over_mean"] == pytest.approx((load.max(1).values / mean).tolist())
+        assert r["expert_load_starved"] == (load < 0.1 * mean[:, None]).sum(1).tolist()
 
 
 @pytest.mark.slow
@@ -55,7 +64,7 @@ def test_plot_writes_pictures_of_a_finished_run(run_with_tensorboard, tmp_path, 
     written = capsys.readouterr().out.split()
     names = {p.rsplit("/", 1)[-1] for p in written}
     layers = len(records[0]["expert_load"])
-    assert {"loss.png", "lr.png", "grad_norm.png", "tokens_per_s.png"} <= names
+    assert {"loss.png", "lr.png", "grad_norm.png", "tokens_per_s.png", "balance.png"} <= names
     assert {f"expert_load_layer{i}.png" for i in range(layers)} <= names
     for path in written:
         with open(path, "rb") as f:

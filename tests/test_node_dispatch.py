@@ -32,8 +32,7 @@ def _layer() -> MoE:
 def _skew(_router, _inputs, out):
     """Every token to experts 0..3: all on ep rank 0, so node 1's relays and ranks 1..3
     receive nothing (a routing no load balancer would allow)."""
-    probs, weights, experts = out
-    return probs, weights, experts % TOP_K
+    return out._replace(top_experts=out.top_experts % TOP_K)
 
 
 def _grads(layer: MoE, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -53,7 +52,9 @@ def _worker(rank: int, world: int, out_path: str) -> None:
     x = x_all[rank : rank + 1]
     ref = _grads(_layer(), x_all)  # one process, every rank's tokens
     with torch.no_grad():
-        top = _layer().gate(x[0])[2]  # [T, k] this rank's routing, as the layers will see it
+        top = (
+            _layer().gate(x[0]).top_experts
+        )  # [T, k] this rank's routing, as the layers will see it
     ep_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     row = HIDDEN * 4  # fp32
     results = {}
@@ -153,7 +154,7 @@ def test_group_limited_routing_reaches_at_most_topk_group_nodes_when_nodes_divid
     router = GroupLimitedRouter(32, experts, 8, groups, topk_group, True, 1.0)
     torch.nn.init.normal_(router.weight, std=0.1)
     with torch.no_grad():
-        top = router(torch.randn(2048, 32))[2]  # [T, 8]
+        top = router(torch.randn(2048, 32)).top_experts  # [T, 8]
 
     def most_nodes(nodes: int) -> int:
         node_of = top // (experts // nodes)

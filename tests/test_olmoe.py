@@ -131,7 +131,7 @@ def test_logits_and_loss_match_transformers(transformers, case, tmp_path):
         hf_out = hf_model(input_ids, labels=labels, output_router_logits=True)
         out = ours(input_ids)
     ce = F.cross_entropy(out.logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
-    aux = load_balancing_loss(out.router_stats, ours.args.num_experts)
+    aux = load_balancing_loss(out.router_stats, ours.args.num_experts, pooled=True)
     loss = ce + ours.args.router_aux_loss_coef * aux
 
     diff = (out.logits - hf_out.logits).abs().max().item()

@@ -25,12 +25,22 @@ from models.common.mlp import SwiGLU
 from models.common.replay import is_replay
 
 
+class Routing(NamedTuple):
+    """A router's output for tokens [T, dim]; every router returns one."""
+
+    probs: torch.Tensor  # [T, E] fp32 affinities (what the balance losses read)
+    top_weights: torch.Tensor  # [T, k] fp32, the weights of the chosen experts
+    top_experts: torch.Tensor  # [T, k] expert ids
+    logits: torch.Tensor  # [T, E] fp32 router logits before softmax/sigmoid (the z-loss)
+
+
 class RouterStats(NamedTuple):
-    """What MoE layers saw, per sequence, for load balancing and logging: [B, E] for one
-    layer, [L, B, E] for a model's L MoE layers stacked."""
+    """What MoE layers saw, per sequence, for load balancing and logging: [B, E] ([B] for
+    z_sum) for one layer, [L, B, E] ([L, B]) for a model's L MoE layers stacked."""
 
     tokens_per_expert: torch.Tensor  # float, top-k assignments per expert (no grad)
     prob_sum: torch.Tensor  # fp32, router affinities summed over a sequence's tokens (grad)
+    z_sum: torch.Tensor  # fp32, logsumexp(router logits)^2 summed over its tokens (grad)
     seq_len: int  # tokens of each sequence this rank routed
     top_k: int
 
@@ -41,6 +51,9 @@ class MoEOptions:
 
     gemm: str = "auto"  # see grouped_mm
     capacity_factor: float | None = None  # None: drop-less
+    # The router z-loss trains the routers: its sums carry gradients. Off, they are only
+    # measured (no autograd graph, which would keep each layer's [T, E] fp32 logits alive).
+    z_loss: bool = False
 
 
 def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -97,14 +110,15 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
         self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, dim] -> probs [T, E] fp32, top_weights [T, k] fp32, top_experts [T, k]."""
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x [T, dim] -> softmax probabilities [T, E] and the top-k among them."""
         bias = self.bias.float() if self.bias is not None else None
-        probs = F.linear(x.float(), self.weight.float(), bias).softmax(dim=-1)
+        logits = F.linear(x.float(), self.weight.float(), bias)
+        probs = logits.softmax(dim=-1)
         top_weights, top_experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
-        return probs, top_weights, top_experts
+        return Routing(probs, top_weights, top_experts, logits)
 
 
 class GroupLimitedRouter(nn.Module):
@@ -139,10 +153,11 @@ class GroupLimitedRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, dim] -> normalised affinities [T, E] (for the aux losses), top_weights
-        [T, k] fp32, top_experts [T, k]."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x [T, dim] -> normalised affinities [T, E] (for the aux losses) and the top-k
+        experts with their (unbiased, scaled) weights."""
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        scores = logits.sigmoid()
         biased = (scores + self.e_score_correction_bias).detach()
         grouped = biased.view(-1, self.n_group, self.num_experts // self.n_group)
         group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
@@ -162,7 +177,7 @@ class GroupLimitedRouter(nn.Module):
                 # a torch.compile graph; this one is [E] by construction.
                 chosen = top_experts.flatten()
                 self.tokens_per_expert.index_add_(0, chosen, torch.ones_like(chosen))
-        return scores / scores.sum(-1, keepdim=True), top_weights, top_experts
+        return Routing(scores / scores.sum(-1, keepdim=True), top_weights, top_experts, logits)
 
 
 class RoutedExperts(nn.Module, abc.ABC):
@@ -218,8 +233,8 @@ class MoE(nn.Module):
     """Drop-less token-choice MoE: every token reaches its top-k experts, plus (optionally)
     shared experts that every token goes through.
 
-    `router` maps tokens [T, dim] to (affinities [T, E] fp32, top_weights [T, k],
-    top_experts [T, k]) and has `num_experts` and `top_k` (TopKRouter, GroupLimitedRouter).
+    `router` maps tokens [T, dim] to a `Routing` and has `num_experts` and `top_k`
+    (TopKRouter, GroupLimitedRouter).
     """
 
     def __init__(
@@ -238,6 +253,7 @@ class MoE(nn.Module):
         self.num_experts = router.num_experts
         self.top_k = router.top_k
         self.capacity_factor = options.capacity_factor
+        self.z_loss = options.z_loss
         self.gate = router
         self.experts = experts or GroupedExperts(self.num_experts, dim, hidden_dim, options.gemm)
         self.shared_experts = SwiGLU(dim, shared_hidden_dim) if shared_hidden_dim else None
@@ -246,7 +262,7 @@ class MoE(nn.Module):
         """x [B, S, dim] -> (y [B, S, dim], per-sequence routing statistics)."""
         B, S, dim = x.shape
         x_flat = x.reshape(-1, dim)  # [T = B*S, dim]
-        probs, top_weights, top_experts = self.gate(x_flat)
+        probs, top_weights, top_experts, logits = self.gate(x_flat)
 
         # Permute the T*k (token, expert) assignments expert-major.
         flat_experts = top_experts.reshape(-1)  # [T*k]
@@ -255,7 +271,9 @@ class MoE(nn.Module):
         ones = torch.ones(B, S * self.top_k, dtype=torch.int64, device=x.device)
         per_seq.scatter_add_(1, top_experts.reshape(B, -1), ones)  # [B, E] assignments
         tokens_per_expert = per_seq.sum(0)  # [E]
-        stats = RouterStats(per_seq.float(), probs.view(B, S, -1).sum(1), S, self.top_k)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.z_loss):
+            z_sum = torch.logsumexp(logits, dim=-1).square().view(B, S).sum(1)  # [B]
+        stats = RouterStats(per_seq.float(), probs.view(B, S, -1).sum(1), z_sum, S, self.top_k)
         if self.capacity_factor is not None:
             order, tokens_per_expert = self._drop_over_capacity(order, tokens_per_expert)
         token_of = order // self.top_k  # source token of each sorted assignment
@@ -279,10 +297,11 @@ class MoE(nn.Module):
 
 
 def stack_stats(per_layer: list[RouterStats]) -> RouterStats:
-    """Per-layer stats -> one RouterStats with [L, B, E] tensors."""
+    """Per-layer stats -> one RouterStats with [L, B, E] ([L, B]) tensors."""
     return RouterStats(
         torch.stack([s.tokens_per_expert for s in per_layer]),
         torch.stack([s.prob_sum for s in per_layer]),
+        torch.stack([s.z_sum for s in per_layer]),
         per_layer[0].seq_len,
         per_layer[0].top_k,
     )
@@ -292,38 +311,63 @@ def load_balancing_loss(
     stats: RouterStats,
     num_experts: int,
     batch_counts: torch.Tensor | None = None,
-    batch_rows: float | None = None,
+    batch_rows: int | None = None,
+    pooled: bool = False,
 ) -> torch.Tensor:
-    """Switch/GShard auxiliary loss, E * sum_e f_e * P_e, over all MoE layers at once.
+    """Switch/GShard auxiliary loss E * sum_e f_le * P_le of each MoE layer l, averaged
+    over the layers; f_le is the fraction of layer l's (token, top-k slot) assignments that
+    went to expert e, P_le the mean router probability of e in that layer.
 
-    f_e is the fraction of (token, top-k slot) assignments that went to expert e and P_e the
-    mean router probability of e, both pooled over the layers' tokens as Hugging Face's
-    `load_balancing_loss_func` does (so the value matches transformers exactly).
+    NOTE: each layer on its own (Switch, GShard, Megatron-Core): a layer's overload is
+    pushed down in that layer. `pooled=True` pools f and P over the layers' tokens before
+    the product, as Hugging Face's `load_balancing_loss_func` does (its exact value, for
+    parity): one layer's overload then cancels another's underload, and a layer whose
+    experts starve can feel no pull at all (tests/test_balance_loss.py).
 
-    For a batch spread over ranks, pass `batch_counts` ([E], assignments summed over the
-    layers and the ranks) and `batch_rows` (layer-token rows over the ranks): the result is
-    this rank's share, and the shares of all ranks sum to the loss of the whole batch
-    (the loss is linear in the probabilities, and f carries no gradient).
+    For a batch spread over ranks, pass `batch_counts` ([L, E], assignments summed over the
+    ranks) and `batch_rows` (the tokens each layer routed, over the ranks): the result is
+    this rank's share, and the shares of all ranks sum to the loss of the whole batch (the
+    loss is linear in the probabilities, and f carries no gradient).
     """
     layers, batch = stats.prob_sum.shape[:2]
-    rows = batch_rows if batch_rows is not None else layers * batch * stats.seq_len
-    counts = batch_counts if batch_counts is not None else stats.tokens_per_expert.sum((0, 1))
-    return num_experts * torch.sum((counts / rows) * (stats.prob_sum.sum((0, 1)) / rows))
+    rows = batch_rows if batch_rows is not None else batch * stats.seq_len
+    counts = batch_counts if batch_counts is not None else stats.tokens_per_expert.sum(1)
+    probs = stats.prob_sum.sum(1)  # [L, E] summed over this rank's tokens
+    if pooled:
+        rows = rows * layers
+        return num_experts * torch.sum((counts.sum(0) / rows) * (probs.sum(0) / rows))
+    return num_experts * torch.sum((counts / rows) * (probs / rows)) / layers
 
 
 def sequence_balance_loss(
-    stats: RouterStats, seq_counts: torch.Tensor | None = None, seq_tokens: int | None = None
+    stats: RouterStats,
+    seq_counts: torch.Tensor | None = None,
+    seq_tokens: int | None = None,
+    pooled: bool = False,
 ) -> torch.Tensor:
-    """DeepSeek-V3's complementary sequence-wise balance loss, summed over layers and
-    sequences: sum_l sum_b sum_e f_lbe * P_lbe, with f = E / (K T) * (assignments to e in
-    the sequence) and P = the sequence's mean normalised affinity to e (T tokens, top-K).
+    """DeepSeek-V3's complementary sequence-wise balance loss, sum_e f_lbe * P_lbe per
+    layer l and sequence b, averaged over the layers and summed over the sequences, with
+    f = E / (K T) * (assignments to e in the sequence) and P = the sequence's mean
+    normalised affinity to e (T tokens, top-K). `pooled=True` pools each sequence's counts
+    and affinities over the layers first (see `load_balancing_loss`).
 
     For sequences split over context-parallel ranks pass `seq_counts` ([L, B, E] summed
     over those ranks) and `seq_tokens` (the whole sequence's T): the result is this rank's
     share (linear in P), and the ranks' shares sum to the value.
     """
-    num_experts = stats.prob_sum.shape[-1]
+    layers, _, num_experts = stats.prob_sum.shape
     counts = seq_counts if seq_counts is not None else stats.tokens_per_expert
     tokens = seq_tokens if seq_tokens is not None else stats.seq_len
+    probs = stats.prob_sum
+    if pooled:  # one "layer" of L times the tokens: [L, B, E] -> [1, B, E]
+        counts, probs = counts.sum(0, keepdim=True), probs.sum(0, keepdim=True)
+        tokens, layers = tokens * layers, 1
     f = counts * (num_experts / (stats.top_k * tokens))
-    return torch.sum(f * (stats.prob_sum / tokens))
+    return torch.sum(f * (probs / tokens)) / layers
+
+
+def z_loss_sum(stats: RouterStats) -> torch.Tensor:
+    """ST-MoE's router z-loss summed over this forward's tokens and averaged over the
+    layers: sum_t logsumexp(router logits of t)^2 / L. Divided by the global batch's token
+    count it is the z-loss, the mean over tokens (a share, like the token loss)."""
+    return stats.z_sum.sum() / stats.z_sum.shape[0]

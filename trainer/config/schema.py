@@ -226,6 +226,21 @@ class MoESection:
         "sequence (DeepSeek-V3's sequence-wise loss, mean over the batch's sequences)",
         choices=("micro_batch", "global_batch", "sequence"),
     )
+    aux_loss_layers: str = arg(
+        "per_layer",
+        "per_layer (each MoE layer's balance loss on its own statistics, averaged over the "
+        "layers: a layer's overload is pushed down in that layer) | pooled (statistics pooled "
+        "over the layers before the product, Hugging Face's load_balancing_loss_func: one "
+        "layer's overload cancels another's underload; for parity with transformers)",
+        choices=("per_layer", "pooled"),
+    )
+    z_loss_coef: float = arg(
+        0.0,
+        "weight of the router z-loss (ST-MoE): mean over tokens of logsumexp(router "
+        "logits)^2, averaged over the MoE layers; logged as z_loss either way (0 = off)",
+        ge=0,
+        note="0 = off",
+    )
     bias_update_rate: float = arg(
         0.001,
         "aux-loss-free balancing (routers with a correction bias, e.g. DeepSeek-V3): at each "

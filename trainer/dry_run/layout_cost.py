@@ -195,14 +195,15 @@ def _trace(cfg, spec, dims, meshes, mode: str, sharded_grad_bytes: int):
     from trainer.data.batch import Batch
     from trainer.dry_run.footprint import sample_blocks, trace_step
     from trainer.dry_run.meta_trace import use_fused_attention
-    from trainer.loop.losses import GlobalCounts, StepLoss, model_inputs, with_mtp_targets
+    from trainer.loop import losses
 
     param_dtype = _param_dtype(cfg)
     with torch.device("meta"):
         # NOTE: the grouped GEMM (not the per-expert loop, which reads sizes on the host)
         # and no capacity drops: what meta tensors can run; under balanced routing the
         # same rows reach the experts.
-        model = spec.build(cfg.model.args, MoEOptions(gemm="grouped_mm"))
+        options = MoEOptions(gemm="grouped_mm", z_loss=cfg.moe.z_loss_coef > 0)
+        model = spec.build(cfg.model.args, options)
     model.to(param_dtype)
     for _, m in match_modules(model, spec.plan.fp32_modules, "fp32", required=False):
         m.float()
@@ -216,16 +217,16 @@ def _trace(cfg, spec, dims, meshes, mode: str, sharded_grad_bytes: int):
     positions = torch.arange(S, device="meta")[None].expand(B, S)
     batch = Batch(ids, ids, positions, ids)
     if terms.mtp_depth:
-        batch = with_mtp_targets(batch, terms.mtp_depth)
+        batch = losses.with_mtp_targets(batch, terms.mtp_depth)
     grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
-    step_loss = StepLoss(
-        terms, cfg.moe.aux_loss_mode, dims, meshes.world.get_group("cp"),
+    step_loss = losses.StepLoss(
+        terms, losses.BalanceTerms.of(cfg.moe), dims, meshes.world.get_group("cp"),
         cfg.train.global_batch_size, grad_accum, torch.device("meta"),
     )  # fmt: skip
 
     def run_step(mark_forward_end) -> None:
-        step_loss.start(GlobalCounts(B * S, B * S, 0, [B * S] * terms.mtp_depth))
-        inputs = model_inputs(batch, terms, cfg.data.document_mask)
+        step_loss.start(losses.GlobalCounts(B * S, B * S, 0, [B * S] * terms.mtp_depth))
+        inputs = losses.model_inputs(batch, terms, cfg.data.document_mask)
         # NOTE: `out` held through the backward, as `Trainer.forward_backward` holds it:
         # its logits ([B, S, vocab] in the compute dtype) outlive the loss's use of them
         out = model(batch.input_ids, batch.position_ids, **inputs)

@@ -3,7 +3,8 @@
 Every piece is a share (docs/architecture.md, "Principles"), so that summed over forwards and ranks it is the value
 one device would compute on the whole global batch. Token cross-entropy sums are divided
 by the number of valid labels in the global batch (all ranks, all micro-batches); each MTP
-depth by its own count; the load-balancing loss is split by `moe.aux_loss_mode`. Gradients
+depth by its own count; the router z-loss by the number of tokens routed in the global
+batch; the load-balancing loss is split by `moe.aux_loss_mode`. Gradients
 are then those of one device, for any layout and any accumulation count.
 
 What the loss contains is the model's to say (`models.LossTerms`: aux coefficient, MTP
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from models.common.moe import RouterStats, load_balancing_loss, sequence_balance_loss
+from models.common.moe import RouterStats, load_balancing_loss, sequence_balance_loss, z_loss_sum
 from models.common.output import CausalLMOutput
 from models.spec import LossTerms
 from parallelisms.dims import ParallelDims
@@ -72,8 +73,10 @@ def aux_loss_share(
     cp_group: dist.ProcessGroup,
     global_batch_size: int,
     rounds: int,
+    pooled: bool = False,
 ) -> torch.Tensor:
-    """This forward's share of the step's aux loss (`moe.aux_loss_mode`).
+    """This forward's share of the step's aux loss (`moe.aux_loss_mode`), each MoE layer's
+    loss averaged over the layers, or pooled over them (`moe.aux_loss_layers`).
 
     micro_batch: the Switch loss on one forward's sequences; global_batch: on those of all
     data-parallel ranks' forwards of the same accumulation round (`rounds` per step), as one
@@ -83,26 +86,42 @@ def aux_loss_share(
     counts all-reduced, and each rank adds its share (the losses are linear in the router
     probabilities and the counts carry no gradient).
     """
-    layers, batch, num_experts = stats.prob_sum.shape  # [L, B, E]
+    _, batch, num_experts = stats.prob_sum.shape  # [L, B, E]
     cp = dims.cp
     if mode == "sequence":
         counts = stats.tokens_per_expert
         if cp > 1:  # a sequence's counts over the cp ranks holding its parts
             counts = counts.clone()
             dist.all_reduce(counts, group=cp_group)
-        return sequence_balance_loss(stats, counts, stats.seq_len * cp) / global_batch_size
+        seq_tokens = stats.seq_len * cp
+        return sequence_balance_loss(stats, counts, seq_tokens, pooled) / global_batch_size
     if mode == "global_batch":
         group, ranks, forwards = None, dims.world_size, rounds  # the whole batch
     else:
         group, ranks, forwards = cp_group, cp, rounds * dims.dp_size
     if ranks == 1:
-        aux = load_balancing_loss(stats, num_experts)
+        aux = load_balancing_loss(stats, num_experts, pooled=pooled)
     else:
-        counts = stats.tokens_per_expert.sum((0, 1))
+        counts = stats.tokens_per_expert.sum(1)  # [L, E]
         dist.all_reduce(counts, group=group)
-        rows = layers * batch * stats.seq_len * ranks
-        aux = load_balancing_loss(stats, num_experts, counts, rows)
+        rows = batch * stats.seq_len * ranks  # each layer's tokens over the ranks
+        aux = load_balancing_loss(stats, num_experts, counts, rows, pooled)
     return aux / forwards
+
+
+@dataclass(frozen=True)
+class BalanceTerms:
+    """The routers' losses the job config asks for (`[moe]`); their weights beside the
+    model's aux coefficient (`LossTerms.aux_loss_coef`)."""
+
+    mode: str = "micro_batch"  # moe.aux_loss_mode: the scope of the aux loss's statistics
+    pooled: bool = False  # moe.aux_loss_layers == "pooled": Hugging Face's value
+    z_loss_coef: float = 0.0  # moe.z_loss_coef
+
+    @classmethod
+    def of(cls, moe) -> BalanceTerms:
+        """From the config's `[moe]` section."""
+        return cls(moe.aux_loss_mode, moe.aux_loss_layers == "pooled", moe.z_loss_coef)
 
 
 @dataclass(frozen=True)
@@ -142,21 +161,21 @@ class StepLoss:
 
     Per step: `begin(micro_batches)` (the global counts), then for each forward
     `loss = step_loss(out, batch)` and its backward, then `end()` for the record: the
-    global mean token loss, aux and MTP losses (all ranks agree) and this rank's expert
+    global mean token loss, aux, z and MTP losses (all ranks agree) and this rank's expert
     load ([L, E], summed over its forwards).
     """
 
     def __init__(
         self,
         terms: LossTerms,
-        aux_mode: str,
+        balance: BalanceTerms,
         dims: ParallelDims,
         cp_group: dist.ProcessGroup,
         global_batch_size: int,
         rounds: int,
         device: torch.device,
     ) -> None:
-        self.terms, self.aux_mode, self.dims, self.cp_group = terms, aux_mode, dims, cp_group
+        self.terms, self.balance, self.dims, self.cp_group = terms, balance, dims, cp_group
         self.global_batch_size, self.rounds, self.device = global_batch_size, rounds, device
         self.counts: GlobalCounts | None = None
 
@@ -168,8 +187,9 @@ class StepLoss:
     def start(self, counts: GlobalCounts) -> None:
         """Begin a step whose global counts are known (the dry-run planner's meta trace)."""
         self.counts = counts
-        # [sum of token losses, sum of aux shares, sum over depths of mean MTP losses]
-        self._sums = torch.zeros(3, device=self.device)
+        # [sum of token losses, sum of aux shares, sum over depths of mean MTP losses,
+        #  sum of z-loss shares]
+        self._sums = torch.zeros(4, device=self.device)
         self._expert_load: torch.Tensor | None = None
 
     def __call__(self, out: CausalLMOutput, batch: Batch) -> torch.Tensor:
@@ -185,11 +205,17 @@ class StepLoss:
             self._sums[2] += mtp_mean.detach()
         stats = out.router_stats
         if stats is not None:
+            balance = self.balance
             aux = aux_loss_share(
-                stats, self.aux_mode, self.dims, self.cp_group, self.global_batch_size, self.rounds
-            )
+                stats, balance.mode, self.dims, self.cp_group, self.global_batch_size,
+                self.rounds, balance.pooled,
+            )  # fmt: skip
             loss = loss + terms.aux_loss_coef * aux
             self._sums[1] += aux.detach()
+            z = z_loss_sum(stats) / counts.inputs  # every token routed, masked-in or not
+            if balance.z_loss_coef:
+                loss = loss + balance.z_loss_coef * z
+            self._sums[3] += z.detach()
             load = stats.tokens_per_expert.sum(1)  # [L, E]
             self._expert_load = load if self._expert_load is None else self._expert_load + load
         return loss
@@ -197,10 +223,12 @@ class StepLoss:
     def end(self) -> dict:
         sums = self._sums
         dist.all_reduce(sums)  # over the world: every rank holds a distinct part of the batch
-        loss_sum, aux, mtp_sum = sums.tolist()
+        loss_sum, aux, mtp_sum, z = sums.tolist()
+        routed = self._expert_load is not None
         record = {
             "loss": loss_sum / max(self.counts.tokens, 1),
-            "aux_loss": aux if self._expert_load is not None else None,
+            "aux_loss": aux if routed else None,
+            "z_loss": z if routed else None,
             "tokens": self.counts.tokens,  # in the loss (a loss mask may leave some out)
             "tokens_all": self.counts.inputs,  # computed on
             "data_fingerprint": self.counts.fingerprint,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from parallelisms.dims import ParallelDims
@@ -69,4 +70,28 @@ def source_tokens(blend: BlendedOrder, consumed_samples: int, cfg: JobConfig) ->
     return {
         f"tokens/{name}": samples * cfg.data.seq_len
         for name, samples in zip(blend.keys, cursors, strict=True)
+    }
+
+
+# An expert with under this share of its layer's mean load is "starved" in the metrics.
+STARVED_SHARE = 0.1
+
+
+def balance_figures(load: torch.Tensor) -> dict:
+    """The routers' balance over the step's global batch, from this rank's load [L, E]
+    (assignments per MoE layer and expert, summed over its forwards): all-reduced over
+    the world (every rank holds a distinct part of the batch).
+
+    expert_load_max_over_mean: per layer, the busiest expert's load over the mean, from 1
+    (even) to E / k (every token on the same k experts: top-k of E). expert_load_starved:
+    per layer, the experts under 10% of the mean load. Together they say what no pooled
+    figure can: which layer is unbalanced, and whether experts sit idle in it.
+    """
+    load = load.clone()
+    dist.all_reduce(load)  # [L, E] over the whole global batch
+    mean = load.mean(1, keepdim=True)  # [L, 1]
+    return {
+        "expert_load": load.int().tolist(),
+        "expert_load_max_over_mean": (load.max(1).values / mean[:, 0]).tolist(),
+        "expert_load_starved": (load < STARVED_SHARE * mean).sum(1).tolist(),
     }

@@ -132,7 +132,9 @@ def build_model(
     bf16 = cfg.train.mixed_precision == "bf16" or (
         cfg.train.mixed_precision == "auto" and device.type == "cuda"
     )
-    moe_options = MoEOptions(gemm=cfg.moe.gemm, capacity_factor=cfg.moe.capacity_factor)
+    moe_options = MoEOptions(
+        gemm=cfg.moe.gemm, capacity_factor=cfg.moe.capacity_factor, z_loss=cfg.moe.z_loss_coef > 0
+    )
     with torch.device("meta"):
         model = spec.build(cfg.model.args, moe_options)
     parallel = parallelize(

@@ -35,10 +35,10 @@ from trainer.hf.weights import load_hf_weights
 from trainer.loop.balance import attach_bias_update
 from trainer.loop.evaluation import Evaluator, batch_preparer
 from trainer.loop.guard import StepGuard, poison_one_gradient
-from trainer.loop.losses import StepLoss, model_inputs
+from trainer.loop.losses import BalanceTerms, StepLoss, model_inputs
 from trainer.loop.optim import build_optimizer, set_lr
 from trainer.loop.profiling import StepProfiler
-from trainer.loop.report import source_tokens, startup_lines, step_figures
+from trainer.loop.report import balance_figures, source_tokens, startup_lines, step_figures
 from trainer.loop.resume import accept_checkpoint, data_identity
 from trainer.loop.setup import build_model, init_distributed, resolve_device
 from trainer.metrics.logger import MetricsLogger, peak_flops
@@ -56,6 +56,7 @@ class Trainer:
         self.meshes = build_meshes(dims, self.device.type)
         torch.manual_seed(cfg.train.seed)  # the RNG state a checkpoint saves starts from it
         self.step = 0
+        self._first_step_of_run = True  # its expert load is logged whatever the interval
         self.history: list[dict] = []
         self._stop_requested = False
         self._notes: list[str] = []  # said on the console once the logger exists
@@ -94,7 +95,7 @@ class Trainer:
         self.cp_rank = self.meshes.world.get_local_rank("cp")
         self.step_loss = StepLoss(
             self.terms,
-            cfg.moe.aux_loss_mode,
+            BalanceTerms.of(cfg.moe),
             self.dims,
             self.meshes.world.get_group("cp"),
             cfg.train.global_batch_size,
@@ -234,11 +235,11 @@ class Trainer:
             record.update(self.optimizer_step(record["loss"]))
         load = record.pop("expert_load")
         interval = self.cfg.metrics.expert_load_interval
-        if load is not None and interval and self.step % interval == 0:
-            load = load.clone()
-            dist.all_reduce(load)  # [L, E] over the whole global batch
-            record["expert_load"] = load.int().tolist()
-            record["expert_load_max_over_mean"] = (load.max(1).values / load.mean(1)).tolist()
+        # The first step of a run too: its forward routes with the weights the run began
+        # from (the init's routing, "step 0", on a fresh run).
+        first, self._first_step_of_run = self._first_step_of_run, False
+        if load is not None and interval and (first or self.step % interval == 0):
+            record.update(balance_figures(load))
         if self.dispatchers:
             traffic = [d.reset_traffic() for d in self.dispatchers]
             record["a2a_bytes"] = sum(t.sent for t in traffic)

@@ -130,6 +130,10 @@ class MetricsLogger:
             parts.append(f"mtp {r['mtp_loss']:.4f}")
         if r.get("aux_loss") is not None:
             parts.append(f"aux {r['aux_loss']:.4f}")
+        if r.get("expert_load_max_over_mean"):  # the worst layer's balance
+            worst = max(r["expert_load_max_over_mean"])
+            starved = sum(r.get("expert_load_starved", []))
+            parts.append(f"load max/mean {worst:.2f} (starved {starved})")
         parts += [
             f"gnorm {r['grad_norm']:.3f}",
             f"lr {r['lr']:.2e}",

@@ -1,8 +1,9 @@
 """`python -m trainer.metrics.plot OUTPUT_DIR [--out DIR]`: pictures of a run from its metrics.jsonl.
 
 Writes PNGs next to it (or in --out): loss (with the held-out loss, per source for a blend,
-and aux and MTP losses when logged), learning
-rate, grad norm, tokens/s, and one heatmap per MoE layer of its expert load over the steps
+aux, z and MTP losses when logged), learning
+rate, grad norm, tokens/s, the balance of each MoE layer (max/mean load, starved experts),
+and one heatmap per MoE layer of its expert load over the steps
 (each step's row relative to its mean: 1 is balanced). Needs matplotlib.
 """
 
@@ -62,6 +63,29 @@ def _expert_load(plt, records: list[dict], out_dir: str) -> list[str]:
     return written
 
 
+def _balance(plt, records: list[dict], out: str) -> list[str]:
+    """Per MoE layer over the steps: the busiest expert's load over the mean (1 = even, the
+    ceiling E/k = all tokens on k experts) and the experts under 10% of the mean."""
+    rows = [r for r in records if r.get("expert_load_max_over_mean")]
+    if not rows:
+        return []
+    steps = [r["step"] for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    for layer in range(len(rows[0]["expert_load_max_over_mean"])):
+        top.plot(
+            steps, [r["expert_load_max_over_mean"][layer] for r in rows], label=f"layer {layer}"
+        )
+        starved = [r.get("expert_load_starved", [0] * (layer + 1))[layer] for r in rows]
+        bottom.plot(steps, starved, label=f"layer {layer}")
+    top.set(ylabel="max / mean load", title="expert load balance per MoE layer")
+    bottom.set(xlabel="step", ylabel="experts < 10% of mean")
+    top.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    _save(fig, out)
+    plt.close(fig)
+    return [out]
+
+
 def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
@@ -83,12 +107,13 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     figure = os.path.join
     per_source = sorted({k for r in records for k in r if k.startswith("eval_loss/")})
-    losses = ["loss", "eval_loss", *per_source, "aux_loss", "mtp_loss"]
+    losses = ["loss", "eval_loss", *per_source, "aux_loss", "z_loss", "mtp_loss"]
     return [
         _curves(plt, records, losses, "losses", figure(out_dir, "loss.png"), True),
         _curves(plt, records, ["lr"], "learning rate", figure(out_dir, "lr.png"), False),
         _curves(plt, records, ["grad_norm"], "grad norm (before clipping)", figure(out_dir, "grad_norm.png"), True),
         _curves(plt, records, ["tokens_per_s"], "tokens/s", figure(out_dir, "tokens_per_s.png"), False),
+        *_balance(plt, records, figure(out_dir, "balance.png")),
         *_expert_load(plt, records, out_dir),
     ]  # fmt: skip
 
