@@ -22,8 +22,16 @@ def conversations() -> list[list[dict[str, str]]]:
     return [json.loads(line)["messages"] for line in CHAT_DATA.read_text().splitlines()]
 
 
-def save_chat_tokenizer(directory: Path, template: str | None = CHATML):
-    """A byte-level BPE trained on the test conversations, saved with transformers."""
+def save_chat_tokenizer(
+    directory: Path,
+    template: str | None = CHATML,
+    specials: list[str] = SPECIALS,
+    texts: list[str] = (),
+    bos: str | None = None,
+    eos: str = "<|im_end|>",
+):
+    """A byte-level BPE trained on the test conversations (and `texts`), saved with
+    transformers; `specials` are single tokens, the first one the padding."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -32,13 +40,16 @@ def save_chat_tokenizer(directory: Path, template: str | None = CHATML):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=300,
-        special_tokens=SPECIALS,
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    texts = [m["content"] for conv in conversations() for m in conv] + ["system user assistant"]
+    texts = [m["content"] for conv in conversations() for m in conv] + [
+        *texts,
+        "system user assistant",
+    ]
     tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+        tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=specials[0]
     )
     if template is not None:
         fast.chat_template = template

@@ -36,6 +36,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "covers the assistant turns; --tokenizer names the model directory with its chat "
         "template) or prompt_completion ({prompt, completion}: the loss covers the completion)",
     )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="--format chat: render with the Jinja chat template in FILE instead of the "
+        "tokenizer's (e.g. a training template that keeps every turn's think block)",
+    )
     parser.add_argument("--text-field", default="text", help="jsonl/dataset field of the text")
     parser.add_argument("--split", default="train", help="hf_datasets split")
     parser.add_argument("--eos-token", default=None, help="token that ends each document")
@@ -52,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--source and --path are required (unless --verify)")
     if args.format != "text" and args.source != "jsonl":
         parser.error(f"--format {args.format} reads JSON lines: use --source jsonl")
+    if args.chat_template is not None and args.format != "chat":
+        parser.error("--chat-template renders conversations: it needs --format chat")
     return args
 
 
@@ -80,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 eos_token=args.eos_token,
                 shard_mb=args.shard_mb,
                 format=args.format,
+                chat_template=args.chat_template,
                 overwrite=args.overwrite,
                 progress=args.progress or sys.stderr.isatty(),
             )

@@ -1,13 +1,19 @@
 """`--format chat|prompt_completion`: instruction data rendered to tokens and a loss mask.
 
 - chat: a JSON line `{"messages": [{"role": ..., "content": ...}, ...]}` is rendered with the
-  tokenizer's own chat template by transformers' `apply_chat_template` (the model
-  directory's `tokenizer_config.json`), then tokenized as `apply_chat_template` tokenizes
+  tokenizer's own chat template (the model directory's, or `--chat-template FILE`) by
+  transformers' `apply_chat_template`, then tokenized as `apply_chat_template` tokenizes
   (the text, no special tokens added): the tokens the model was trained with. The loss mask
-  covers each assistant turn and its end-of-turn token: the text the template adds for that
-  turn (between the prompt rendered with `add_generation_prompt=True` and the conversation
-  rendered up to that turn), less trailing whitespace. A template that does not render a
-  conversation prefix by prefix is refused.
+  covers each assistant turn as the full rendering of the conversation shows it:
+  - a template with `{% generation %}` blocks marks them itself (transformers'
+    `return_assistant_tokens_mask`);
+  - otherwise each assistant turn is located in the full rendering (`_assistant_span`):
+    from the end of its prompt (the conversation before it, rendered with the generation
+    prompt) to the end of its content and the template's end-of-turn text, less trailing
+    whitespace. A template that rewrites earlier turns (Qwen3 drops the think block of
+    every assistant turn before the last user message) trains on what the full rendering
+    shows of them. A conversation whose turns cannot be located is refused, naming the
+    turn, the cause and the fix.
 - prompt_completion: `{"prompt": ..., "completion": ...}` tokenized separately (so the
   boundary never merges) and concatenated; the loss covers the completion and the EOS.
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -33,9 +40,10 @@ FORMATS = ("text", "chat", "prompt_completion")
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def chat_tokenizer(path: str) -> Any:
+def chat_tokenizer(path: str, template_file: str | None = None) -> Any:
     """transformers' tokenizer of a model directory (or a tokenizer.json's directory), with
-    its chat template; DataError naming the fix when it has none."""
+    its chat template, or the Jinja template in `template_file` instead (`--chat-template`);
+    DataError naming the fix when there is none."""
     directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     from transformers import AutoTokenizer
 
@@ -47,6 +55,15 @@ def chat_tokenizer(path: str) -> Any:
             f"({type(err).__name__}: {err}); --format chat needs the model's directory "
             "(tokenizer.json and tokenizer_config.json)"
         ) from None
+    if template_file is not None:
+        try:
+            with open(template_file, encoding="utf-8") as f:
+                tok.chat_template = f.read()
+        except OSError as err:
+            raise DataError(
+                f"--chat-template {template_file!r}: cannot read it ({err.strerror}); give "
+                "the path of a Jinja chat template file"
+            ) from None
     if not getattr(tok, "chat_template", None):
         raise DataError(
             f"the tokenizer in {directory} has no chat template (no chat_template in its "
@@ -88,32 +105,45 @@ def check_messages(record: Any, where: str) -> list[dict[str, str]]:
     return messages
 
 
+# Appended to one assistant turn's content to find where the template puts that content's
+# end: text no template rewrites and no conversation holds (checked).
+_MARK = "\u2063<moetrain:end-of-content>\u2063"
+
+
+def has_generation_markers(template: str) -> bool:
+    """Whether a chat template marks the assistant's text itself ({% generation %})."""
+    return re.search(r"{%-?\s*generation\s*-?%}", template) is not None
+
+
 def render_chat(
     tok: Any, messages: list[dict[str, str]], where: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """(ids, mask) of one conversation: int64 [T] and uint8 [T], EOS not included."""
-
-    def text(upto: int, prompt: bool) -> str:
-        return tok.apply_chat_template(
-            messages[:upto], tokenize=False, add_generation_prompt=prompt
+    if has_generation_markers(tok.chat_template):
+        out = tok.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
-
-    full = text(len(messages), False)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        if i == 0:
-            raise _problem(where, "the first message is an assistant turn: there is no prompt")
-        prompt, upto = text(i, True), text(i + 1, False)
-        if not (full.startswith(upto) and upto.startswith(prompt)):
+        mask = np.asarray(out["assistant_masks"], dtype=np.uint8)
+        if not mask.any():
             raise _problem(
                 where,
-                "the chat template does not render this conversation prefix by prefix, so the "
-                "assistant turns cannot be found in it; use a template that does (or "
-                "--format prompt_completion)",
+                "the chat template's {% generation %} blocks mark no token of this "
+                "conversation; put each assistant turn's text (and its end-of-turn token) "
+                "inside {% generation %} ... {% endgeneration %}",
             )
-        spans.append((len(prompt), len(upto.rstrip())))
+        return np.asarray(out["input_ids"], dtype=np.int64), mask
+
+    def text(msgs: list[dict[str, str]], prompt: bool = False) -> str:
+        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt)
+
+    full = text(messages)
+    if any(_MARK in m["content"] for m in messages):
+        raise _problem(where, "a message holds the renderer's marker text; remove it")
+    spans = [
+        _assistant_span(text, messages, i, full, where)
+        for i, m in enumerate(messages)
+        if m["role"] == "assistant"
+    ]
     encoded = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(encoded["input_ids"], dtype=np.int64)
     starts = np.asarray([s for s, _ in encoded["offset_mapping"]], dtype=np.int64)
@@ -121,6 +151,62 @@ def render_chat(
     for a, b in spans:
         mask[(starts >= a) & (starts < b)] = 1
     return ids, mask
+
+
+_FIX = (
+    "use --chat-template FILE with a template that renders every turn the same way whatever "
+    "follows it, or one with {% generation %} blocks (or --format prompt_completion)"
+)
+
+
+def _assistant_span(
+    text: Callable[..., str], messages: list[dict[str, str]], i: int, full: str, where: str
+) -> tuple[int, int]:
+    """Character span [a, b) of assistant turn i in the full rendering `full`: from the end
+    of its prompt to the end of its content plus the template's end-of-turn text."""
+    turn = f"assistant turn {i} (message {i})"
+    if i == 0:
+        raise _problem(where, "the first message is an assistant turn: there is no prompt")
+    prompt = text(messages[:i], True)  # [..., generation prompt]
+    if not full.startswith(prompt):
+        at = next(
+            (k for k, (x, y) in enumerate(zip(prompt, full, strict=False)) if x != y),
+            min(len(prompt), len(full)),
+        )
+        raise _problem(
+            where,
+            f"{turn}: the conversation before it, rendered with the generation prompt, is not "
+            f"how the full rendering begins (they differ at character {at}: "
+            f"{prompt[at : at + 30]!r} against {full[at : at + 30]!r}): the chat template "
+            f"renders the earlier turns differently when this turn follows; {_FIX}",
+        )
+    marked = [*messages[:i], dict(messages[i], content=messages[i]["content"] + _MARK)]
+    full_marked = text(marked + messages[i + 1 :])
+    if full_marked.count(_MARK) != 1:
+        raise _problem(
+            where,
+            f"{turn}: the chat template shows its content {full_marked.count(_MARK)} times in "
+            f"the rendering, not once, so the turn cannot be located; {_FIX}",
+        )
+    after = full_marked[full_marked.index(_MARK) + len(_MARK) :]  # the rest, from its end
+    end = len(full) - len(after)
+    if not full.endswith(after) or end < len(prompt):
+        raise _problem(
+            where,
+            f"{turn}: the chat template renders the rest of the conversation differently when "
+            f"the turn's content changes, so its end cannot be located; {_FIX}",
+        )
+    # The end-of-turn text: what the template writes after the content when the turn is
+    # the last one (e.g. <|im_end|>, <|eot_id|>), without the whitespace that follows it.
+    last = text(marked)
+    closing = last[last.index(_MARK) + len(_MARK) :].rstrip()
+    if not full.startswith(closing, end):
+        raise _problem(
+            where,
+            f"{turn}: its end-of-turn text {closing!r} does not follow its content in the full "
+            f"rendering ({full[end : end + 30]!r}); {_FIX}",
+        )
+    return len(prompt), end + len(closing)
 
 
 def check_prompt_completion(record: Any, where: str) -> tuple[str, str]:
@@ -137,14 +223,14 @@ def check_prompt_completion(record: Any, where: str) -> tuple[str, str]:
     return record["prompt"], record["completion"]
 
 
-_TOKENIZERS: dict[tuple[str, str], Any] = {}  # per worker process: loaded once
+_TOKENIZERS: dict[tuple[str, str, str | None], Any] = {}  # per worker process: loaded once
 
 
 def _tokenizer(job: dict) -> Any:
-    key = (job["format"], job["tokenizer_arg"])
+    key = (job["format"], job["tokenizer_arg"], job.get("chat_template"))
     if key not in _TOKENIZERS:
         if job["format"] == "chat":
-            _TOKENIZERS[key] = chat_tokenizer(job["tokenizer_arg"])
+            _TOKENIZERS[key] = chat_tokenizer(job["tokenizer_arg"], job.get("chat_template"))
         else:
             from tokenizers import Tokenizer
 

@@ -37,6 +37,7 @@ class PrepareArgs:
     overwrite: bool = False
     progress: bool = False
     format: str = "text"  # text | chat | prompt_completion (trainer/prepare/instructions.py)
+    chat_template: str | None = None  # --format chat: a Jinja file instead of the tokenizer's
 
 
 def repeat_command(args: PrepareArgs) -> str:
@@ -53,6 +54,8 @@ def repeat_command(args: PrepareArgs) -> str:
     words += ["--tokenizer", tokenizer, "--text-field", args.text_field]
     if args.format != "text":
         words += ["--format", args.format]
+    if args.chat_template is not None:
+        words += ["--chat-template", absolute(args.chat_template)]
     if args.source == "hf_datasets":
         words += ["--split", args.split]
     if args.eos_token is not None:
@@ -150,7 +153,7 @@ def plan_source(args: PrepareArgs, target: int) -> tuple[dict, list[str], list[d
         if args.format != "text":
             source["format"] = args.format
         if args.format == "chat":  # the template decides the tokens: a changed one is new data
-            template = instructions.chat_tokenizer(args.tokenizer).chat_template
+            template = instructions.chat_tokenizer(args.tokenizer, args.chat_template).chat_template
             source["chat_template_sha256"] = hashlib.sha256(str(template).encode()).hexdigest()
         sizes = [s.st_size for s in stats]
         return source, files, plan_file_units(files, sizes, target, args.source == "jsonl")

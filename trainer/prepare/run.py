@@ -233,6 +233,7 @@ def prepare(args: PrepareArgs) -> Summary:
         "block_bytes": shards.BLOCK_BYTES,
         "format": args.format,
         "tokenizer_arg": args.tokenizer,  # --format chat: the directory with the template
+        "chat_template": args.chat_template,  # --format chat: or this template file
     }  # fmt: skip
     progress = Progress(sum(u["bytes"] for u in units), args.progress)
     workers = min(args.workers or os.cpu_count() or 1, len(units))

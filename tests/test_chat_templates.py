@@ -1,0 +1,191 @@
+"""Chat templates as the model families publish them, written here with the same
+behaviours: each case's ids are `apply_chat_template`'s and its loss mask equals an
+independent search for the assistant turns in the full rendering, on multi-turn
+conversations with system prompts, empty assistant turns, think blocks and non-ASCII text.
+
+- Qwen3-like: ChatML; the think block shows only in assistant turns after the last user
+  message (earlier turns lose theirs), so no prefix of the conversation renders as the
+  full one does.
+- Qwen2.5-like: ChatML with a default system prompt when there is none.
+- Llama-3-like: a BOS, role headers, trimmed content, <|eot_id|>.
+- DeepSeek-like: a BOS, no newline after the role, the EOS ends each assistant turn.
+- ChatML with {% generation %} blocks: the template marks the assistant's text itself.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.chat_model import save_chat_tokenizer
+from trainer.prepare.cli import main as prepare
+from trainer.prepare.instructions import chat_tokenizer, render_chat
+
+pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
+
+QWEN3_LIKE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{%- set content = m.content -%}{%- set think = '' -%}"
+    "{%- if '</think>' in content -%}"
+    "{%- set think = content.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{%- if loop.index0 > ns.last_user -%}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + think + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- else -%}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+QWEN25_LIKE = (
+    "{%- if messages[0].role != 'system' -%}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+LLAMA3_LIKE = (
+    "{{- bos_token -}}"
+    "{%- for m in messages -%}"
+    "{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content | trim + '<|eot_id|>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
+)
+DEEPSEEK_LIKE = (
+    "{{- bos_token -}}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' -%}{{- m.content + '\\n\\n' -}}"
+    "{%- elif m.role == 'user' -%}{{- '<｜User｜>' + m.content -}}"
+    "{%- elif m.role == 'assistant' -%}{{- '<｜Assistant｜>' + m.content + eos_token -}}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<｜Assistant｜>' -}}{%- endif -%}"
+)
+CHATML_GENERATION = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- generation -%}{{- m.content + '<|im_end|>' -}}{%- endgeneration -%}{{- '\\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA_SPECIALS = ["<|end_of_text|>", "<|begin_of_text|>", "<|start_header_id|>",
+                  "<|end_header_id|>", "<|eot_id|>"]  # fmt: skip
+DEEPSEEK_SPECIALS = ["<｜▁pad▁｜>", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+                     "<｜User｜>", "<｜Assistant｜>"]  # fmt: skip
+
+# name: (template, specials, bos, eos, (assistant header, end of its turn) for the search)
+CASES = {
+    "qwen3": (QWEN3_LIKE, CHATML_SPECIALS, None, "<|im_end|>",
+              ("<|im_start|>assistant\n", "<|im_end|>")),
+    "qwen2.5": (QWEN25_LIKE, CHATML_SPECIALS, None, "<|im_end|>",
+                ("<|im_start|>assistant\n", "<|im_end|>")),
+    "llama3": (LLAMA3_LIKE, LLAMA_SPECIALS, "<|begin_of_text|>", "<|eot_id|>",
+               ("<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>")),
+    "deepseek": (DEEPSEEK_LIKE, DEEPSEEK_SPECIALS, "<｜begin▁of▁sentence｜>",
+                 "<｜end▁of▁sentence｜>", ("<｜Assistant｜>", "<｜end▁of▁sentence｜>")),
+    "chatml_generation": (CHATML_GENERATION, CHATML_SPECIALS, None, "<|im_end|>",
+                          ("<|im_start|>assistant\n", "<|im_end|>")),
+}  # fmt: skip
+
+
+def _m(role: str, content: str) -> dict[str, str]:
+    return {"role": role, "content": content}
+
+
+CONVERSATIONS = [
+    [_m("system", "You answer in one line."), _m("user", "Name a prime."), _m("assistant", "Seven."),
+     _m("user", "And an even one?"), _m("assistant", "Two, the only even prime.")],
+    # Think blocks: Qwen3-like shows the last turn's, and drops the first's.
+    [_m("user", "2+2?"), _m("assistant", "<think>\nadd them\n</think>\n\nFour."),
+     _m("user", "Times three?"), _m("assistant", "<think>\n4*3\n</think>\n\nTwelve.")],
+    # An empty assistant turn, in the middle and at the end.
+    [_m("user", "Say nothing."), _m("assistant", ""), _m("user", "Now say hi."),
+     _m("assistant", "Hi!"), _m("user", "Nothing again."), _m("assistant", "")],
+    # Non-ASCII, and whitespace a template may trim.
+    [_m("system", "Réponds en français, s'il te plaît."), _m("user", "Grüße? 日本語は？ 🎉"),
+     _m("assistant", "  Bonjour — 你好, ça va ✓  \n"), _m("user", "Encore « une » fois."),
+     _m("assistant", "Très bien: ĉiam pli 🎉.")],
+    [_m("user", "One round only."), _m("assistant", "One answer.")],
+]  # fmt: skip
+
+
+def _expected_mask(full: str, offsets: list[tuple[int, int]], header: str, end: str) -> list[int]:
+    """The assistant turns found by hand in the full rendering: from after each assistant
+    header to the end of the next end-of-turn text, as character spans; a token is in the
+    mask when its first character is in one."""
+    spans, at = [], 0
+    while (h := full.find(header, at)) >= 0:
+        a = h + len(header)
+        b = full.index(end, a) + len(end)
+        spans.append((a, b))
+        at = b
+    return [int(any(a <= s < b for a, b in spans)) for s, _ in offsets]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory) -> dict:
+    """Each case's tokenizer: a BPE trained here, its specials, the template."""
+    out = {}
+    texts = [m["content"] for conv in CONVERSATIONS for m in conv]
+    for name, (template, specials, bos, eos, _) in CASES.items():
+        directory = tmp_path_factory.mktemp(name.replace(".", "_"))
+        save_chat_tokenizer(directory, template, specials, texts, bos=bos, eos=eos)
+        out[name] = chat_tokenizer(str(directory))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_ids_are_apply_chat_templates_and_the_mask_the_assistant_turns(tokenizers, name):
+    tok, (header, end) = tokenizers[name], CASES[name][-1]
+    for conv in CONVERSATIONS:
+        ids, mask = render_chat(tok, conv, "x:1")
+        assert ids.tolist() == list(tok.apply_chat_template(conv, tokenize=True, return_dict=False))
+        full = tok.apply_chat_template(conv, tokenize=False)
+        offsets = tok(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        assert mask.tolist() == _expected_mask(full, offsets, header, end), (name, conv)
+        turns = sum(m["role"] == "assistant" for m in conv)
+        assert full.count(header) == turns  # the search saw every turn
+        # Every turn's end-of-turn token is a target: the model learns to stop.
+        stop = tok.convert_tokens_to_ids(end)
+        assert sum(mask[ids == stop]) == turns
+
+
+def test_qwen3_trains_on_the_think_block_the_full_rendering_shows(tokenizers):
+    tok = tokenizers["qwen3"]
+    ids, mask = render_chat(tok, CONVERSATIONS[1], "x:1")
+    trained = tok.decode(ids[mask == 1])
+    assert "4*3" in trained and "Twelve." in trained and "Four." in trained
+    assert "add them" not in tok.decode(ids)  # the earlier turn's reasoning is not shown
+
+
+def test_a_conversation_no_rendering_can_mask_is_refused_by_turn(tmp_path, capsys):
+    # The header counts the messages: every prompt renders another first line than the
+    # full conversation does.
+    template = "{{- messages | length }} messages\n" + CASES["qwen2.5"][0]
+    directory = tmp_path / "tok"
+    save_chat_tokenizer(directory, template, CHATML_SPECIALS)
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"messages": CONVERSATIONS[4]}) + "\n")
+    argv = ["--source", "jsonl", "--format", "chat", "--path", str(path), "--tokenizer",
+            str(directory), "--out", str(tmp_path / "o"), "--workers", "1"]  # fmt: skip
+    assert prepare(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:1" in err and "assistant turn 1 (message 1)" in err
+    assert "renders the earlier turns differently" in err and "--chat-template FILE" in err
+
+    # The fix it names: another template for the same tokenizer, a Qwen2.5-like one.
+    fixed = tmp_path / "template.jinja"
+    fixed.write_text(CASES["qwen2.5"][0])
+    assert prepare([*argv, "--chat-template", str(fixed), "--overwrite"]) == 0
+    mask = np.fromfile(tmp_path / "o" / "shard-00000.mask", dtype=np.uint8)
+    tok = chat_tokenizer(str(directory), str(fixed))
+    assert mask[:-1].tolist() == render_chat(tok, CONVERSATIONS[4], "x")[1].tolist()  # + EOS
