@@ -115,7 +115,9 @@ def apply_expert_parallel(
     num_experts = None
     for name, param in list(experts.named_parameters(recurse=False)):
         num_experts = param.shape[0]
-        sharded = nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]))
+        sharded = nn.Parameter(
+            distribute_tensor(param.data, ep_mesh, [Shard(0)]), requires_grad=param.requires_grad
+        )  # a frozen base (LoRA) stays frozen
         experts.register_parameter(name, sharded)
     if node_meshes is None:
         dispatcher: TokenDispatcher = AllToAllDispatcher(ep_mesh, num_experts, ranks_per_node)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from models.common.init import TILE_ELEMS, init_tiles, tile_generator
+from models.common.lora import is_adapter
 
 
 def local_index(param: torch.Tensor) -> tuple[slice, ...]:
@@ -23,8 +26,10 @@ def local_index(param: torch.Tensor) -> tuple[slice, ...]:
 
 def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters, then buffers (e.g. a router's correction bias): what a model's
-    initialisation, HF import and export handle. Buffers stay plain, replicated tensors."""
-    return [*model.named_parameters(), *model.named_buffers()]
+    initialisation, HF import and export handle. Buffers stay plain, replicated tensors.
+    LoRA adapters are not the model's weights: `trainer/loop/peft.py` handles them."""
+    params = [(n, p) for n, p in model.named_parameters() if not is_adapter(n)]
+    return [*params, *model.named_buffers()]
 
 
 def _overlap(a: tuple[slice, ...], b: tuple[slice, ...]) -> tuple[slice, ...] | None:
@@ -37,16 +42,29 @@ def _shift(box: tuple[slice, ...], origin: tuple[slice, ...]) -> tuple[slice, ..
     return tuple(slice(s.start - o.start, s.stop - o.start) for s, o in zip(box, origin))
 
 
+# reset(name, tile, generator): fill `tile` (a region of the full tensor `name`) in place.
+Reset = Callable[[str, torch.Tensor, torch.Generator], None]
+
+
 @torch.no_grad()
-def init_weights_global(model: nn.Module, seed: int, tile_elems: int = TILE_ELEMS) -> None:
+def init_weights_global(
+    model: nn.Module,
+    seed: int,
+    tile_elems: int = TILE_ELEMS,
+    weights: list[tuple[str, torch.Tensor]] | None = None,
+    reset: Reset | None = None,
+) -> None:
     """Give every parameter and buffer the values the unsharded model would get
     (`models.common.init.init_all_`), holding at most one tile beyond the local shard.
+    `weights` and `reset`: other tensors (default: `named_weights`) and their fill
+    (default: the model's `reset_parameter`), e.g. LoRA adapters.
 
     Each rank generates only the tiles that meet its shard (`init_tiles`: fixed by the
     global shape, each from its own stream), so the same seed gives the same global weights
     on any layout, and no rank draws or holds a full expert stack or embedding.
     """
-    for name, param in named_weights(model):
+    reset = reset or model.reset_parameter
+    for name, param in weights if weights is not None else named_weights(model):
         local = param.to_local() if isinstance(param, DTensor) else param
         mine = local_index(param)
         tiles = init_tiles(tuple(param.shape), tile_elems)
@@ -57,7 +75,5 @@ def init_weights_global(model: nn.Module, seed: int, tile_elems: int = TILE_ELEM
             values = torch.empty(
                 tuple(s.stop - s.start for s in tile), dtype=torch.float32, device=local.device
             )
-            model.reset_parameter(
-                name, values, tile_generator(seed, name, k, len(tiles), local.device)
-            )
+            reset(name, values, tile_generator(seed, name, k, len(tiles), local.device))
             local[_shift(common, mine)] = values[_shift(common, tile)].to(local.dtype)

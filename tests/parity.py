@@ -32,6 +32,7 @@ from trainer.data.sampler import GlobalBatchSampler
 from trainer.data.tokenizers import build_tokenizer
 from trainer.loop.losses import with_mtp_targets
 from trainer.loop.optim import build_optimizer, lr_factor
+from trainer.loop.peft import apply_lora, init_adapters
 
 STEPS = 3
 TINY = [
@@ -134,11 +135,15 @@ def stepped_records(trainer, steps: int):
     seen = {}
     trainer.optimizer.register_step_pre_hook(
         lambda *_: seen.update(
-            grads={n: _full(q.grad) for n, q in trainer.model.named_parameters()}
+            grads={n: _full(q.grad) for n, q in trainer.model.named_parameters() if q.requires_grad}
         )
     )
+    # The parameters the optimizer holds (state and updates): the adapters alone under LoRA.
+    names = {id(q): n for n, q in trainer.model.named_parameters()}
+    optimized = sorted(names[id(q)] for g in trainer.optimizer.param_groups for q in g["params"])
     for _ in range(steps):
         out = trainer.train_step(trainer.next_micro_batches())
+        out["optimized"] = optimized
         out["grads"] = seen["grads"]
         out["params"] = {n: _full(q) for n, q in trainer.model.named_parameters()}
         yield out
@@ -212,7 +217,11 @@ def reference_run(argv: list[str], dp_size: int, routing: str | None = None) -> 
     cfg = load_config(argv)
     spec = get_model_spec(cfg.model.name)
     model = spec.build(cfg.model.args, MoEOptions(z_loss=True))  # z-loss gradients always
+    if cfg.peft.method == "lora":
+        apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
     model.init_weights(cfg.train.seed)
+    if cfg.peft.method == "lora":
+        init_adapters(model, cfg.train.seed)
     install_routing(model, routing)
     opt = build_optimizer(model, cfg.train)
     # torch's own scheduler, driven by the same formula (the trainer sets lr per step itself)
@@ -268,7 +277,9 @@ def reference_run(argv: list[str], dp_size: int, routing: str | None = None) -> 
             total_ce, total_aux = total_ce + ce.item(), total_aux + aux.item()
             total_z += z.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-        grads = {n: q.grad.detach().clone() for n, q in model.named_parameters()}  # clipped
+        grads = {
+            n: q.grad.detach().clone() for n, q in model.named_parameters() if q.requires_grad
+        }  # clipped
         with torch.no_grad():  # aux-loss-free balancing, as the DeepSeek-V3 report writes it
             for router in model.modules():
                 if isinstance(router, GroupLimitedRouter):

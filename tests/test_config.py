@@ -165,8 +165,8 @@ def _cli_text(value) -> str:
         return "none"
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, list):
-        return "[" + ", ".join(map(str, value)) + "]"
+    if isinstance(value, list):  # strings quoted: a TOML array, as the command line reads it
+        return "[" + ", ".join(repr(v) if isinstance(v, str) else str(v) for v in value) + "]"
     return str(value)
 
 

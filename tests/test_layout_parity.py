@@ -15,8 +15,11 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from models import get_model_spec
+from models.common.lora import is_adapter
 from tests.distributed import run_distributed
 from tests.parity import TINY, TINY_DSV3, assert_same_training, layout_worker, reference_run
+from trainer.config import load_config
 
 
 class Layout(NamedTuple):
@@ -33,12 +36,15 @@ GLOBAL_AUX = "--moe.aux_loss_mode=global_batch"
 # The aux loss is per layer by default; pooled is Hugging Face's. z-loss weighted enough that
 # its gradient shows in the routers' (losses and z_loss are compared on every row).
 POOLED, Z_LOSS = "--moe.aux_loss_layers=pooled", "--moe.z_loss_coef=0.05"
+# LoRA: the base frozen, adapters on attention and the routed experts (stacked per expert,
+# sharded over ep), and on DeepSeek-V3's shared experts; clipping kept active.
+LORA = ["--peft.method=lora", "--peft.rank=4", "--train.max_grad_norm=0.05"]
+LORA_ALL = [*LORA, '--peft.targets=["attention", "experts", "shared_experts"]']
 LAYOUTS = {
     "fsdp2": Layout(TINY, 2, [], 2),  # grad accumulation 2
     "hsdp2x2": Layout(TINY, 4, HSDP, 4),  # no accumulation
-    "fsdp4": Layout(TINY, 4, [], 4),
+    "fsdp4_lora": Layout(TINY, 4, LORA, 4),
     "ep2_efsdp2": Layout(TINY, 4, [EP2], 4),
-    "ep4": Layout(TINY, 4, ["--parallel.ep=4"], 4),
     "hsdp2x2_ep2_pooled_aux": Layout(TINY, 4, [*HSDP, EP2, POOLED], 4),
     # Experts 3..7 get no tokens; with ep 4, ranks 2 and 3 receive none at all.
     "ep4_skewed_idle_experts": Layout(TINY, 4, ["--parallel.ep=4"], 4, "skewed"),
@@ -51,6 +57,7 @@ LAYOUTS = {
     # DeepSeek-V3: MLA, group-limited routing with the bias update, MTP, sequence-wise aux.
     "dsv3_ep2_efsdp2_pooled_aux": Layout(TINY_DSV3, 4, [EP2, POOLED], 4),
     "dsv3_cp2_ep2_z": Layout(TINY_DSV3, 4, [CP2, EP2, Z_LOSS], 2),
+    "dsv3_cp2_ep2_lora": Layout(TINY_DSV3, 4, [CP2, EP2, *LORA_ALL], 2),
     # An ep group over 2 simulated nodes of 2 ranks: the two-stage dispatch.
     "dsv3_ep4_2nodes": Layout(TINY_DSV3, 4, ["--parallel.ep=4", "--parallel.ranks_per_node=2"], 4),
     # HSDP with ep 2 over 2 nodes of 1 rank: the rail stage alone (a node's stage is one rank).
@@ -77,6 +84,23 @@ def test_layout_matches_single_process(name, tmp_path):
             sent = sum(rank[step][f"{key}_bytes"] for rank in out["per_rank"])
             expected = sum(rank[step][f"{key}_expected"] for rank in out["per_rank"])
             assert sent == expected > 0
+    if "--peft.method=lora" in case.layout:
+        _assert_frozen_base(argv, out["records"])
     if case.model is TINY_DSV3:  # the bias update acted, in 2 MoE layers and the MTP one
         bias = {n: b for n, b in ref[-1]["buffers"].items() if n.endswith("correction_bias")}
         assert len(bias) == 3 and all(b.abs().max() > 0 for b in bias.values())
+
+
+def _assert_frozen_base(argv: list[str], records: list[dict]) -> None:
+    """Under LoRA the optimizer holds the adapters alone, and after training every base
+    weight still has the bytes of a fresh init; the adapters moved."""
+    cfg = load_config(argv)
+    base = get_model_spec(cfg.model.name).build(cfg.model.args)
+    base.init_weights(cfg.train.seed)
+    last = records[-1]
+    assert last["optimized"] == sorted(n for n in last["params"] if is_adapter(n))
+    assert set(last["grads"]) == set(last["optimized"])  # no gradient for a frozen weight
+    for name, value in base.named_parameters():
+        assert torch.equal(last["params"][name], value), f"frozen {name} changed"
+    moved = [n for n in last["optimized"] if n.endswith("lora_B") and last["params"][n].any()]
+    assert len(moved) == len(last["optimized"]) // 2  # B left zero in every adapter

@@ -219,14 +219,17 @@ class GroupedExperts(RoutedExperts):
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
     def ffn(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self.gate_up_proj, self.down_proj
-        if isinstance(gate_up, DTensor):
+        gate, up = self.project(x_sorted, "gate_up", tokens_per_expert).chunk(2, dim=-1)
+        return self.project(F.silu(gate) * up, "down", tokens_per_expert)
+
+    def project(self, x: torch.Tensor, name: str, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Rows [N, in] through each one's expert's `{name}_proj` ("gate_up" or "down")."""
+        w = getattr(self, f"{name}_proj")
+        if isinstance(w, DTensor):
             # NOTE: under expert parallelism the weights are DTensors sharded on the expert
             # dim; the dispatcher already delivered exactly the tokens of the local experts.
-            gate_up, down = gate_up.to_local(), down.to_local()
-        h = grouped_mm(x_sorted, gate_up.transpose(-2, -1), tokens_per_expert, self.gemm)
-        gate, up = h.chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), tokens_per_expert, self.gemm)
+            w = w.to_local()
+        return grouped_mm(x, w.transpose(-2, -1), tokens_per_expert, self.gemm)
 
 
 class MoE(nn.Module):

@@ -20,5 +20,7 @@ class ParallelPlan:
     # Attention cores (models.common.attention.AttentionCore): context parallelism runs
     # them as a ring.
     attention_core: Patterns | None = None
+    # Shared experts (dense MLPs every token goes through): LoRA's `shared_experts` target.
+    shared_experts: Patterns | None = None
     # Modules whose parameters stay fp32 under bf16 mixed precision (e.g. routers).
     fp32_modules: tuple[str, ...] = field(default_factory=tuple)

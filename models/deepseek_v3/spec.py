@@ -11,6 +11,7 @@ PLAN = ParallelPlan(
     blocks=("layers.*", "mtp.*"),
     routed_experts=("layers.*.mlp.experts", "mtp.*.block.mlp.experts"),
     attention_core=("layers.*.self_attn.core", "mtp.*.block.self_attn.core"),
+    shared_experts=("layers.*.mlp.shared_experts", "mtp.*.block.mlp.shared_experts"),
     fp32_modules=("layers.*.mlp.gate", "mtp.*.block.mlp.gate"),
 )
 

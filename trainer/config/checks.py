@@ -93,6 +93,11 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
         "keep/reuse dispatch modes make torch.compile run the blocks eagerly); use "
         "activation_checkpoint=full or none with compile, or set train.compile=false",
     )
+    need(
+        cfg.peft.method != "lora" or bool(cfg.peft.targets),
+        "peft.method=lora with peft.targets=[] would train nothing: name what gets adapters "
+        "(attention, experts, shared_experts), or set peft.method=none",
+    )
     prof = cfg.profile.steps
     need(
         not prof or (len(prof) == 2 and prof[0] <= prof[1] <= t.steps),

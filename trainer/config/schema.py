@@ -262,6 +262,26 @@ class MoESection:
 
 
 @dataclass
+class PeftSection:
+    method: str = arg(
+        "none",
+        "none (train every weight) | lora (freeze the model; train low-rank adapters "
+        "W + alpha/rank * B @ A on peft.targets, B starting at zero)",
+        choices=("none", "lora"),
+    )
+    rank: int = arg(8, "LoRA rank r", ge=1)
+    alpha: float = arg(16.0, "LoRA alpha: the update is scaled by alpha / rank", gt=0)
+    dropout: float = arg(0.0, "dropout on the adapters' input (0 = off)", ge=0, lt=1)
+    targets: list[str] = arg(
+        ["attention", "experts"],
+        "what gets adapters: attention (every linear projection of the attention blocks), "
+        "experts (the routed experts, adapters stacked per expert and sharded like them), "
+        "shared_experts",
+        choices=("attention", "experts", "shared_experts"),
+    )
+
+
+@dataclass
 class CheckpointSection:
     interval: int = arg(0, "save every N steps (0 = no checkpoints)", ge=0, note="0 = off")
     resume: str = arg("auto", "auto (newest complete checkpoint) | none | PATH")
@@ -361,6 +381,7 @@ class JobConfig:
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     moe: MoESection = field(default_factory=MoESection)
+    peft: PeftSection = field(default_factory=PeftSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     eval: EvalSection = field(default_factory=EvalSection)

@@ -68,7 +68,10 @@ class ShardedState:
 
 
 def sharded_state(
-    optimizer: torch.optim.Optimizer, world_size: int, weight: dict[int, float] | None = None
+    optimizer: torch.optim.Optimizer,
+    world_size: int,
+    weight: dict[int, float] | None = None,
+    frozen: list[nn.Parameter] = (),
 ) -> ShardedState:
     """Parameter, gradient and optimizer bytes of every rank, from this rank's meta shards
     (the parameters of `optimizer`, a real optimizer over the parallelized meta model).
@@ -80,13 +83,18 @@ def sharded_state(
     shards; a state tensor shaped like the shard scales with each rank's unpadded shard,
     any other is counted as is. `weight` (id of a parameter -> factor, default 1): how
     many times a parameter counts, for the blocks `sample_blocks` stands in for. Update:
-    `update_transient`, scaled to each rank's unpadded shards as the state is.
+    `update_transient`, scaled to each rank's unpadded shards as the state is. `frozen`:
+    parameters outside the optimizer (LoRA's base): their shards, and no gradient.
     """
     weight = weight or {}
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    padded = sum(
-        weight.get(id(p), 1.0) * local_tensor(p).untyped_storage().nbytes() for p in params
-    )  # FSDP2 gives every parameter its own padded storage
+
+    def storage(tensors) -> float:  # FSDP2 gives every parameter its own padded storage
+        return sum(
+            weight.get(id(p), 1.0) * local_tensor(p).untyped_storage().nbytes() for p in tensors
+        )
+
+    padded, frozen_bytes = storage(params), round(storage(frozen))
     local = {id(p): nn.Parameter(torch.empty_like(local_tensor(p))) for p in params}
     groups = [
         {
@@ -112,7 +120,7 @@ def sharded_state(
     padded = round(padded)
     update = update_transient(optimizer, weight) * per_rank / per_rank[0].clamp(min=1)
     return ShardedState(
-        [padded] * world_size,
+        [padded + frozen_bytes] * world_size,
         [padded] * world_size,
         per_rank.round().long().tolist(),
         update.round().long().tolist(),

@@ -100,6 +100,7 @@ def measure_layout(cfg, world_size: int, modes=MODES) -> Layout:
     from parallelisms.parallelize import parallelize
     from trainer.dry_run.footprint import sample_blocks, sharded_state
     from trainer.loop.optim import build_optimizer
+    from trainer.loop.peft import apply_lora
 
     p = cfg.parallel
     dims = ParallelDims.of(p, world_size)
@@ -108,6 +109,8 @@ def measure_layout(cfg, world_size: int, modes=MODES) -> Layout:
     param_dtype = _param_dtype(cfg)
     with torch.device("meta"):
         model = spec.build(cfg.model.args)
+        if cfg.peft.method == "lora":  # frozen base: state and gradients of the adapters
+            apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
     # NOTE: FSDP2's set-up costs time per parameter and rank (about 20 s for DeepSeek-V3
     # on 2,048 ranks); blocks of one structure shard alike, so two of each stand for all.
     sampled = sample_blocks(model, spec.plan)
@@ -121,7 +124,8 @@ def measure_layout(cfg, world_size: int, modes=MODES) -> Layout:
     param_weight = {
         id(p): module_weight[id(b)] for blocks, _ in sampled for b in blocks for p in b.parameters()
     }
-    state = sharded_state(build_optimizer(model, cfg.train), world_size, param_weight)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    state = sharded_state(build_optimizer(model, cfg.train), world_size, param_weight, frozen)
     units = _units(model, spec.plan, param_dtype, module_weight)
     grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
     activations = {m: _trace(cfg, spec, dims, meshes, m, state.grads[0]) for m in modes}
@@ -196,6 +200,7 @@ def _trace(cfg, spec, dims, meshes, mode: str, sharded_grad_bytes: int):
     from trainer.dry_run.footprint import sample_blocks, trace_step
     from trainer.dry_run.meta_trace import use_fused_attention
     from trainer.loop import losses
+    from trainer.loop.peft import apply_lora
 
     param_dtype = _param_dtype(cfg)
     with torch.device("meta"):
@@ -204,6 +209,8 @@ def _trace(cfg, spec, dims, meshes, mode: str, sharded_grad_bytes: int):
         # same rows reach the experts.
         options = MoEOptions(gemm="grouped_mm", z_loss=cfg.moe.z_loss_coef > 0)
         model = spec.build(cfg.model.args, options)
+        if cfg.peft.method == "lora":
+            apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
     model.to(param_dtype)
     for _, m in match_modules(model, spec.plan.fp32_modules, "fp32", required=False):
         m.float()

@@ -7,7 +7,7 @@ One process, no GPU needed, streaming: DCP reads the global tensors (from the sh
 layout) a group of parameters at a time, the model's HF adapter turns each into its
 per-expert keys, and each safetensors file is written as soon as it is full. Peak memory is
 about one read group plus one output shard (and the largest single parameter), never the
-model.
+model. A LoRA checkpoint exports merged weights, W + alpha/r * B @ A: a plain directory.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from models import HFFormatError, get_model_spec
+from models.common.lora import adapted_weights, merged
 from models.spec import ModelSpec
 from parallelisms.init import named_weights
 from trainer.checkpoint.markers import check_checkpoint, read_trainer_state
+from trainer.config.schema import PeftSection
 from trainer.errors import CheckpointError
 from trainer.hf.weights import SafetensorsWriter, hf_entries
 
@@ -37,6 +39,18 @@ def checkpoint_spec(path: str) -> tuple[ModelSpec, Any]:
     spec = get_model_spec(model_cfg.pop("name"))
     model_cfg.pop("init_from_hf", None)
     return spec, spec.args_cls(**model_cfg)
+
+
+def _build(path: str, spec: ModelSpec, args: Any) -> torch.nn.Module:
+    """The model a checkpoint holds, on the current device: with its LoRA adapters when it
+    was trained with them (`[peft]` of its saved config)."""
+    model = spec.build(args)
+    peft = read_trainer_state(path)["config"].get("peft", {})
+    if peft.get("method", "none") == "lora":
+        from trainer.loop.peft import apply_lora
+
+        apply_lora(model, spec.plan, PeftSection(**peft), spec.name)
+    return model
 
 
 def _read(path: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -55,7 +69,7 @@ def load_checkpoint_model(path: str) -> tuple[torch.nn.Module, ModelSpec, Any]:
     (for tests and small models; `export_checkpoint` streams instead)."""
     spec, args = checkpoint_spec(path)
     with torch.device("meta"):
-        model = spec.build(args)
+        model = _build(path, spec, args)
     model.to_empty(device="cpu")  # no init: every weight comes from the checkpoint
     _read(path, model.state_dict())
     return model.eval(), spec, args
@@ -90,16 +104,22 @@ def export_checkpoint(
         out_dir, spec.hf_adapter.hf_config_dict(args, dtype), max_shard_bytes
     )
     with torch.device("meta"):  # names, global shapes and dtypes; no memory
-        model = spec.build(args)
+        model = _build(path, spec, args)
     buffers = {name for name, _ in model.named_buffers()}
+    adapted, params = adapted_weights(model), dict(model.named_parameters())
     for group in _groups(named_weights(model), max_shard_bytes):
         tensors = {name: torch.empty(m.shape, dtype=m.dtype) for name, m in group}
-        _read(path, tensors)
+        adapters = {a: torch.empty_like(params[a], device="cpu")
+                    for name in tensors if name in adapted for a in adapted[name][:2]}  # fmt: skip
+        _read(path, {**tensors, **adapters})
+        for name in tensors.keys() & adapted.keys():  # LoRA: W + alpha/r * B @ A
+            a, b, scale = adapted[name]
+            tensors[name] = merged(tensors[name], adapters[a], adapters[b], scale)
         for name, full in tensors.items():
             entries = hf_entries(spec.hf_adapter, name, full, args, dtype, name in buffers)
             for key, tensor in entries.items():
                 writer.add(key, tensor)
-        del tensors, entries  # before the next group is read
+        del tensors, adapters, entries  # before the next group is read
     writer.close()
 
 

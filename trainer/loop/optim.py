@@ -20,6 +20,8 @@ def build_optimizer(model: nn.Module, cfg: TrainSection) -> torch.optim.AdamW:
     """
     groups: dict[tuple, list[nn.Parameter]] = {}
     for p in model.parameters():
+        if not p.requires_grad:  # frozen (LoRA's base): no state, no update
+            continue
         mesh = p.device_mesh if isinstance(p, DTensor) else None
         groups.setdefault((p.ndim >= 2, mesh), []).append(p)
     param_groups = [

@@ -25,8 +25,10 @@ def startup_lines(
     """The model and layout, the data (each source of a blend: weight, size, share, epochs)
     and the held-out data."""
     n_params = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = f" ({trained / 1e6:.3f}M trained: LoRA)" if trained < n_params else ""
     lines = [
-        f"{cfg.model.name}: {n_params / 1e6:.2f}M params | world {dims.world_size} "
+        f"{cfg.model.name}: {n_params / 1e6:.2f}M params{frozen} | world {dims.world_size} "
         f"(dp_replicate {dims.dp_replicate}, dp_shard {dims.dp_shard}, cp {dims.cp}, ep "
         f"{dims.ep}) | global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens, "
         f"micro {cfg.train.micro_batch_size}, grad accum {grad_accum} | {device}",

@@ -31,6 +31,7 @@ from trainer.data.corpus import check_corpus, resolve_document_flags
 from trainer.data.run_data import check_held_out
 from trainer.data.tokenizers import build_tokenizer
 from trainer.errors import DataError
+from trainer.loop.peft import apply_lora
 from trainer.metrics.sinks import check_sinks
 
 
@@ -102,7 +103,10 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
         check_cp_kernel(cfg.parallel.cp_kernel, resolve_device(cfg.train.device).type, cfg)
     spec = get_model_spec(cfg.model.name)
     with torch.device("meta"):
-        check_layout(spec.build(cfg.model.args), spec.plan, dims)
+        model = spec.build(cfg.model.args)
+        if cfg.peft.method == "lora":  # a target the model lacks is refused here
+            apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
+        check_layout(model, spec.plan, dims)
     dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
     tokenizer = build_tokenizer(cfg.data)
     vocab = cfg.model.args.vocab_size  # part of the contract (models/spec.py)
@@ -137,6 +141,8 @@ def build_model(
     )
     with torch.device("meta"):
         model = spec.build(cfg.model.args, moe_options)
+        if cfg.peft.method == "lora":  # before the plan: it shards adapters like their base
+            apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
     parallel = parallelize(
         model,
         spec.plan,

@@ -37,6 +37,7 @@ from trainer.loop.evaluation import Evaluator, batch_preparer
 from trainer.loop.guard import StepGuard, poison_one_gradient
 from trainer.loop.losses import BalanceTerms, StepLoss, model_inputs
 from trainer.loop.optim import build_optimizer, set_lr
+from trainer.loop.peft import init_adapters
 from trainer.loop.profiling import StepProfiler
 from trainer.loop.report import balance_figures, source_tokens, startup_lines, step_figures
 from trainer.loop.resume import accept_checkpoint, data_identity
@@ -149,6 +150,8 @@ class Trainer:
             )
         else:
             init_weights_global(self.model, self.cfg.train.seed)
+        if self.cfg.peft.method == "lora":
+            init_adapters(self.model, self.cfg.train.seed)
 
     def _build_metrics(self, resumed_from: str | None) -> None:
         cfg = self.cfg

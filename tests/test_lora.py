@@ -1,0 +1,124 @@
+"""LoRA (`[peft]`): fresh adapters compute the base model, merged weights compute the
+adapted one, refusals before launch, and through train.py an exact resume and a merged
+export that transformers reloads with the adapted model's logits. (Every layout against one
+process, the optimizer holding the adapters alone and the base's bytes unchanged:
+tests/test_layout_parity.py's LoRA rows.)"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from models import get_model_spec
+from models.common.lora import adapted_weights, is_adapter, merged
+from tests.distributed import ROOT, run_train
+from trainer.config import load_config
+from trainer.loop.peft import apply_lora, init_adapters
+
+ALL = '--peft.targets=["attention", "experts", "shared_experts"]'
+
+
+def _models(argv: list[str]):
+    """(plain model, LoRA model) of the config, the same base weights."""
+    cfg = load_config(argv)
+    spec = get_model_spec(cfg.model.name)
+    plain, adapted = spec.build(cfg.model.args), spec.build(cfg.model.args)
+    count = apply_lora(adapted, spec.plan, cfg.peft, cfg.model.name)
+    assert count > 0
+    plain.init_weights(0)
+    adapted.init_weights(0)
+    init_adapters(adapted, 0)
+    return plain.eval(), adapted.eval()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--config=configs/debug_qwen3_moe.toml"], ["--config=configs/debug_deepseek_v3.toml", ALL]],
+    ids=["qwen3_moe", "deepseek_v3"],
+)
+def test_fresh_adapters_compute_the_base_model_and_merged_weights_the_adapted_one(argv):
+    plain, adapted = _models([*argv, "--peft.method=lora"])
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = plain(ids).logits
+        assert torch.equal(adapted(ids).logits, base)  # B = 0: step 0 is the base model
+        frozen = [n for n, p in adapted.named_parameters() if not p.requires_grad]
+        assert frozen == [n for n, _ in adapted.named_parameters() if not is_adapter(n)]
+        for name, p in adapted.named_parameters():  # as if trained
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.05)
+        want = adapted(ids).logits
+        params, plain_params = dict(adapted.named_parameters()), dict(plain.named_parameters())
+        for name, (a, b, scale) in adapted_weights(adapted).items():
+            plain_params[name].copy_(merged(params[name], params[a], params[b], scale))
+        got = plain(ids).logits
+    assert (want - base).abs().max() > 1e-2  # the adapters change the model
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()  # and merge into it
+
+
+@pytest.mark.parametrize(
+    "extra,expected",
+    [
+        (['--peft.targets=["shared_experts"]'], "model 'qwen3_moe' has no shared experts"),
+        (["--peft.targets=[]"], "would train nothing"),
+    ],
+)
+def test_targets_the_model_lacks_are_refused_before_launch(extra, expected, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    argv = ["--config=configs/debug_qwen3_moe.toml", "--peft.method=lora", *extra]
+    assert train.main(argv) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_experts_without_a_lora_form_are_refused():
+    cfg = load_config(["--config=configs/debug_gpt_oss.toml", "--peft.method=lora"])
+    spec = get_model_spec(cfg.model.name)
+    with torch.device("meta"), pytest.raises(Exception, match="have no LoRA form"):
+        apply_lora(spec.build(cfg.model.args), spec.plan, cfg.peft, cfg.model.name)
+
+
+LORA_RUN = [
+    "--config=configs/debug_qwen3_moe.toml",
+    "--data.max_tokens=200000",
+    "--metrics.log_interval=1",
+    "--train.steps=4",
+    "--train.warmup_steps=2",
+    "--checkpoint.interval=2",
+    "--peft.method=lora",
+    "--parallel.ep=2",
+]
+
+
+@pytest.mark.slow
+def test_resume_is_exact_and_the_merged_export_reloads_with_the_adapted_logits(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="needs the [hf] extra")
+    from trainer.hf.export import load_checkpoint_model
+
+    straight = run_train(LORA_RUN, tmp_path / "straight", nproc=2)
+    resumed_dir = tmp_path / "resumed" / "checkpoints"
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "step-2", resumed_dir / "step-2")
+    resumed = run_train(LORA_RUN, tmp_path / "resumed", nproc=2)
+    assert [r["step"] for r in resumed] == [3, 4]
+    for ours, ref in zip(resumed, straight[2:], strict=True):
+        assert ours["loss"] == ref["loss"] and ours["grad_norm"] == ref["grad_norm"]
+
+    step = tmp_path / "straight" / "checkpoints" / "step-4"
+    out = tmp_path / "hf"
+    cmd = [sys.executable, "-m", "trainer.hf.export", "--checkpoint", str(step), "--out",
+           str(out), "--dtype", "fp32"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    ours, _, _ = load_checkpoint_model(str(step))  # the adapted model, adapters apart
+    assert any(p.abs().max() > 0 for n, p in ours.named_parameters() if n.endswith("lora_B"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = ours(ids).logits, theirs(ids).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()

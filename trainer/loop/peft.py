@@ -1,0 +1,98 @@
+"""Parameter-efficient fine-tuning (`[peft]`): LoRA adapters on the plan's modules, the rest
+frozen.
+
+`apply_lora` runs on the meta model before the parallel plan, so the plan shards adapters
+like their base: a LoRALinear's adapters live in its block's FSDP unit, the routed experts'
+stacked adapters are sharded on dim 0 over `ep` (and dim 1 over `efsdp`) with the experts.
+Frozen parameters get no gradient, no optimizer state and no gradient reduction; the
+optimizer and the grad norm see the adapters alone (`requires_grad`).
+
+Which modules: `peft.targets` names kinds the model's plan locates (models/common/plan.py):
+`attention` (every nn.Linear under the parent of each `attention_core`), `experts`
+(`routed_experts`), `shared_experts` (every nn.Linear under `shared_experts`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from models.common.lora import LoRAGroupedExperts, LoRALinear, is_adapter
+from models.common.moe import GroupedExperts
+from models.common.plan import ParallelPlan
+from parallelisms.init import init_weights_global
+from parallelisms.plan import match_modules
+from trainer.config import ConfigError
+from trainer.config.schema import PeftSection
+
+
+def _swap(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent, _, leaf = fqn.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+def _linears_under(model: nn.Module, roots: list[str]) -> list[tuple[str, nn.Linear]]:
+    return [
+        (f"{root}.{name}", mod)
+        for root in roots
+        for name, mod in model.get_submodule(root).named_modules()
+        if isinstance(mod, nn.Linear) and not isinstance(mod, LoRALinear)
+    ]
+
+
+def lora_targets(model: nn.Module, plan: ParallelPlan, peft: PeftSection, name: str) -> dict:
+    """{fqn: module} of every module `peft.targets` gives adapters; ConfigError (naming the
+    model and the fix) for a kind the model does not have or cannot take."""
+    found: dict[str, nn.Module] = {}
+    if "attention" in peft.targets:
+        if plan.attention_core is None:
+            raise ConfigError(f"peft.targets has attention, but model {name!r} has no attention")
+        cores = match_modules(model, plan.attention_core, "attention_core")
+        found.update(_linears_under(model, [fqn.rpartition(".")[0] for fqn, _ in cores]))
+    if "shared_experts" in peft.targets:
+        if plan.shared_experts is None:
+            raise ConfigError(
+                f"peft.targets has shared_experts, but model {name!r} has no shared experts; "
+                "remove it from peft.targets"
+            )
+        shared = match_modules(model, plan.shared_experts, "shared_experts")
+        found.update(_linears_under(model, [fqn for fqn, _ in shared]))
+    if "experts" in peft.targets and plan.routed_experts is not None:
+        for fqn, experts in match_modules(model, plan.routed_experts, "routed_experts"):
+            if type(experts) is not GroupedExperts:
+                raise ConfigError(
+                    f"peft.targets has experts, but model {name!r}'s routed experts "
+                    f"({type(experts).__name__}) have no LoRA form; remove experts from "
+                    "peft.targets (attention and shared_experts still apply)"
+                )
+            found[fqn] = experts
+    return found
+
+
+def apply_lora(model: nn.Module, plan: ParallelPlan, peft: PeftSection, name: str) -> int:
+    """Give the targets adapters (their LoRA forms hold the same base Parameters) and freeze
+    everything else. Returns the number of adapted modules."""
+    targets = lora_targets(model, plan, peft, name)
+    for fqn, module in targets.items():
+        form = LoRAGroupedExperts if isinstance(module, GroupedExperts) else LoRALinear
+        _swap(model, fqn, form.around(module, peft.rank, peft.alpha, peft.dropout))
+    for param_name, param in model.named_parameters():
+        param.requires_grad_(is_adapter(param_name))
+    return len(targets)
+
+
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """A ~ N(0, 1 / fan_in) (fan_in: the input features of the projection it reads), B = 0:
+    the adapted model starts as its base. Layout-independent, like the base's init."""
+    adapters = [(n, p) for n, p in model.named_parameters() if is_adapter(n)]
+    std = {n: 1.0 / math.sqrt(p.shape[-1]) for n, p in adapters if n.endswith("lora_A")}
+
+    def reset(name: str, tile: torch.Tensor, generator: torch.Generator) -> None:
+        if name in std:
+            tile.normal_(0.0, std[name], generator=generator)
+        else:
+            tile.zero_()
+
+    init_weights_global(model, seed + 1, weights=adapters, reset=reset)
