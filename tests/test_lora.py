@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 import train
 from models import get_model_spec
@@ -110,11 +111,24 @@ def test_resume_is_exact_and_the_merged_export_reloads_with_the_adapted_logits(t
         assert ours["loss"] == ref["loss"] and ours["grad_norm"] == ref["grad_norm"]
 
     step = tmp_path / "straight" / "checkpoints" / "step-4"
+    # The adapters and their optimizer state alone (checkpoint.save_frozen=false).
+    saved = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    weights = {k.removeprefix("model.") for k in saved if k.startswith("model.")}
+    assert weights and all(is_adapter(k) or "correction_bias" in k for k in weights)
+    state = [k.split(".", 2)[-1].rsplit(".", 1)[0] for k in saved if k.startswith("optim.state.")]
+    assert state and all(is_adapter(k) for k in state)
     out = tmp_path / "hf"
     cmd = [sys.executable, "-m", "trainer.hf.export", "--checkpoint", str(step), "--out",
            str(out), "--dtype", "fp32"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+    # Read with other adapters than it was trained with: refused, naming the key.
+    cmd = [sys.executable, "-m", "trainer.evaluate", "--config=configs/debug_qwen3_moe.toml",
+           "--checkpoint", str(step), "--data.max_tokens=200000", "--eval.fraction=0.05",
+           "--eval.samples=16"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "peft.method: checkpoint 'lora', this run 'none'" in proc.stderr
+
     ours, _, _ = load_checkpoint_model(str(step))  # the adapted model, adapters apart
     assert any(p.abs().max() > 0 for n, p in ours.named_parameters() if n.endswith("lora_B"))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()

@@ -63,6 +63,15 @@ from trainer.fileio import fsync_path
 # .lr"), not per-group ones: parameter groups differ between layouts (experts get groups of
 # their own under EP), and a checkpoint must load into any layout.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# A frozen model's (LoRA's) checkpoint without its frozen weights: they come back from where
+# the run took them (model.init_from_hf, or the seed), as the trainer state records.
+_TRAINED_ONLY = StateDictOptions(
+    flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False
+)
+
+
+def _options(frozen: bool) -> StateDictOptions:
+    return _OPTIONS if frozen else _TRAINED_ONLY
 
 
 class Checkpointer:
@@ -74,8 +83,12 @@ class Checkpointer:
         keep_last: int,
         async_save: bool,
         stop_requested: Callable[[], bool] = lambda: False,
+        save_frozen: bool = True,
     ) -> None:
+        """`save_frozen`: whether checkpoints hold the parameters that do not train (LoRA's
+        base); the trainer state says which a checkpoint did (`frozen_saved`)."""
         self.root = root
+        self.save_frozen = save_frozen
         self.keep_last = keep_last
         self.async_save = async_save
         self.stop_requested = stop_requested  # SIGTERM: stop waiting for a dead peer
@@ -112,7 +125,9 @@ class Checkpointer:
                 if name.startswith((".tmp-step-", ".old-step-")):
                     shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+        trainer_state = {**trainer_state, "frozen_saved": self.save_frozen}
+        options = _options(self.save_frozen)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
         needed = self._check_room(state, final)
         if self.async_save:
@@ -275,17 +290,22 @@ class Checkpointer:
         self.verify(path)
         return read_trainer_state(path)
 
-    def load_model(self, path: str, model: nn.Module) -> None:
+    def load_model(self, path: str, model: nn.Module, frozen: bool = True) -> None:
         """Restore the model alone from `path` (any layout; call `read` first): what
-        `python -m trainer.evaluate` needs, without an optimizer to fill."""
-        model_sd = get_model_state_dict(model)
+        `python -m trainer.evaluate` needs, without an optimizer to fill. `frozen`: whether
+        the checkpoint holds the frozen parameters (else they are left as they are)."""
+        model_sd = get_model_state_dict(model, options=_options(frozen))
         state = {"model": model_sd}
         dcp.load(state, checkpoint_id=path)  # reads only the keys asked for
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=_options(frozen))
 
-    def load_weights(self, path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Restore model and optimizer in place from `path` (any layout; call `read` first)."""
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+    def load_weights(
+        self, path: str, model: nn.Module, optimizer: torch.optim.Optimizer, frozen: bool = True
+    ) -> None:
+        """Restore model and optimizer in place from `path` (any layout; call `read` first);
+        `frozen` as in `load_model`."""
+        options = _options(frozen)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(
@@ -293,5 +313,5 @@ class Checkpointer:
             optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
-            options=_OPTIONS,
+            options=options,
         )

@@ -289,6 +289,12 @@ class CheckpointSection:
         0, "keep only the newest K checkpoints (0 = keep all)", ge=0, note="0 = keep all"
     )
     async_save: bool = arg(False, "overlap the checkpoint write with training")
+    save_frozen: bool = arg(
+        False,
+        "with peft.method=lora: checkpoints hold the frozen base too; off: the adapters and "
+        "their optimizer state alone, the base coming back on resume and export from where "
+        "the run took it (model.init_from_hf, or train.seed)",
+    )
     allow_data_change: bool = arg(
         False,
         "resume even though the data differs from the checkpoint's (its content fingerprint: "

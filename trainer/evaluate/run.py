@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from models import get_model_spec
 from parallelisms.dims import ParallelDims
+from parallelisms.init import init_weights_global
 from parallelisms.mesh import build_meshes
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import JobConfig
@@ -15,7 +16,7 @@ from trainer.data.run_data import build_data
 from trainer.data.tokenizers import build_tokenizer
 from trainer.hf.weights import load_hf_weights
 from trainer.loop.evaluation import Evaluator, batch_preparer
-from trainer.loop.resume import accept_model
+from trainer.loop.resume import accept_base, accept_model
 from trainer.loop.setup import build_model, init_distributed, preflight, resolve_device
 
 
@@ -34,7 +35,14 @@ def evaluate_weights(cfg: JobConfig, dims: ParallelDims, checkpoint: str | None)
             loader = Checkpointer(os.path.dirname(os.path.abspath(checkpoint)), 0, False)
             state = loader.read(checkpoint)  # verified first: a damaged one is refused
             accept_model(checkpoint, state, cfg, spec)
-            loader.load_model(checkpoint, model)
+            frozen = state.get("frozen_saved", True)
+            if not frozen:  # LoRA adapters alone: their base first, from where it came
+                accept_base(checkpoint, state, cfg)
+                if cfg.model.init_from_hf:
+                    load_hf_weights(model, spec.hf_adapter, cfg.model.args, cfg.model.init_from_hf)
+                else:
+                    init_weights_global(model, cfg.train.seed)
+            loader.load_model(checkpoint, model, frozen)
             source = f"{checkpoint} (step {state['step']})"
         else:
             load_hf_weights(model, spec.hf_adapter, cfg.model.args, cfg.model.init_from_hf)

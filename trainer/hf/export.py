@@ -24,11 +24,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from models import HFFormatError, get_model_spec
 from models.common.lora import adapted_weights, merged
 from models.spec import ModelSpec
-from parallelisms.init import named_weights
+from parallelisms.init import init_weights_global, named_weights
 from trainer.checkpoint.markers import check_checkpoint, read_trainer_state
 from trainer.config.schema import PeftSection
 from trainer.errors import CheckpointError
-from trainer.hf.weights import SafetensorsWriter, hf_entries
+from trainer.hf.weights import SafetensorsWriter, hf_entries, load_hf_weights
 
 
 def checkpoint_spec(path: str) -> tuple[ModelSpec, Any]:
@@ -71,7 +71,13 @@ def load_checkpoint_model(path: str) -> tuple[torch.nn.Module, ModelSpec, Any]:
     with torch.device("meta"):
         model = _build(path, spec, args)
     model.to_empty(device="cpu")  # no init: every weight comes from the checkpoint
-    _read(path, model.state_dict())
+    state = model.state_dict()
+    if not read_trainer_state(path).get("frozen_saved", True):  # LoRA adapters alone
+        with torch.no_grad():
+            for name, value in _base(path, spec, args).items():
+                state.pop(name).copy_(value)
+        state.update({n: b for n, b in model.named_buffers()})  # saved all the same
+    _read(path, state)
     return model.eval(), spec, args
 
 
@@ -91,6 +97,19 @@ def _groups(
         yield group
 
 
+def _base(path: str, spec: ModelSpec, args: Any) -> dict[str, torch.Tensor]:
+    """The frozen base of a LoRA checkpoint saved without it, whole on CPU: its run's
+    `model.init_from_hf` weights, or its `train.seed` init."""
+    config = read_trainer_state(path)["config"]
+    model = spec.build(args)
+    hf_dir = config["model"].get("init_from_hf")
+    if hf_dir:
+        load_hf_weights(model, spec.hf_adapter, args, hf_dir)
+    else:
+        init_weights_global(model, config["train"]["seed"])
+    return dict(named_weights(model))
+
+
 @torch.no_grad()
 def export_checkpoint(
     path: str, out_dir: str, dtype: torch.dtype, max_shard_bytes: int = 4 << 30
@@ -107,11 +126,18 @@ def export_checkpoint(
         model = _build(path, spec, args)
     buffers = {name for name, _ in model.named_buffers()}
     adapted, params = adapted_weights(model), dict(model.named_parameters())
+    # LoRA adapters saved alone (checkpoint.save_frozen=false): the base is rebuilt whole,
+    # from where the run took it; else it streams from the checkpoint.
+    base = None if read_trainer_state(path).get("frozen_saved", True) else _base(path, spec, args)
     for group in _groups(named_weights(model), max_shard_bytes):
         tensors = {name: torch.empty(m.shape, dtype=m.dtype) for name, m in group}
+        saved = tensors  # what the checkpoint holds of the group
+        if base is not None:  # the routers' buffers (a trained bias) are in it all the same
+            saved = {name: tensors[name] for name in tensors if name in buffers}
+            tensors.update({name: base[name] for name in tensors if name not in buffers})
         adapters = {a: torch.empty_like(params[a], device="cpu")
                     for name in tensors if name in adapted for a in adapted[name][:2]}  # fmt: skip
-        _read(path, {**tensors, **adapters})
+        _read(path, {**saved, **adapters})
         for name in tensors.keys() & adapted.keys():  # LoRA: W + alpha/r * B @ A
             a, b, scale = adapted[name]
             tensors[name] = merged(tensors[name], adapters[a], adapters[b], scale)

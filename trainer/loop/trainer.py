@@ -40,7 +40,7 @@ from trainer.loop.optim import build_optimizer, set_lr
 from trainer.loop.peft import init_adapters
 from trainer.loop.profiling import StepProfiler
 from trainer.loop.report import balance_figures, source_tokens, startup_lines, step_figures
-from trainer.loop.resume import accept_checkpoint, data_identity
+from trainer.loop.resume import accept_base, accept_checkpoint, data_identity
 from trainer.loop.setup import build_model, init_distributed, resolve_device
 from trainer.metrics.logger import MetricsLogger, peak_flops
 from trainer.metrics.sinks import build_sinks
@@ -138,6 +138,7 @@ class Trainer:
             ck.keep_last,
             ck.async_save,
             stop_requested=lambda: self._stop_requested,
+            save_frozen=ck.save_frozen or self.cfg.peft.method != "lora",
         )
         resume_from = [self.checkpointer.resolve(ck.resume) if self.rank == 0 else None]
         dist.broadcast_object_list(resume_from, src=0)  # every rank loads the same one
@@ -298,7 +299,11 @@ class Trainer:
         other_data = accept_checkpoint(path, state, self.cfg, self.spec, self.loader.dataset)
         if other_data:
             self._notes.append(f"resuming on other data than {path}'s, as allowed")
-        self.checkpointer.load_weights(path, self.model, self.optimizer)
+        frozen = state.get("frozen_saved", True)
+        if not frozen:  # LoRA's adapters alone: the base first, from where the run took it
+            accept_base(path, state, self.cfg)
+            self._init_weights()
+        self.checkpointer.load_weights(path, self.model, self.optimizer, frozen)
         self.step = state["step"]
         if "guard" in state:  # checkpoints from before the guard skipped nothing
             self.guard.load_state_dict(state["guard"])
