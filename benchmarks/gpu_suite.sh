@@ -11,13 +11,14 @@
 #     balance        the proxy's routing: aux loss pooled over layers against per layer,
 #                    and per layer with the z-loss (BALANCE_STEPS 60, BALANCE_AUX weights,
 #                    BALANCE_VARIANTS)
+#     lora           the proxy with LoRA (its plan, then training) and with full fine-tuning
 #
 # Each part writes $OUT/results.json (one object: env, per-step rc and seconds, summaries,
 # benchmark JSON) and $OUT/log.txt. Carry .whl/ (torchdata, torchtitan and its needs) and
 # .gpu/ (the BPE tokenizer of benchmarks/bpe_tokenizer.py), both git-ignored.
 # Knobs: PY (python3), BUDGET_S (540), PROXY_LAYERS (4), PROXY_STEPS (30).
 set -u
-(($#)) || { echo "usage: gpu_suite.sh PART... (tests attention flex_training proxy gemm titan balance)" >&2; exit 2; }
+(($#)) || { echo "usage: gpu_suite.sh PART... (tests attention flex_training proxy gemm titan balance lora)" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_suite_out}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
@@ -114,6 +115,16 @@ balance() { # BALANCE_AUX: aux weights ("published": the config's 0.001, the def
         done
     done
 }
+lora() { # LoRA (rank 8, attention and routed experts) against full fine-tuning of the proxy
+    step plan_lora 60 "$PY" -m trainer.dry_run --world-size=1 \
+        --config configs/qwen3_30b_a3b.toml --train.device=cuda --train.mixed_precision=bf16 \
+        "${PROXY[@]}" --peft.method=lora --gpu-memory=80 --hardware=h100 \
+        --json "$RUNS/plan_lora.json"
+    merge plan.lora file "$RUNS/plan_lora.json"
+    train proxy_lora 120 configs/qwen3_30b_a3b.toml --train.steps="$PROXY_STEPS" "${PROXY[@]}" \
+        --peft.method=lora
+    train proxy_full 120 configs/qwen3_30b_a3b.toml --train.steps="$PROXY_STEPS" "${PROXY[@]}"
+}
 titan() {
     step vs_torchtitan 400 "$PY" benchmarks/vs_torchtitan.py --layers "$PROXY_LAYERS" \
         --seq 4096 --warmup 3 --steps 10 --json "$RUNS/titan.json"
@@ -122,9 +133,9 @@ titan() {
 
 for part in "$@"; do
     case $part in
-    tests | attention | flex_training | proxy | gemm | titan | balance) "$part" ;;
+    tests | attention | flex_training | proxy | gemm | titan | balance | lora) "$part" ;;
     *)
-        echo "unknown part $part: tests | attention | flex_training | proxy | gemm | titan | balance" >&2
+        echo "unknown part $part: tests | attention | flex_training | proxy | gemm | titan | balance | lora" >&2
         exit 2
         ;;
     esac
