@@ -129,10 +129,57 @@ def test_resume_is_exact_and_the_merged_export_reloads_with_the_adapted_logits(t
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "peft.method: checkpoint 'lora', this run 'none'" in proc.stderr
 
+    # The routed experts' adapters have no peft form: the adapter export says so.
+    cmd = [sys.executable, "-m", "trainer.hf.export", "--checkpoint", str(step), "--out",
+           str(tmp_path / "adapters"), "--adapters"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "which peft cannot load" in proc.stderr
+
     ours, _, _ = load_checkpoint_model(str(step))  # the adapted model, adapters apart
     assert any(p.abs().max() > 0 for n, p in ours.named_parameters() if n.endswith("lora_B"))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want, got = ours(ids).logits, theirs(ids).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.slow
+def test_the_adapter_export_is_what_peft_loads_onto_the_hugging_face_base(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="needs the [hf] extra")
+    peft = pytest.importorskip("peft", reason="needs the [hf] extra (peft)")
+    from tests.chat_model import save_chat_model
+    from trainer.hf.export import load_checkpoint_model
+
+    base_dir = tmp_path / "base"
+    save_chat_model(base_dir)  # a tiny Qwen3-MoE in Hugging Face's format
+    config = tmp_path / "lora.toml"
+    config.write_text(
+        '[model]\nname = "qwen3_moe"\n'
+        '[data]\nsource = "stdlib"\ntokenizer = "byte"\nseq_len = 64\nmax_tokens = 100000\n'
+        "[train]\nsteps = 2\nglobal_batch_size = 4\nmicro_batch_size = 2\nlr = 1e-2\n"
+        'warmup_steps = 1\ndevice = "cpu"\nmixed_precision = "fp32"\n'
+        "[checkpoint]\ninterval = 2\n"
+        '[peft]\nmethod = "lora"\ntargets = ["attention"]\n'
+    )
+    run = tmp_path / "run"
+    run_train([f"--config={config}", f"--model.init_from_hf={base_dir}"], run)
+    step = run / "checkpoints" / "step-2"
+    out = tmp_path / "adapters"
+    cmd = [sys.executable, "-m", "trainer.hf.export", "--checkpoint", str(step), "--out",
+           str(out), "--dtype", "fp32", "--adapters"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+    ours, _, _ = load_checkpoint_model(str(step))  # the base from init_from_hf, its adapters
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits  # before peft puts the adapters into it
+    theirs = peft.PeftModel.from_pretrained(base, out).eval()
+    adapted = [n for n, _ in theirs.named_modules() if n.endswith(".lora_A")]
+    assert len(adapted) == 4 * ours.args.num_hidden_layers  # q, k, v, o of every layer
+    with torch.no_grad():
+        want, got = ours(ids).logits, theirs(input_ids=ids).logits
+    assert (want - plain).abs().max() > 1e-4  # the adapters trained
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()

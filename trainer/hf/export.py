@@ -1,7 +1,7 @@
 """Turn a training checkpoint into a Hugging Face model directory.
 
     python -m trainer.hf.export --checkpoint outputs/run/checkpoints/step-1000 --out hf_model \\
-        [--dtype bf16|fp32] [--max-shard-gb 4]
+        [--dtype bf16|fp32] [--max-shard-gb 4] [--adapters]
 
 One process, no GPU needed, streaming: DCP reads the global tensors (from the shards of any
 layout) a group of parameters at a time, the model's HF adapter turns each into its
@@ -157,10 +157,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-shard-gb", type=float, default=4.0, help="size of each safetensors file"
     )
+    parser.add_argument(
+        "--adapters",
+        action="store_true",
+        help="a LoRA checkpoint's adapters alone, in the format peft loads (default: merged "
+        "weights, a plain Hugging Face directory)",
+    )
     args = parser.parse_args(argv)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     try:
-        export_checkpoint(args.checkpoint, args.out, dtype, int(args.max_shard_gb * 2**30))
+        if args.adapters:
+            from trainer.hf.peft_export import export_adapters
+
+            export_adapters(args.checkpoint, args.out, dtype)
+        else:
+            export_checkpoint(args.checkpoint, args.out, dtype, int(args.max_shard_gb * 2**30))
     except (HFFormatError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
