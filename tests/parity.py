@@ -161,7 +161,9 @@ def build_trainer(argv: list[str], world: int):
     return cfg, Trainer(cfg, dims)
 
 
-def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing: str | None):
+def layout_worker(
+    rank: int, world: int, argv: list[str], out_path: str, routing: str | None, steps: int = STEPS
+):
     cfg, trainer = build_trainer(argv, world)
     dims = trainer.dims
     install_routing(trainer.model, routing)
@@ -172,7 +174,7 @@ def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing
             trainer.model, dims.ep, ep_rank, num_experts_of(cfg.model.args), dims.ep_nodes
         )
     records = []
-    for out in stepped_records(trainer, STEPS):
+    for out in stepped_records(trainer, steps):
         out["buffers"] = {n: b.clone() for n, b in trainer.model.named_buffers()}
         if trainer.bias_update is not None and trainer.bias_update.last_load is not None:
             # the routers' counts over the world that the bias update used, [L, E]
@@ -208,7 +210,9 @@ def layout_worker(rank: int, world: int, argv: list[str], out_path: str, routing
         torch.save({"records": records, "per_rank": gathered}, out_path)
 
 
-def reference_run(argv: list[str], dp_size: int, routing: str | None = None) -> list[dict]:
+def reference_run(
+    argv: list[str], dp_size: int, routing: str | None = None, steps: int = STEPS
+) -> list[dict]:
     """The same training on one process, written without any of the parallel code.
 
     With moe.aux_loss_mode=global_batch, the aux loss of accumulation round a is computed on
@@ -237,7 +241,7 @@ def reference_run(argv: list[str], dp_size: int, routing: str | None = None) -> 
     n_micro = t.global_batch_size // t.micro_batch_size
     rounds = n_micro // dp_size
     records = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         micro = [[dataset[i] for i in next(sampler)] for _ in range(n_micro)]
         if cfg.moe.aux_loss_mode == "global_batch":  # rank r's round a is micro[r * rounds + a]
             forwards = [

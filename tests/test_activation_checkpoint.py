@@ -38,7 +38,8 @@ EP2, CP2 = "--parallel.ep=2", "--parallel.cp=2"
 LOAD = "--metrics.expert_load_interval=1"  # the expert-load metric in every step's record
 CASES = {  # name: (model, world, layout)
     "fsdp2": (TINY, 2, []),
-    "ep2_efsdp2": (TINY, 4, [EP2]),
+    # LoRA: frozen base, adapters on attention and the routed experts (recomputed too).
+    "ep2_efsdp2_lora": (TINY, 4, [EP2, "--peft.method=lora", "--peft.rank=4"]),
     "cp2_ep2": (TINY, 4, [CP2, EP2]),
     # MLA, group-limited routing with the bias update, the MTP module (a block of its own).
     "dsv3_mtp_ep2_efsdp2": (TINY_DSV3, 4, [EP2]),

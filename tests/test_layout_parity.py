@@ -1,7 +1,7 @@
 """Every parallel layout against one plain process on the same global batch (docs/architecture.md, "Principles").
 
 One table: each row is a layout (FSDP, HSDP, EP x FSDP, CP, CP x EP) of a tiny model,
-run for 3 steps on real gloo ranks through `Trainer.train_step` and compared with
+run for 3 steps (LoRA rows 5) on real gloo ranks through `Trainer.train_step` and compared with
 `tests.parity.reference_run`, which has no parallel code: losses, aux and MTP losses, grad
 norms, every clipped gradient and updated parameter within 1e-5 relative, buffers (routing
 biases and counts) bit-equal. With expert parallelism, the all-to-all volume must equal the
@@ -28,6 +28,7 @@ class Layout(NamedTuple):
     layout: list[str]
     dp_size: int  # data-parallel ranks: how the reference groups micro-batches for aux
     routing: str | None = None  # "skewed": every token to experts 0..2 on both sides
+    steps: int = 3
 
 
 EP2, CP2 = "--parallel.ep=2", "--parallel.cp=2"
@@ -43,7 +44,7 @@ LORA_ALL = [*LORA, '--peft.targets=["attention", "experts", "shared_experts"]']
 LAYOUTS = {
     "fsdp2": Layout(TINY, 2, [], 2),  # grad accumulation 2
     "hsdp2x2": Layout(TINY, 4, HSDP, 4),  # no accumulation
-    "fsdp4_lora": Layout(TINY, 4, LORA, 4),
+    "fsdp4_lora": Layout(TINY, 4, LORA, 4, steps=5),
     "ep2_efsdp2": Layout(TINY, 4, [EP2], 4),
     "hsdp2x2_ep2_pooled_aux": Layout(TINY, 4, [*HSDP, EP2, POOLED], 4),
     # Experts 3..7 get no tokens; with ep 4, ranks 2 and 3 receive none at all.
@@ -57,11 +58,14 @@ LAYOUTS = {
     # DeepSeek-V3: MLA, group-limited routing with the bias update, MTP, sequence-wise aux.
     "dsv3_ep2_efsdp2_pooled_aux": Layout(TINY_DSV3, 4, [EP2, POOLED], 4),
     "dsv3_cp2_ep2_z": Layout(TINY_DSV3, 4, [CP2, EP2, Z_LOSS], 2),
-    "dsv3_cp2_ep2_lora": Layout(TINY_DSV3, 4, [CP2, EP2, *LORA_ALL], 2),
+    "dsv3_cp2_ep2_lora": Layout(TINY_DSV3, 4, [CP2, EP2, *LORA_ALL], 2, steps=5),
     # An ep group over 2 simulated nodes of 2 ranks: the two-stage dispatch.
     "dsv3_ep4_2nodes": Layout(TINY_DSV3, 4, ["--parallel.ep=4", "--parallel.ranks_per_node=2"], 4),
     # HSDP with ep 2 over 2 nodes of 1 rank: the rail stage alone (a node's stage is one rank).
-    "hsdp2x2_ep2_1rank_nodes": Layout(TINY, 4, [*HSDP, EP2, "--parallel.ranks_per_node=1"], 4),
+    # ... with LoRA: the experts' adapters travel the same way, the base replicated frozen.
+    "hsdp2x2_ep2_1rank_nodes_lora": Layout(
+        TINY, 4, [*HSDP, EP2, "--parallel.ranks_per_node=1", *LORA], 4
+    ),
 }
 
 
@@ -70,9 +74,10 @@ LAYOUTS = {
 def test_layout_matches_single_process(name, tmp_path):
     case = LAYOUTS[name]
     argv = case.model + case.layout
-    run_distributed(layout_worker, case.world, argv, str(tmp_path / "out.pt"), case.routing)
+    out_path = str(tmp_path / "out.pt")
+    run_distributed(layout_worker, case.world, argv, out_path, case.routing, case.steps)
     out = torch.load(tmp_path / "out.pt")
-    ref = reference_run(argv, dp_size=case.dp_size, routing=case.routing)
+    ref = reference_run(argv, dp_size=case.dp_size, routing=case.routing, steps=case.steps)
     assert_same_training(out["records"], ref)
     nodes = any(a.startswith("--parallel.ranks_per_node=") for a in case.layout)
     if any(a.startswith("--parallel.ep=") for a in case.layout):
