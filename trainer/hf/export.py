@@ -26,7 +26,7 @@ from models.common.lora import adapted_weights, merged
 from models.spec import ModelSpec
 from parallelisms.init import init_weights_global, named_weights
 from trainer.checkpoint.markers import check_checkpoint, read_trainer_state
-from trainer.config.schema import PeftSection
+from trainer.config.moe_peft import PeftSection
 from trainer.errors import CheckpointError
 from trainer.hf.weights import SafetensorsWriter, hf_entries, load_hf_weights
 

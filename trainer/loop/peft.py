@@ -25,7 +25,7 @@ from models.common.plan import ParallelPlan
 from parallelisms.init import init_weights_global
 from parallelisms.plan import match_modules
 from trainer.config import ConfigError
-from trainer.config.schema import PeftSection
+from trainer.config.moe_peft import PeftSection
 
 
 def _swap(model: nn.Module, fqn: str, new: nn.Module) -> None:
