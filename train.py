@@ -9,30 +9,10 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 from parallelisms.dims import ParallelDims, world_size_from_env
-from trainer.config import ConfigError, format_help, load_config
-from trainer.errors import USER_ERRORS
-
-# How long ranks other than 0 hold back their refusal (see _fail).
-QUIET_S = 5.0
-
-
-def _fail(err: Exception, code: int = 2) -> int:
-    """Print the refusal and return its exit code (2: bad input; 3: too many bad steps).
-
-    NOTE: under torchrun, the first rank to exit with an error makes torchrun stop the
-    others, perhaps before they print. If only rank 0 printed, its message would be lost
-    whenever another rank exited first. So every rank prints, but ranks other than 0 wait
-    a moment first: when all ranks refuse the same config (the usual case), rank 0 prints
-    once and exits, and torchrun stops the rest; when only this rank failed, it still
-    prints.
-    """
-    if os.environ.get("RANK", "0") != "0":
-        time.sleep(QUIET_S)
-    print(f"error: {err}", file=sys.stderr, flush=True)
-    return code
+from trainer.config import ConfigError, format_help, load_config, startup_notes
+from trainer.errors import USER_ERRORS, refuse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +34,10 @@ def main(argv: list[str] | None = None) -> int:
 
         preflight(cfg, dims)
     except USER_ERRORS as err:
-        return _fail(err)
+        return refuse(err)
+    if os.environ.get("RANK", "0") == "0":  # once per run, as the trainer's own lines
+        for note in startup_notes(cfg):
+            print(note, flush=True)
 
     import torch.distributed as dist
 
@@ -66,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         # NOTE: no rank tears its process group down while a peer may still talk to it.
         dist.barrier()
     except USER_ERRORS as err:  # e.g. a data source that turns out empty
-        return _fail(err)
+        return refuse(err)
     except SkipLimitReached as err:  # every rank decided the same, after the save
-        return _fail(err, code=3)
+        return refuse(err, code=3)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -189,3 +189,23 @@ def test_a_conversation_no_rendering_can_mask_is_refused_by_turn(tmp_path, capsy
     mask = np.fromfile(tmp_path / "o" / "shard-00000.mask", dtype=np.uint8)
     tok = chat_tokenizer(str(directory), str(fixed))
     assert mask[:-1].tolist() == render_chat(tok, CONVERSATIONS[4], "x")[1].tolist()  # + EOS
+
+
+def test_the_byte_tokenizer_has_no_chat_template_and_reads_no_file_it_was_not_given(
+    tmp_path, capsys, monkeypatch
+):
+    # A chat tokenizer in the working directory, which a refused command must not read.
+    monkeypatch.chdir(tmp_path)
+    save_chat_tokenizer(tmp_path, CASES["qwen2.5"][0], CHATML_SPECIALS)
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n")
+    template = tmp_path / "template.jinja"
+    template.write_text(CASES["qwen2.5"][0])
+    argv = ["--source", "jsonl", "--format", "chat", "--path", str(path), "--workers", "1"]
+    for extra in ([], ["--tokenizer", "byte"], ["--chat-template", str(template)]):
+        capsys.readouterr()
+        assert prepare([*argv, *extra, "--out", str(tmp_path / "o")]) == 2, extra
+        err = capsys.readouterr().err
+        assert "--tokenizer byte" in err and "--tokenizer MODEL_DIR" in err, err
+        assert "--format prompt_completion" in err
+        assert not (tmp_path / "o").exists()  # refused before any work

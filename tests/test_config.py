@@ -19,6 +19,7 @@ from trainer.config import (
     config_to_dict,
     format_help,
     load_config,
+    startup_notes,
     validate,
 )
 
@@ -356,3 +357,11 @@ def test_validate_accepts_defaults_and_checks_a_built_config():
     bad = replace(cfg, data=replace(DataSection(), source="jsonl"))
     with pytest.raises(ConfigError, match="data.path is required"):
         validate(bad)
+
+
+def test_a_cp_layout_without_context_parallel_ranks_is_noted():
+    notes = startup_notes(load_config(["--parallel.cp_layout=balanced"]))
+    assert [n for n in notes if n.startswith("parallel.cp_layout=balanced has no effect")]
+    assert startup_notes(load_config([])) == []  # the default layout: nothing to say
+    cfg = load_config(["--parallel.cp_layout=balanced", "--parallel.cp=2"])
+    assert not [n for n in startup_notes(cfg) if "parallel.cp_layout" in n]

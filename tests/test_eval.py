@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,10 +21,12 @@ from parallelisms.dims import ParallelDims
 from tests.distributed import ROOT, run_distributed, run_train
 from tests.parity import TINY, _full
 from tests.test_tokens_source import write_jsonl
+from trainer.checkpoint.markers import COMPLETE, TRAINER_STATE, find_checkpoint
 from trainer.config import DataSection, EvalSection, load_config
 from trainer.data.holdout import held_out
 from trainer.data.run_data import build_data
 from trainer.data.tokenizers import ByteTokenizer
+from trainer.errors import CheckpointError
 from trainer.evaluate.cli import main as evaluate
 from trainer.prepare.cli import main as prepare
 
@@ -136,6 +140,15 @@ def test_trainer_evaluate_gives_the_loss_the_run_logged(tmp_path, capsys, monkey
         torch.set_num_threads(threads)
     assert "eval_loss" in capsys.readouterr().out
     assert json.loads((tmp_path / "e.json").read_text())["eval_loss"] == logged
+    # The job's output directory means its newest complete checkpoint, said in one line.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert evaluate([*argv, "--checkpoint", str(out), "--json", json_out]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert f"--checkpoint={out}: using {checkpoint} (step 2)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "e.json").read_text())["eval_loss"] == logged
     # On another layout, through torchrun.
     proc = subprocess.run(
         [
@@ -164,6 +177,82 @@ def test_trainer_evaluate_gives_the_loss_the_run_logged(tmp_path, capsys, monkey
     # Without held-out data there is nothing to evaluate: a clear refusal.
     assert evaluate([*TINY, "--checkpoint", str(checkpoint)]) == 2
     assert "no held-out data" in capsys.readouterr().err
+
+
+# --- what `python -m trainer.evaluate` is given ----------------------------------------------
+
+
+def _fake_checkpoint(root: Path, step: int, committed_at: float) -> Path:
+    """A step directory with what find_checkpoint looks at: its marker and the files every
+    checkpoint has (no weights: nothing here loads them)."""
+    path = root / f"step-{step}"
+    path.mkdir(parents=True)
+    (path / COMPLETE).write_text(json.dumps({"committed_at": committed_at, "files": {}}))
+    (path / TRAINER_STATE).write_bytes(b"")
+    (path / ".metadata").write_bytes(b"")
+    return path
+
+
+def test_find_checkpoint_takes_a_step_a_checkpoints_or_a_job_directory(tmp_path):
+    root = tmp_path / "job" / "checkpoints"
+    old, new = _fake_checkpoint(root, 4, 1.0), _fake_checkpoint(root, 2, 2.0)  # a rollback
+    assert find_checkpoint(str(old)) == (str(old), None)
+    for given in (tmp_path / "job", root):
+        path, note = find_checkpoint(str(given), "--checkpoint")
+        assert path == str(new)  # the newest commit, not the highest step
+        assert note == (
+            f"--checkpoint={given}: using {new} (step 2), the newest of its complete checkpoints"
+        )
+    (new / TRAINER_STATE).unlink()
+    os.utime(old, (1.0, 1.0))  # written before the damaged one, whatever the clock's grain
+    path, note = find_checkpoint(str(tmp_path / "job"))
+    assert path == str(old) and f"passed over the newer {new}" in note
+    with pytest.raises(CheckpointError, match=f"beside it is {old}: use that one"):
+        find_checkpoint(str(new))
+    (old / COMPLETE).unlink()
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        find_checkpoint(str(tmp_path / "job"), "checkpoint.init_from")
+
+
+def test_evaluate_refuses_its_input_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    job = tmp_path / "job"
+    (job / "checkpoints").mkdir(parents=True)
+    (tmp_path / "notes").mkdir()
+    argv = [*TINY, *EVAL]
+    cases = [
+        (["--checkpoint", str(job), "--json", str(tmp_path / "no" / "e.json")], "mkdir -p"),
+        (["--checkpoint", str(job), "--json", str(tmp_path)], "is a directory"),
+        (["--checkpoint", str(job)], "has no step-<N> directory"),
+        (["--checkpoint", str(tmp_path / "notes")], "is not a checkpoint"),
+    ]
+    for extra, expected in cases:
+        assert evaluate([*argv, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        flag = "--json" if "--json" in extra else "--checkpoint"
+        assert err.startswith(f"error: {flag}") and expected in err, err
+        assert "checkpoint.resume" not in err  # evaluation's advice, not training's
+    assert "OUTPUT_DIR/checkpoints/step-<N>" in err
+
+
+def test_evaluate_under_torchrun_refuses_once_and_not_for_the_training_batch(tmp_path):
+    """2 ranks: a global batch they cannot split (training's arithmetic, which evaluation
+    does not use) and held-out data that is not there: one message, about the data."""
+    _fake_checkpoint(tmp_path / "job" / "checkpoints", 1, 1.0)
+    argv = [*TINY, "--train.global_batch_size=2", f"--eval.path={tmp_path / 'none'}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "-m", "trainer.evaluate", *argv, "--checkpoint", str(tmp_path / "job")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "exitcode  : 2" in output, output[-3000:]
+    assert output.count("error: ") == 1 and "eval.path=" in output, output[-3000:]
+    assert output.count("using ") == 1  # the checkpoint it chose: rank 0's line alone
+    assert "global_batch_size" not in output
 
 
 # --- the hold-out ---------------------------------------------------------------------------
@@ -224,7 +313,20 @@ def test_bad_held_out_data_is_refused(tmp_path, capsys, monkeypatch):
     assert train.main([*TINY, "--eval.fraction=0.1", f"--eval.path={tmp_path}"]) == 2
     assert "eval.path and eval.fraction are all held-out data" in capsys.readouterr().err
     assert train.main([*TINY, f"--eval.path={tmp_path / 'none'}"]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"eval.path='{tmp_path / 'none'}' does not exist" in err and "trainer.prepare" in err
     argv = [*TINY, "--eval.fraction=0.01", "--eval.samples=100000", "--train.steps=1"]
     assert train.main([*argv, f"--job.output_dir={tmp_path / 'run'}"]) == 2
     assert "fewer than the 100000 eval.samples" in capsys.readouterr().err
+
+
+def test_an_eval_interval_without_held_out_data_is_refused(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert train.main([*TINY, "--eval.interval=5"]) == 2
+    err = capsys.readouterr().err
+    assert "eval.interval=5 evaluates on held-out data, but there is no held-out data" in err
+    assert "eval.path, [[eval.mix]] or eval.fraction" in err
+    load_config([*TINY, "--eval.interval=5", "--eval.fraction=0.1"])  # with data: accepted
+    assert load_config(TINY).eval.interval == 0  # the default is never refused

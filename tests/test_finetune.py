@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import train
 from tests.chat_model import (
     CHAT_DATA,
     SPECIALS,
@@ -23,7 +24,7 @@ from tests.chat_model import (
 )
 from tests.distributed import ROOT, run_train
 from trainer.data.batch import IGNORE_INDEX
-from trainer.data.conversations import PackedConversations
+from trainer.data.conversations import PackedConversations, check_some_fit
 from trainer.data.shards import read_manifest
 from trainer.prepare.cli import main as prepare
 from trainer.prepare.instructions import chat_tokenizer, render_chat
@@ -111,6 +112,36 @@ def test_prompt_completion_trains_on_the_completion_and_eos(tmp_path):
     for r in rows:
         expected += [0] * len(r["prompt"].encode()) + [1] * len(r["completion"].encode()) + [1]
     assert mask.tolist() == expected
+
+
+def test_conversations_all_longer_than_a_sample_are_refused_before_training(
+    tmp_path, capsys, monkeypatch
+):
+    path = tmp_path / "pc.jsonl"
+    rows = [{"prompt": "q" * (60 + i), "completion": "a" * 40} for i in range(5)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "prepared"
+    argv = ["--source", "jsonl", "--format", "prompt_completion", "--path", str(path)]
+    assert prepare([*argv, "--out", str(out), "--workers", "1"]) == 0
+    monkeypatch.chdir(ROOT)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    train_argv = [
+        "--config=configs/debug_qwen3_moe.toml", "--data.source=tokens", f"--data.path={out}",
+        "--data.max_tokens=none", "--data.seq_len=64", "--train.steps=1",
+        f"--job.output_dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    capsys.readouterr()
+    assert train.main(train_argv) == 2
+    err = capsys.readouterr().err
+    # The file, the cause (with the lengths: 101..105 tokens and an EOS) and the fix.
+    assert f"data.path: {out}" in err and "every one of its 5 documents" in err
+    assert "longer than data.seq_len + 1 = 65 tokens" in err
+    assert "the shortest has 101 tokens, the longest 105" in err
+    assert "raise data.seq_len to at least 100" in err
+    assert not (tmp_path / "run").exists()  # refused before the run started
+    # With one that fits, the others are left out with the start-up line's word, not refused.
+    check_some_fit(np.array([200, 65, 300]), 64, "x")
 
 
 def test_the_masked_loss_is_the_mean_over_masked_in_tokens(chat_model, prepared):

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from parallelisms.dims import ParallelDims
 from tests.distributed import launch_train, read_metrics, run_distributed
 from tests.parity import TINY, TINY_DSV3, _full
-from trainer.config import load_config
+from tests.test_mixture import DEBUG, _refused
+from trainer.config import load_config, resume_notes
 from trainer.loop.guard import MIN_SPIKE_HISTORY, StepGuard
 
 # --- the rule itself ----------------------------------------------------------------------
@@ -50,6 +51,39 @@ def test_spike_rule_waits_for_history_and_judges_mean_plus_sigma():
     clone.load_state_dict(guard.state_dict())
     assert clone.state_dict() == guard.state_dict() and 5.0 not in clone.norms
     assert not guard.limit_reached  # 0 = never stop
+
+
+def test_a_spike_window_too_short_to_judge_is_refused_with_the_fix(capsys, monkeypatch):
+    # Windows of 2-9 steps never held MIN_SPIKE_HISTORY losses: spike skipping was silently off.
+    err = _refused(
+        [DEBUG, "--train.skip_spike_sigma=3", f"--train.skip_spike_window={MIN_SPIKE_HISTORY - 1}"],
+        capsys,
+        monkeypatch,
+    )
+    assert f"train.skip_spike_window must be >= {MIN_SPIKE_HISTORY}" in err
+    assert "train.skip_spike_sigma=0 turns spike skipping off" in err
+    cfg = load_config([f"--train.skip_spike_window={MIN_SPIKE_HISTORY}"])
+    assert cfg.train.skip_spike_window == MIN_SPIKE_HISTORY
+    with pytest.raises(ValueError, match="never judge"):
+        StepGuard(max_consecutive=0, spike_sigma=3.0, spike_window=MIN_SPIKE_HISTORY - 1)
+
+
+def test_an_injection_the_run_never_reaches_is_refused_or_noted(capsys, monkeypatch):
+    err = _refused(
+        [DEBUG, "--train.steps=3", "--debug.inject_nonfinite_step=4"], capsys, monkeypatch
+    )
+    assert "debug.inject_nonfinite_step=4 is past the run's last step (train.steps=3)" in err
+    # Before the step a run resumes after: accepted (a run from scratch injects), noted.
+    argv = [
+        "--train.steps=10",
+        "--debug.inject_nonfinite_step=3",
+        "--debug.inject_nonfinite_count=2",
+    ]
+    cfg = load_config(argv)
+    notes = resume_notes(cfg, resume_step=4)
+    assert len(notes) == 1 and notes[0].startswith("debug.inject_nonfinite_step=3 injects")
+    assert "5..10" in notes[0]
+    assert resume_notes(cfg, resume_step=3) == []  # step 4 is still injected
 
 
 # --- on every layout ----------------------------------------------------------------------

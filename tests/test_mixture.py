@@ -12,8 +12,12 @@ import pytest
 import train
 from tests.distributed import ROOT, finish, launch_train, read_metrics, run_train
 from tests.test_tokens_source import write_jsonl
-from trainer.data.mixture import BlendedOrder, interleave
+from trainer.config import DataSection, MixSource, load_config, startup_notes
+from trainer.data.mixture import BlendedOrder, interleave, weight_changes
+from trainer.data.run_data import build_data
 from trainer.data.sampler import GlobalBatchSampler
+from trainer.data.tokenizers import ByteTokenizer
+from trainer.errors import DataError
 from trainer.prepare.cli import main as prepare
 
 WEIGHTS = {
@@ -104,6 +108,36 @@ def test_a_changed_blend_continues_each_source_where_it_was():
     ] * 3
 
 
+def test_a_changed_blend_resumed_as_the_same_is_refused_naming_each_weight():
+    # A checkpoint without a data identity reaches the same-blend path: its weights decide.
+    old = GlobalBatchSampler(70, 12, 12, 0, 1, 0, True, blend=_order([0.5, 0.3, 0.2]))
+    old.next_micro_batch()
+    state = json.loads(json.dumps(old.state_at(12)))
+    new = GlobalBatchSampler(70, 12, 12, 0, 1, 0, True, blend=_order([0.5, 0.2, 0.3]))
+    with pytest.raises(DataError) as info:
+        new.load_state_dict(state)
+    message = str(info.value)
+    assert "s1: weight 0.3 -> 0.2" in message and "s2: weight 0.2 -> 0.3" in message
+    assert "s0" not in message and "allow_data_change" in message
+    # As many digits as tell two weights apart; sources added and removed by name.
+    assert weight_changes({"a": 0.1, "b": 0.9}, {"a": 0.1 + 1e-12, "c": 0.9}) == [
+        "a: weight 0.1 -> 0.100000000001",
+        "b: removed (weight was 0.9)",
+        "c: added (weight 0.9)",
+    ]
+
+
+def test_a_weight_that_gives_no_sample_in_the_run_is_noted():
+    tables = "[{path='web', weight=1}, {path='code', weight=1e-300, name='rare'}]"
+    argv = ["--data.source=tokens", "--train.steps=10", "--train.global_batch_size=8"]
+    notes = startup_notes(load_config([*argv, f"--data.mix={tables}"]))
+    assert len(notes) == 1 and notes[0].startswith("data.mix[2] (rare) has weight 1e-300")
+    assert "of the run's 80 samples" in notes[0]
+    # A share of 0.79 samples is noted, one of 1.57 is not.
+    assert startup_notes(load_config([*argv, f"--data.mix={tables.replace('1e-300', '0.01')}"]))
+    assert not startup_notes(load_config([*argv, f"--data.mix={tables.replace('1e-300', '0.02')}"]))
+
+
 # --- through train.py ---------------------------------------------------------------------
 
 DEBUG = "--config=configs/debug_qwen3_moe.toml"
@@ -111,7 +145,11 @@ DEBUG = "--config=configs/debug_qwen3_moe.toml"
 
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("mix")
+    return prepare_corpora(tmp_path_factory.mktemp("mix"))
+
+
+def prepare_corpora(root: Path) -> dict[str, Path]:
+    """Three small prepared corpora under `root` (web, code, math) -> their directories."""
     rng = random.Random(0)
     vocab = {"web": "the cat sat on a mat", "code": "def f ( x ) : return x", "math": "1 + 2 = 3"}
     out = {}
@@ -188,7 +226,21 @@ def test_bad_blends_are_refused_before_anything_starts(corpora, tmp_path, capsys
     assert "data.source = 'tokens'" in err
     missing = tmp_path / "nothing"
     err = _refused([*run[:-1], f"--data.mix=[{{path='{missing}', weight=1}}]"], capsys, monkeypatch)
-    assert "does not exist" in err and "trainer.prepare" in err
+    assert f"data.mix[1].path='{missing}' does not exist" in err and "trainer.prepare" in err
+    # Each table is named by its own key, held-out ones too.
+    web = f"{{path='{corpora['web']}', weight=1}}"
+    err = _refused(
+        [*run[:-1], f"--data.mix=[{web}, {{path='{missing}', weight=1}}]"], capsys, monkeypatch
+    )
+    assert f"data.mix[2].path='{missing}' does not exist" in err
+    err = _refused(
+        [*run, f"--eval.mix=[{web}, {{path='{missing}', weight=1}}]"], capsys, monkeypatch
+    )
+    assert f"eval.mix[2].path='{missing}' does not exist" in err
+    # A held-out source its weight gives no sample would have no tokens to take a loss over.
+    rare = _mix(corpora, {"web": 1, "code": 1e-300}).replace("--data.mix", "--eval.mix")
+    err = _refused([*run, rare], capsys, monkeypatch)
+    assert "eval.mix[2] (code) gets none of the eval.samples=64" in err
     damaged = tmp_path / "damaged"
     shutil.copytree(corpora["web"], damaged)
     (damaged / "manifest.json").write_text('{"format": "moetrain-tokens/2", "shards": [')
@@ -229,6 +281,17 @@ def test_bad_blends_are_refused_before_anything_starts(corpora, tmp_path, capsys
     assert "was prepared with tokenizer tokenizer.json" in err
 
 
+def test_the_blend_s_description_shows_each_weight_so_changed_weights_differ(corpora):
+    def source(weights: dict[str, float]) -> str:
+        tables = [MixSource(str(corpora[n]), w, n) for n, w in weights.items()]
+        cfg = DataSection(source="tokens", mix=tables, seq_len=64)
+        return build_data(cfg, None, ByteTokenizer()).train.summary.source
+
+    assert source(BLEND) == "blend of 3 prepared corpora (weights: web 0.5, code 0.3, math 0.2)"
+    # A change the console's usual 3 decimals would hide still reads differently.
+    assert source({**BLEND, "web": 0.5 + 1e-9}) != source(BLEND)
+
+
 @pytest.mark.slow
 def test_a_blend_resumes_on_another_layout_and_a_changed_weight_is_refused(corpora, tmp_path):
     out = tmp_path / "run"
@@ -254,6 +317,8 @@ def test_a_blend_resumes_on_another_layout_and_a_changed_weight_is_refused(corpo
     assert proc.returncode == 2 and "other data" in text and "allow_data_change" in text, text[
         -2000:
     ]
+    assert "(weights: web 0.5, code 0.3, math 0.2)" in text  # what changed, both sides
+    assert "(weights: web 0.6, code 0.2, math 0.2)" in text
     records = run_train([*changed, "--checkpoint.allow_data_change=true"], out)
     assert "resuming on other data" in log.read_text()
     assert [r["step"] for r in records][-2:] == [5, 6]

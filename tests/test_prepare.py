@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -125,7 +126,11 @@ def test_stream_equals_in_memory(tmp_path, capsys, source, tokenizer):
         map(os.path.abspath, matched(pattern))
     )
     out, err = capsys.readouterr()
-    assert out.startswith("prepared ") and f"{len(manifest.shards)} shards" in out and not err
+    assert out.startswith("prepared ") and f"{len(manifest.shards)} shards" in out
+    # Each corpus has invalid UTF-8 (read as U+FFFD): said once, in one line, not in silence.
+    replaced, first = (18, "part-0.jsonl:") if source == "jsonl" else (12, "f00.txt:")
+    assert err.startswith(f"note: {replaced} documents held bytes that are not valid UTF-8")
+    assert err.count("\n") == 1 and first in err
 
 
 def test_progress_goes_to_stderr_only_when_asked(tmp_path, capsys):
@@ -174,6 +179,21 @@ def test_same_bytes_twice_and_for_any_worker_count(tmp_path):
     assert MANIFEST in one and one == all_files(tmp_path / "two") == all_files(tmp_path / "again")
     assert prepare("jsonl", pattern, tmp_path / "one") == 0  # finished: re-checked, nothing redone
     assert all_files(tmp_path / "one") == one
+
+
+def test_invalid_utf8_is_counted_exactly_on_any_worker_count_and_on_resume(tmp_path, capsys):
+    pattern = write_jsonl(tmp_path / "c")
+    first = matched(pattern)[0]
+    data = Path(first).read_bytes()
+    line = len(re.findall(rb"\r\n|\r|\n", data[: data.index(b"bad \xff")])) + 1
+    notes = []
+    for name, workers in (("one", 1), ("two", 2), ("two", 2)):  # the last reuses every unit
+        capsys.readouterr()
+        assert prepare("jsonl", pattern, tmp_path / name, workers=workers) == 0
+        notes.append(capsys.readouterr().err)
+    assert notes[0] == notes[1] == notes[2]
+    assert notes[0].startswith("note: 18 documents held bytes that are not valid UTF-8")
+    assert f"U+FFFD in their place (the first: {first}:{line})" in notes[0]
 
 
 def test_rerun_redoes_only_damaged_or_missing_units(tmp_path, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from torch import nn
 
 from tests.distributed import finish, launch_train
 from tests.parity import TINY
+from tests.test_mixture import DEBUG, _refused
+from trainer.config import load_config, resume_notes
 from trainer.loop.profiling import StepProfiler
 
 
@@ -62,3 +65,20 @@ def test_hooks_exist_only_inside_the_window(tmp_path):
     )
     step(3)  # after the window: nothing again, no second trace
     assert hooks() == 0 and len(said) == 1
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 100])
+def test_the_refusal_of_a_bad_window_suggests_a_valid_one(steps, capsys, monkeypatch):
+    err = _refused([DEBUG, f"--train.steps={steps}", "--profile.steps=[3, 1]"], capsys, monkeypatch)
+    assert "profile.steps=[3, 1] must be [first, last]" in err
+    example = re.search(r"e\.g\. (profile\.steps=\S+)", err).group(1)
+    cfg = load_config([DEBUG, f"--train.steps={steps}", f"--{example}"])  # passes validation
+    assert cfg.profile.steps and cfg.profile.steps[1] <= steps
+
+
+def test_a_window_before_the_resumed_step_is_noted():
+    cfg = load_config(["--train.steps=10", "--profile.steps=[2, 3]"])
+    notes = resume_notes(cfg, resume_step=3)
+    assert len(notes) == 1 and notes[0].startswith("profile.steps=[2, 3] lies before step 4")
+    assert resume_notes(cfg, resume_step=2) == []  # step 3 is still profiled
+    assert resume_notes(load_config([]), resume_step=5) == []

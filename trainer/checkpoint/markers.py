@@ -127,3 +127,87 @@ def read_trainer_state(path: str) -> dict[str, Any]:
             f"{str(err).splitlines()[0][:200]}); it is damaged or not from this trainer "
             "(it would run code if unpickled: refused)"
         ) from None
+
+
+def _is_checkpoint(path: str) -> bool:
+    """Whether `path` looks like one checkpoint (complete or not), not a directory of them."""
+    name = os.path.basename(os.path.normpath(path))
+    if _STEP_DIR.match(name) or _STEP_DIR.match(name.removeprefix(".tmp-")):
+        return True
+    return any(os.path.exists(os.path.join(path, f)) for f in (COMPLETE, TRAINER_STATE, METADATA))
+
+
+def _problem(path: str) -> str | None:
+    """What keeps checkpoint `path` from being loaded (its marker, a file the marker lists
+    or every checkpoint has), or None: as `check_checkpoint` checks, without its advice."""
+    try:
+        marker = read_marker(path)
+    except CheckpointError as err:
+        return str(err)
+    for name in sorted({TRAINER_STATE, METADATA, *(marker.get("files") or {})}):
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"{os.path.join(path, name)} is missing"
+    return None
+
+
+def find_checkpoint(path: str, key: str | None = None) -> tuple[str, str | None]:
+    """The checkpoint that `path` means, and a one-line note when it had to choose one.
+
+    `path` may be a checkpoint (`step-<N>`), a `checkpoints/` directory, or a job's output
+    directory (the one holding `checkpoints/`): for the last two, the newest complete one
+    (commit order, as resume=auto) is chosen, and the note names it and any newer damaged
+    one passed over. CheckpointError otherwise: a damaged checkpoint (with the intact one
+    beside it to use instead), a directory without a complete one, or one that is no
+    checkpoint at all. `key` (e.g. "--checkpoint", "checkpoint.init_from") names the
+    option that gave `path` in the messages. The advice names no option: each caller has
+    its own.
+    """
+    given = f"{key}={path}" if key else path
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"{given}: no such directory; give a checkpoint's directory "
+            "(OUTPUT_DIR/checkpoints/step-<N>) or the output directory of the job that saved it"
+        )
+    if _is_checkpoint(path):
+        problem = _problem(path)
+        if problem is None:
+            return path, None
+        others = [p for _, p in complete_checkpoints(os.path.dirname(os.path.abspath(path)))]
+        intact = [p for p in others if _problem(p) is None and not os.path.samefile(p, path)]
+        instead = (
+            f"the newest intact checkpoint beside it is {intact[-1]}: use that one"
+            if intact
+            else "there is no intact checkpoint beside it"
+        )
+        raise CheckpointError(f"checkpoint {given} cannot be used: {problem}; {instead}")
+    root = os.path.join(path, "checkpoints")
+    root = root if os.path.isdir(root) else path
+    steps = _step_dirs(root)
+    advice = "give a checkpoint's directory (OUTPUT_DIR/checkpoints/step-<N>)"
+    if not steps and root == path:
+        raise CheckpointError(
+            f"{given} is not a checkpoint: it has no {COMPLETE} marker, no checkpoints/ "
+            f"directory and no step-<N> directories; {advice} or the output directory of a "
+            "job that saved one"
+        )
+    if not steps:
+        raise CheckpointError(
+            f"{given} holds no checkpoint: {root} has no step-<N> directory (the job saved "
+            f"none yet); {advice} of a job that saved one"
+        )
+    intact = [(s, p) for s, p in complete_checkpoints(root) if _problem(p) is None]
+    if not intact:
+        newest = max(steps)[1]
+        raise CheckpointError(
+            f"{given} holds no complete checkpoint: none of the {len(steps)} step-<N> "
+            f"directories in {root} can be used (the newest, {newest}: {_problem(newest)}); "
+            f"{advice} of a job that saved a complete one"
+        )
+    step, chosen = intact[-1]
+    note = f"{given}: using {chosen} (step {step}), the newest of its complete checkpoints"
+    after = os.stat(chosen).st_mtime
+    passed = [p for _, p in steps if os.stat(p).st_mtime > after and _problem(p) is not None]
+    if passed:  # a newer, damaged checkpoint is never passed over in silence
+        newest = max(passed, key=lambda p: os.stat(p).st_mtime)
+        note += f"; passed over the newer {newest}, which cannot be used: {_problem(newest)}"
+    return chosen, note

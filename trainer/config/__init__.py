@@ -3,11 +3,13 @@
 - `schema`: one dataclass per section, each field with its doc and allowed values;
 - `load`: defaults < TOML < command line, typed conversion, `validate`, `ConfigError`;
 - `checks`: the value checks `validate` runs (field bounds, then cross-field rules);
-- `help`: `format_help` for `--help`, `config_to_dict` for the run's logged config.
+- `help`: `format_help` for `--help`, `config_to_dict` for the run's logged config;
+- `notes`: the accepted values that do nothing in this run, as console lines.
 """
 
 from trainer.config.help import config_to_dict, format_help
 from trainer.config.load import ConfigError, load_config, validate
+from trainer.config.notes import resume_notes, startup_notes
 from trainer.config.schema import (
     CheckpointSection,
     DataSection,
@@ -42,5 +44,7 @@ __all__ = [
     "config_to_dict",
     "format_help",
     "load_config",
+    "resume_notes",
+    "startup_notes",
     "validate",
 ]

@@ -102,13 +102,29 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
     need(
         not prof or (len(prof) == 2 and prof[0] <= prof[1] <= t.steps),
         f"profile.steps={prof} must be [first, last] with first <= last <= train.steps "
-        f"({t.steps}), e.g. profile.steps=[3, 5] (or [] for no profiling)",
+        f"({t.steps}), e.g. profile.steps={profile_example(t.steps)} (or [] for no profiling)",
+    )
+    inject = cfg.debug.inject_nonfinite_step
+    need(
+        inject <= t.steps,
+        f"debug.inject_nonfinite_step={inject} is past the run's last step (train.steps="
+        f"{t.steps}): no step would be made non-finite; set it to a step in 1..{t.steps}, "
+        "or 0 (off)",
     )
     need(
         p.dp_shard == -1 or p.dp_shard >= 1,
         f"parallel.dp_shard must be -1 (all remaining ranks) or >= 1, got {p.dp_shard}",
     )
     return problems
+
+
+def profile_example(steps: int) -> str:
+    """A valid `profile.steps` for a run of `steps` steps, written as the CLI takes it (no
+    space: one shell word): up to 3 steps from step 3, past the first steps' warm-up (memory
+    allocation, compilation) that would crowd the trace."""
+    last = max(steps, 1)  # train.steps < 1 is reported by its own bound
+    first = min(3, last)
+    return f"[{first},{min(first + 2, last)}]"
 
 
 def _mix_problems(cfg: JobConfig) -> list[str]:
@@ -148,6 +164,12 @@ def _mix_problems(cfg: JobConfig) -> list[str]:
     ]
     if len(given) > 1:
         problems.append(f"{' and '.join(given)} are all held-out data: set only one of them")
+    # Only a set interval: its default, 0, evaluates at the end, when there is data.
+    if e.interval > 0 and not given:
+        problems.append(
+            f"eval.interval={e.interval} evaluates on held-out data, but there is no held-out "
+            "data: set eval.path, [[eval.mix]] or eval.fraction, or eval.interval=0"
+        )
     if e.fraction is not None and d.mix:
         problems.append(
             "eval.fraction holds out documents of data.path, but the run trains on "

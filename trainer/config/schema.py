@@ -105,6 +105,11 @@ class DataSection:
     )
 
 
+# Applied steps the spike rule needs before it judges, so the least train.skip_spike_window
+# (why a smaller window is refused rather than judged once full: trainer/loop/guard.py).
+MIN_SPIKE_HISTORY = 10
+
+
 @dataclass
 class TrainSection:
     steps: int = arg(100, "optimizer steps to run", ge=1)
@@ -171,7 +176,12 @@ class TrainSection:
         note="0 = off",
     )
     skip_spike_window: int = arg(
-        100, "applied steps the spike rule's mean and deviation are taken over", ge=2
+        100,
+        "applied steps the spike rule's mean and deviation are taken over; it judges once "
+        f"{MIN_SPIKE_HISTORY} are in (with skip_spike_sigma > 0)",
+        ge=MIN_SPIKE_HISTORY,
+        note="a mean and deviation of fewer steps are noise; train.skip_spike_sigma=0 turns "
+        "spike skipping off",
     )
 
 
@@ -236,6 +246,18 @@ class CheckpointSection:
         False,
         "resume even though the data differs from the checkpoint's (its content fingerprint: "
         "another corpus, tokenizer or data.max_tokens); off: such a resume is refused",
+    )
+    init_from: str | None = arg(
+        None,
+        "start a new training stage from this training checkpoint (a step-N directory, or a "
+        "job.output_dir whose newest checkpoint is taken), of any layout: its weights, then "
+        "this run's data, data.seq_len, schedule and steps from step 0. Used only while this "
+        "job has no checkpoint of its own: a relaunch resumes the stage",
+    )
+    init_optimizer: bool = arg(
+        False,
+        "with checkpoint.init_from: also take the optimizer's moments from it (this run's "
+        "lr, betas and weight decay still apply); off: the optimizer starts fresh",
     )
 
 

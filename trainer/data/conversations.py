@@ -26,6 +26,7 @@ from trainer.data.batch import IGNORE_INDEX, Batch
 from trainer.data.holdout import held_out
 from trainer.data.packing import CorpusSummary, document_positions
 from trainer.data.shards import DOCS_SUFFIX, Manifest, ShardedTokens
+from trainer.errors import DataError
 
 
 def _document_ends(directory: str, manifest: Manifest) -> np.ndarray:
@@ -36,6 +37,29 @@ def _document_ends(directory: str, manifest: Manifest) -> np.ndarray:
         ends.append(np.fromfile(path, dtype="<u8").astype(np.int64) + base)
         base += shard.tokens
     return np.concatenate(ends) if ends else np.zeros(0, dtype=np.int64)
+
+
+def document_lengths(directory: str, manifest: Manifest) -> np.ndarray:
+    """Every document's length in tokens, its EOS included: int64 [docs]."""
+    ends = _document_ends(directory, manifest)
+    return np.diff(ends, prepend=0)
+
+
+def check_some_fit(lengths: np.ndarray, seq_len: int, where: str) -> None:
+    """Refuse documents of which not one fits a sample: all would be left out (never cut),
+    and the run would find no sample at all. `where` names them (the prepared directory)."""
+    window = seq_len + 1
+    if not len(lengths) or (lengths <= window).any():
+        return
+    shortest, longest = int(lengths.min()), int(lengths.max())
+    every = f" ({longest - 1} keeps every one)" if longest > shortest else ""
+    raise DataError(
+        f"{where}: every one of its {len(lengths):,} documents (conversations or prompt/"
+        f"completion pairs) is longer than data.seq_len + 1 = {window} tokens (the shortest "
+        f"has {shortest:,} tokens, the longest {longest:,}, EOS included), and instruction "
+        "data is never cut: all would be left out and not one sample would remain; raise "
+        f"data.seq_len to at least {shortest - 1}{every}"
+    )
 
 
 class PackedConversations(Dataset):
@@ -66,6 +90,8 @@ class PackedConversations(Dataset):
         if holdout is not None:
             chosen = held_out(np.arange(len(ends)), holdout) == evaluation
         lengths = ends - starts
+        if chosen.any():  # the side asked for (all, trained or held out) has documents
+            check_some_fit(lengths[chosen], seq_len, directory)
         fits = lengths <= seq_len + 1
         self.left_out = int((chosen & ~fits).sum())
         keep = np.flatnonzero(chosen & fits)

@@ -17,7 +17,8 @@ import os
 
 import torch
 
-from trainer.config import DataSection
+from trainer.config import DataSection, MixSource
+from trainer.data.conversations import check_some_fit, document_lengths
 from trainer.data.holdout import DocumentView
 from trainer.data.packing import CorpusSummary, PackedDataset, TokenStream, pack_split
 from trainer.data.shards import (
@@ -54,33 +55,46 @@ def _prepare_hint(cfg: DataSection) -> str:
     )
 
 
-def check_prepared(path: str, cfg: DataSection, tokenizer: Tokenizer) -> None:
+def check_prepared(
+    path: str, cfg: DataSection, tokenizer: Tokenizer, key: str = "data.path"
+) -> None:
     """Refuse a prepared directory this run cannot read: no (valid) manifest, another
-    tokenizer than the run's, missing or truncated shards, no documents."""
-    manifest = read_manifest(path)
+    tokenizer than the run's, missing or truncated shards, no documents. `key`: the config
+    key that named it (data.path, data.mix[i].path, eval.path, eval.mix[i].path)."""
+    manifest = read_manifest(path, key)
     ours, theirs = tokenizer_id(tokenizer), manifest.tokenizer
     if ours != theirs:
         raise DataError(
-            f"{path} was prepared with tokenizer {theirs.kind} (vocab {theirs.vocab_size}, "
-            f"EOS {theirs.eos_id}, sha256 {theirs.sha256}) but this run uses "
+            f"{key}: {path} was prepared with tokenizer {theirs.kind} (vocab "
+            f"{theirs.vocab_size}, EOS {theirs.eos_id}, sha256 {theirs.sha256}) but this run uses "
             f"data.tokenizer={cfg.tokenizer!r} ({ours.kind}, vocab {ours.vocab_size}, EOS "
             f"{ours.eos_id}, sha256 {ours.sha256}); use the same tokenizer or prepare again"
         )
-    check_shards(path, manifest, checksums=cfg.verify == "checksum")
+    try:
+        check_shards(path, manifest, checksums=cfg.verify == "checksum")
+    except DataError as err:  # it names the file; the key says which table it belongs to
+        raise DataError(f"{key}: {err}") from None
     if manifest.num_documents == 0:
-        raise DataError(f"{path} holds no documents; prepare a non-empty corpus")
+        raise DataError(f"{key}: {path} holds no documents; prepare a non-empty corpus")
     if manifest.num_tokens <= cfg.seq_len:
         raise DataError(
-            f"{path} holds {manifest.num_tokens} tokens: not one sample of data.seq_len="
-            f"{cfg.seq_len}; prepare more text into it or lower data.seq_len"
+            f"{key}: {path} holds {manifest.num_tokens} tokens: not one sample of "
+            f"data.seq_len={cfg.seq_len}; prepare more text into it or lower data.seq_len"
         )
+    if manifest.loss_mask:  # whole documents only: one that fits is needed, not many tokens
+        check_some_fit(document_lengths(path, manifest), cfg.seq_len, f"{key}: {path}")
+
+
+def mix_paths(section: str, tables: list[MixSource]) -> list[tuple[str, str]]:
+    """(key, path) of each table of [[data.mix]] or [[eval.mix]]: `data.mix[2].path`."""
+    return [(f"{section}.mix[{i}].path", t.path) for i, t in enumerate(tables, start=1)]
 
 
 def check_corpus(cfg: DataSection, tokenizer: Tokenizer) -> None:
     """Refuse a source this run cannot use, cheaply (no tokenizing), naming the fix."""
     if cfg.source == "tokens":
-        for path in [t.path for t in cfg.mix] or [cfg.path]:
-            check_prepared(path, cfg, tokenizer)
+        for key, path in mix_paths("data", cfg.mix) or [("data.path", cfg.path)]:
+            check_prepared(path, cfg, tokenizer, key)
         return
     files = source_files(cfg)  # None: not a file source (hf_datasets)
     if files is not None and cfg.max_tokens is None:

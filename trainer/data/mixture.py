@@ -40,6 +40,31 @@ def interleave(weights: list[float], counts: list[int], start: int, length: int)
     return sources
 
 
+def weight_changes(saved: dict[str, float], ours: dict[str, float]) -> list[str]:
+    """What differs between two blends' normalised weights by source name, e.g. 'web: weight
+    0.5 -> 0.6', each pair with as many digits as it takes to tell them apart."""
+    changes = []
+    for name in [*saved, *(k for k in ours if k not in saved)]:
+        if name not in ours:
+            changes.append(f"{name}: removed (weight was {saved[name]!r})")
+        elif name not in saved:
+            changes.append(f"{name}: added (weight {ours[name]!r})")
+        elif saved[name] != ours[name]:
+            old, new = _apart(saved[name], ours[name])
+            changes.append(f"{name}: weight {old} -> {new}")
+    return changes
+
+
+def _apart(a: float, b: float) -> tuple[str, str]:
+    """`a` and `b` with the fewest significant digits (3 or more) that differ; 17 always do."""
+    for digits in range(3, 17):
+        if f"{a:.{digits}g}" != f"{b:.{digits}g}":
+            break
+    else:
+        digits = 17
+    return f"{a:.{digits}g}", f"{b:.{digits}g}"
+
+
 class BlendedOrder:
     """Which dataset index each position of the global sample stream reads, for a blend.
 
@@ -136,6 +161,16 @@ class BlendedOrder:
         is still in it continuing from the samples it had given."""
         cursors = {k: state["base"][k] + state["counts"][k] for k in state["base"]}
         if same_blend:
+            # The data identity check stops a changed blend before this, but a checkpoint
+            # that records no identity reaches here: continuing its counts under other
+            # weights would silently break the invariant (and another name, the lookups).
+            changes = weight_changes(state["weights"], dict(zip(self.keys, self.weights)))
+            if changes:
+                raise DataError(
+                    f"the blend changed since the checkpoint ({'; '.join(changes)}): resume "
+                    "with the checkpoint's [[data.mix]] weights, or pass "
+                    "--checkpoint.allow_data_change=true to continue on this blend on purpose"
+                )
             self.origin = int(state["origin"])
             self.base = [int(state["base"][k]) for k in self.keys]
             self._counts = {boundary: [int(state["counts"][k]) for k in self.keys]}

@@ -18,7 +18,6 @@ Messages name the option to fix in the caller's words: `data.*` keys for a train
 
 from __future__ import annotations
 
-import codecs
 import glob
 import json
 import os
@@ -28,6 +27,12 @@ from pathlib import Path
 from typing import IO, Any, NamedTuple
 
 from trainer.data import long_lines
+from trainer.data.utf8 import (
+    OnReplaced,
+    TolerantDecoder,
+    decode_lines,
+    text_mode_decoder,
+)
 from trainer.errors import DataError
 
 READ_BYTES = 1 << 20  # bytes per read of a JSON-lines file
@@ -62,9 +67,21 @@ def glob_files(pattern: str, what: str, opts: Options) -> list[str]:
     return files
 
 
-def read_text(path: str | os.PathLike) -> str:
-    # A stray invalid byte should not stop a training run.
-    return Path(path).read_text(encoding="utf-8", errors="replace")
+def read_text(path: str | os.PathLike, on_replaced: OnReplaced | None = None) -> str:
+    """The file as text mode reads it (UTF-8 with replacement, universal newlines): a stray
+    invalid byte should not stop a run, but `on_replaced` hears of it (`trainer.data.utf8`)."""
+    data = Path(path).read_bytes()
+    decoder, utf8 = text_mode_decoder()
+    text = decoder.decode(data, final=True)
+    if on_replaced is not None and utf8.offset is not None:
+        on_replaced(_place(str(path), utf8.offset))
+    return text
+
+
+def _place(path: str, offset: int) -> Callable[[], str]:
+    """file:line of byte `offset`, worked out when asked (the same whether the file was
+    read whole or streamed: a prepared directory's records must not depend on it)."""
+    return lambda: f"{path}:{_lines_before(path, offset) + 1}"
 
 
 class TextStream:
@@ -78,20 +95,28 @@ class TextStream:
         return self.chunks
 
 
-def text_document(path: str, stream_over: int | None = None) -> str | TextStream:
+def text_document(
+    path: str, stream_over: int | None = None, on_replaced: OnReplaced | None = None
+) -> str | TextStream:
     """`read_text(path)`, or for a file of more than `stream_over` bytes the same text as a
     TextStream."""
     if stream_over is None or os.path.getsize(path) <= stream_over:
-        return read_text(path)
-    return TextStream(_text_chunks(path), lambda: path)
+        return read_text(path, on_replaced)
+    return TextStream(_text_chunks(path, on_replaced), lambda: path)
 
 
-def _text_chunks(path: str) -> Iterator[str]:
-    # Text mode, as read_text reads: its incremental decoder keeps a character or a "\r\n"
-    # that a read cuts whole, so the chunks concatenate to read_text's text.
-    with open(path, encoding="utf-8", errors="replace") as f:
-        while chunk := f.read(READ_BYTES):
-            yield chunk
+def _text_chunks(path: str, on_replaced: OnReplaced | None) -> Iterator[str]:
+    # Text mode's decoders, as read_text's: they keep a character or a "\r\n" that a read
+    # cuts whole, so the chunks concatenate to read_text's text.
+    decoder, utf8 = text_mode_decoder()
+    with open(path, "rb") as f:
+        while block := f.read(READ_BYTES):
+            if chunk := decoder.decode(block):
+                yield chunk
+    if chunk := decoder.decode(b"", final=True):
+        yield chunk
+    if on_replaced is not None and utf8.offset is not None:
+        on_replaced(_place(path, utf8.offset))
 
 
 # --- JSON lines ---------------------------------------------------------------------------
@@ -248,13 +273,17 @@ def _long_line(
     return TextStream(long_lines.text_of_line(chunks, field, check), at)
 
 
-def _decoded(blocks: Iterable[bytes]) -> Iterator[str]:
+def _decoded(
+    blocks: Iterable[bytes], at: Callable[[], str], on_replaced: OnReplaced | None
+) -> Iterator[str]:
     """UTF-8 with replacement, as `bytes.decode` of all of them: a sequence that a block
     boundary cuts is held until the next."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder = TolerantDecoder()
     for block in blocks:
         yield decoder.decode(block)
     yield decoder.decode(b"", final=True)
+    if on_replaced is not None and decoder.offset is not None:
+        on_replaced(at)
 
 
 def jsonl_documents(
@@ -264,10 +293,12 @@ def jsonl_documents(
     start: int = 0,
     end: int | None = None,
     stream_over: int | None = None,
+    on_replaced: OnReplaced | None = None,
 ) -> Iterator[tuple[str | TextStream, int]]:
     """(text, input bytes consumed) of the lines in bytes [start, end) of a JSON-lines file;
     `start` must be 0 or just after a newline. A text "" carries only progress. With
-    `stream_over`, a line longer than that (bytes, or characters) comes as a TextStream."""
+    `stream_over`, a line longer than that (bytes, or characters) comes as a TextStream.
+    `on_replaced` hears of each line that held bytes that are not UTF-8."""
     end = os.path.getsize(path) if end is None else end
     lineno = 0  # within this piece; the absolute number is worked out only for errors
 
@@ -277,12 +308,19 @@ def jsonl_documents(
     for chunk in _chunks(path, start, end, stream_over):
         if isinstance(chunk, _LongLine):
             lineno += 1
-            yield (stream := _long_line(_decoded(chunk), where(lineno), field, opts)), 0
+            chunks = _decoded(chunk, where(lineno), on_replaced)
+            yield (stream := _long_line(chunks, where(lineno), field, opts)), 0
             for _ in stream:  # what the caller left unread: refused all the same
                 pass
             yield "", chunk.nbytes
             continue
-        text = chunk.decode("utf-8", errors="replace")
+        replaced_line = None
+        if on_replaced is not None:
+
+            def replaced_line(index: int, before: int = lineno) -> None:
+                on_replaced(where(before + index + 1))
+
+        text = decode_lines(chunk, replaced_line)
         if "\r" in text:  # universal newlines, as in text mode: \r\n, \r, \n end a line
             text = text.replace("\r\n", "\n").replace("\r", "\n")
         # After a final newline, split gives one "" that is not a line.

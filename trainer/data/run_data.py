@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from trainer.config import DataSection, EvalSection, MixSource
 from trainer.data.conversations import PackedConversations
-from trainer.data.corpus import check_prepared, open_corpus, prepared_fingerprint
+from trainer.data.corpus import check_prepared, mix_paths, open_corpus, prepared_fingerprint
 from trainer.data.mixture import MixtureDataset, interleave
 from trainer.data.packing import CorpusSummary, PackedDataset
 from trainer.data.shards import ShardedTokens, read_manifest
@@ -69,10 +69,11 @@ def _conversations(
 
 
 def _prepared(
-    path: str, cfg: DataSection, tokenizer: Tokenizer, vocab: int | None
+    path: str, cfg: DataSection, tokenizer: Tokenizer, vocab: int | None, key: str = "data.path"
 ) -> PackedDataset | PackedConversations:
-    """A prepared directory's samples: whole documents when it carries a loss mask."""
-    manifest = read_manifest(path)
+    """A prepared directory's samples: whole documents when it carries a loss mask. `key`:
+    the config key that named it, for the message should it be gone."""
+    manifest = read_manifest(path, key)
     if manifest.loss_mask:
         return _conversations(path, cfg, tokenizer, vocab)
     stream = ShardedTokens(path, manifest, None, vocab)
@@ -88,13 +89,29 @@ def _prepared(
 
 
 def _blend(
-    tables: list[MixSource], cfg: DataSection, tokenizer: Tokenizer, vocab: int | None
+    section: str,
+    tables: list[MixSource],
+    cfg: DataSection,
+    tokenizer: Tokenizer,
+    vocab: int | None,
 ) -> list[Source]:
     total = sum(t.weight for t in tables)
+    keys = [key for key, _ in mix_paths(section, tables)]
     return [
-        Source(source_name(t), t.weight / total, _prepared(t.path, cfg, tokenizer, vocab))
-        for t in tables
+        Source(source_name(t), t.weight / total, _prepared(t.path, cfg, tokenizer, vocab, key))
+        for t, key in zip(tables, keys, strict=True)
     ]
+
+
+def eval_shares(tables: list[MixSource], samples: int) -> list[int]:
+    """eval.samples shared out over [[eval.mix]] by weight, as the training blend would
+    share them (each within one sample of its weight's share)."""
+    if not tables:
+        return []
+    total = sum(t.weight for t in tables)
+    counts = [0] * len(tables)
+    interleave([t.weight / total for t in tables], counts, 0, samples)
+    return counts
 
 
 def _blend_summary(sources: list[Source]) -> CorpusSummary:
@@ -102,8 +119,11 @@ def _blend_summary(sources: list[Source]) -> CorpusSummary:
     for s in sources:  # the data identity: each corpus' content, name and weight
         digest.update(f"{s.name}:{s.weight!r}:{s.dataset.summary.fingerprint}".encode())
     tokens = sum(s.dataset.summary.tokens for s in sources)
+    # Each weight as repr, the digits the identity hashes: a resume refused because the
+    # weights changed prints the checkpoint's blend and this one, and they must differ.
+    weights = ", ".join(f"{s.name} {s.weight!r}" for s in sources)
     return CorpusSummary(
-        f"blend of {len(sources)} prepared corpora ({', '.join(s.name for s in sources)})",
+        f"blend of {len(sources)} prepared corpora (weights: {weights})",
         sum(s.dataset.summary.documents for s in sources),
         tokens,
         tokens,
@@ -120,7 +140,7 @@ def build_data(
     n = eval_cfg.samples
     held_out: list[HeldOut] = []
     if cfg.mix:
-        sources = _blend(cfg.mix, cfg, tokenizer, vocab)
+        sources = _blend("data", cfg.mix, cfg, tokenizer, vocab)
         datasets = [s.dataset for s in sources]
         train = MixtureDataset(datasets, [s.name for s in sources], _blend_summary(sources))
     elif cfg.source == "tokens" and read_manifest(cfg.path).loss_mask:
@@ -146,13 +166,11 @@ def build_data(
             dataset = PackedDataset(held, cfg.seq_len, tokenizer.eos_id, None, cfg.reset_positions)
             held_out = [HeldOut("held_out", dataset, n)]
     if eval_cfg.path:
-        dataset = _prepared(eval_cfg.path, cfg, tokenizer, vocab)
+        dataset = _prepared(eval_cfg.path, cfg, tokenizer, vocab, "eval.path")
         held_out = [HeldOut("eval", dataset, n)]
     elif eval_cfg.mix:
-        blend = _blend(eval_cfg.mix, cfg, tokenizer, vocab)
-        # eval.samples shared out by weight, as the training blend would (within one each).
-        counts = [0] * len(blend)
-        interleave([s.weight for s in blend], counts, 0, n)
+        blend = _blend("eval", eval_cfg.mix, cfg, tokenizer, vocab)
+        counts = eval_shares(eval_cfg.mix, n)
         held_out = [HeldOut(s.name, s.dataset, c) for s, c in zip(blend, counts, strict=True)]
     for h in held_out:
         if len(h.dataset) < h.samples:
@@ -166,5 +184,16 @@ def build_data(
 
 def check_held_out(cfg: DataSection, eval_cfg: EvalSection, tokenizer: Tokenizer) -> None:
     """Refuse held-out data this run cannot read, before any process group exists."""
-    for path in [eval_cfg.path] if eval_cfg.path else [t.path for t in eval_cfg.mix]:
-        check_prepared(path, cfg, tokenizer)
+    if eval_cfg.path:
+        check_prepared(eval_cfg.path, cfg, tokenizer, "eval.path")
+    for key, path in mix_paths("eval", eval_cfg.mix):
+        check_prepared(path, cfg, tokenizer, key)
+    # A source given no sample would have no tokens to take its loss over (0 / 0).
+    shares = eval_shares(eval_cfg.mix, eval_cfg.samples)
+    for i, (table, share) in enumerate(zip(eval_cfg.mix, shares, strict=True), start=1):
+        if share == 0:
+            raise DataError(
+                f"eval.mix[{i}] ({source_name(table)}) gets none of the eval.samples="
+                f"{eval_cfg.samples} by its weight ({table.weight:g} of "
+                f"{sum(t.weight for t in eval_cfg.mix):g}): raise its weight or eval.samples"
+            )

@@ -130,13 +130,14 @@ class Manifest:
         )
 
 
-def read_manifest(directory: str) -> Manifest:
-    """The manifest of a prepared directory; DataError naming the fix when there is none."""
+def read_manifest(directory: str, key: str = "data.path") -> Manifest:
+    """The manifest of a prepared directory; DataError naming the fix when there is none.
+    `key`: the config key that named the directory (e.g. eval.mix[2].path), for the message."""
     path = os.path.join(directory, MANIFEST)
     if not os.path.isfile(path):
         what = "does not exist" if not os.path.exists(directory) else f"has no {MANIFEST}"
         raise DataError(
-            f"data.path={directory!r} {what}: data.source=tokens reads a directory written by "
+            f"{key}={directory!r} {what}: it must name a directory written by "
             "`python -m trainer.prepare --out DIR` (an interrupted prepare has no manifest "
             "yet: run the same command again to finish it)"
         )
@@ -146,13 +147,15 @@ def read_manifest(directory: str) -> Manifest:
         found = raw.get("format", "?") if isinstance(raw, dict) else "?"
         if found != FORMAT:
             raise DataError(
-                f"{path} has format {found!r}; this trainer reads {FORMAT!r} (block checksums "
-                "were added in /2): run the `python -m trainer.prepare` command that wrote it "
-                "again with --overwrite"
+                f"{key}: {path} has format {found!r}; this trainer reads {FORMAT!r} (block "
+                "checksums were added in /2): run the `python -m trainer.prepare` command that "
+                "wrote it again with --overwrite"
             )
         manifest = Manifest.from_dict(raw)
     except (ValueError, KeyError, TypeError) as err:
-        raise DataError(f"{path} is not a valid manifest ({err}); prepare the data again") from err
+        raise DataError(
+            f"{key}: {path} is not a valid manifest ({err}); prepare the data again"
+        ) from err
     return manifest
 
 

@@ -4,6 +4,10 @@ be compared without training.
     [torchrun --nproc_per_node=N] python -m trainer.evaluate --config X.toml \\
         (--checkpoint DIR | --hf DIR) [--json FILE] [--section.key=value ...]
 
+--checkpoint takes a checkpoint (OUTPUT_DIR/checkpoints/step-N) or a job's output directory
+(or its checkpoints/), of which the newest complete checkpoint is evaluated (a line says
+which).
+
 The config's `[eval]` data (eval.path, [[eval.mix]] or eval.fraction, with eval.samples) is
 evaluated as the training run evaluates it, on the layout of `[parallel]` and the world
 size: the same loss as the run logged at that step. Exit status 2 for bad input (one
@@ -13,11 +17,12 @@ message), as train.py.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from parallelisms.dims import ParallelDims, world_size_from_env
-from trainer.config import ConfigError, load_config
-from trainer.errors import USER_ERRORS
+from trainer.config import ConfigError, JobConfig, load_config
+from trainer.errors import USER_ERRORS, refuse
 
 USAGE = (
     "usage: python -m trainer.evaluate --config X.toml (--checkpoint DIR | --hf DIR) "
@@ -41,6 +46,33 @@ def _take(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
     return value, rest
 
 
+def check_json_path(path: str) -> None:
+    """Refuse a --json file that cannot be written, before the evaluation it would record."""
+    where = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        problem = "is a directory"
+        fix = f"give a file's path, e.g. --json {os.path.join(path, 'eval.json')}"
+    elif not os.path.isdir(where):
+        problem = f"cannot be written: its directory {where} does not exist"
+        fix = f"create it first (mkdir -p {where}) or give another path"
+    elif not os.access(where, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        problem = "cannot be written (no permission)"
+        fix = "give a path in a directory you can write to"
+    else:
+        return
+    raise ConfigError(f"--json {path} {problem}: {fix}")
+
+
+def _evaluation_only(cfg: JobConfig, dp_size: int) -> None:
+    """Clear what only training reads, so that the shared start-up checks judge the
+    evaluation: the training batch's split over ranks (evaluation reads eval.micro_batch_size)
+    and where a run starts from (evaluation loads --checkpoint or --hf, never the job's own
+    checkpoints or checkpoint.init_from)."""
+    cfg.train.global_batch_size = cfg.train.micro_batch_size * dp_size
+    cfg.checkpoint.resume = "none"
+    cfg.checkpoint.init_from = None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
@@ -52,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if (checkpoint is None) == (hf_dir is None):
             raise ConfigError(f"give exactly one of --checkpoint DIR and --hf DIR\n{USAGE}")
+        if json_path is not None:
+            check_json_path(json_path)
         if hf_dir is not None:
             argv = [*argv, f"--model.init_from_hf={hf_dir}"]
         cfg = load_config(argv)
@@ -63,12 +97,18 @@ def main(argv: list[str] | None = None) -> int:
             )
         p = cfg.parallel
         dims = ParallelDims.of(p, world_size_from_env())
-        from trainer.evaluate.run import evaluate_weights  # torch-heavy: once the input is good
+        _evaluation_only(cfg, dims.dp_size)
+        # torch-heavy: once the input is good
+        from trainer.checkpoint.markers import find_checkpoint
+        from trainer.evaluate.run import evaluate_weights
 
+        if checkpoint is not None:  # a job's output directory means its newest checkpoint
+            checkpoint, note = find_checkpoint(checkpoint, "--checkpoint")
+            if note is not None and os.environ.get("RANK", "0") == "0":
+                print(note, flush=True)
         record = evaluate_weights(cfg, dims, checkpoint)
     except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
+        return refuse(err)  # once, under torchrun too
     if record is not None:  # rank 0
         print(
             " | ".join(

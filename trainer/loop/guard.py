@@ -7,10 +7,11 @@ on exactly as a run whose data never held that batch (tested bitwise on every la
 
 A step is skipped when its loss or its global gradient norm is not finite, or, with
 `train.skip_spike_sigma=S > 0`, when either exceeds the mean plus S standard deviations of
-the last `train.skip_spike_window` applied steps. Both figures are already all-reduced
-before the decision (the loss sum in `StepLoss.end`, the norm in `clip.grad_norm`), so every
-rank takes the same decision from the same bits, with no collective and no host sync of
-its own. `train.max_skipped_steps` consecutive skips stop the run (`SkipLimitReached`).
+the last `train.skip_spike_window` applied steps, judged once `MIN_SPIKE_HISTORY` of them
+are in (the config refuses a smaller window). Both figures are already all-reduced before
+the decision (the loss sum in `StepLoss.end`, the norm in `clip.grad_norm`), so every rank
+takes the same decision from the same bits, with no collective and no host sync of its own.
+`train.max_skipped_steps` consecutive skips stop the run (`SkipLimitReached`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-# Applied steps the spike rule needs before it judges: a mean and deviation of fewer would
-# flag ordinary early-training noise.
-MIN_SPIKE_HISTORY = 10
+# Applied steps the spike rule needs before it judges, and the config's least
+# train.skip_spike_window. NOTE: a smaller window is refused at start-up rather than judged
+# once full: the rule compares a step with mean + S sd of its window, and the deviation of
+# n = 2-9 steps is itself too uncertain (relative error ~ 1/sqrt(2(n-1)): 25-70%), so
+# ordinary early-training noise would be skipped; and judging on another window than the
+# one asked for would change the rule silently.
+from trainer.config.schema import MIN_SPIKE_HISTORY
 
 
 class SkipLimitReached(Exception):
@@ -52,6 +57,12 @@ class StepGuard:
     """Judges each step from its (already global) loss and gradient norm."""
 
     def __init__(self, max_consecutive: int, spike_sigma: float, spike_window: int) -> None:
+        if spike_sigma > 0 and spike_window < MIN_SPIKE_HISTORY:
+            # A window that never holds MIN_SPIKE_HISTORY steps would never judge a spike.
+            raise ValueError(
+                f"spike_window={spike_window} < {MIN_SPIKE_HISTORY}: the spike rule would never "
+                "judge (the config refuses train.skip_spike_window below it)"
+            )
         self.max_consecutive = max_consecutive
         self.spike_sigma = spike_sigma
         self.losses: deque[float] = deque(maxlen=spike_window)

@@ -101,4 +101,6 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted: run the same command again to resume", file=sys.stderr)
         return 130
     print(summary.line())
+    if (note := summary.note()) is not None:
+        print(note, file=sys.stderr)
     return 0

@@ -44,6 +44,23 @@ def chat_tokenizer(path: str, template_file: str | None = None) -> Any:
     """transformers' tokenizer of a model directory (or a tokenizer.json's directory), with
     its chat template, or the Jinja template in `template_file` instead (`--chat-template`);
     DataError naming the fix when there is none."""
+    # NOTE: only what the user named is read: "byte" (or a path that is not there) taken as
+    # a file would make its directory the working directory, and transformers would load
+    # whatever tokenizer happens to lie there.
+    if path == "byte":
+        raise DataError(
+            "--format chat renders each conversation with a Hugging Face tokenizer's chat "
+            "template, and --tokenizer byte (the default) has no template and no special "
+            "tokens for turns, nor is there a built-in one: pass --tokenizer MODEL_DIR (the "
+            "model's directory, with tokenizer.json and tokenizer_config.json; --chat-template "
+            "FILE to render with another template), or use --format prompt_completion, which "
+            "works with --tokenizer byte"
+        )
+    if not os.path.exists(path):
+        raise DataError(
+            f"--tokenizer {path!r} does not exist: --format chat needs the model's directory "
+            "(tokenizer.json and tokenizer_config.json, with its chat template)"
+        )
     directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     from transformers import AutoTokenizer
 

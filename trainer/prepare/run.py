@@ -41,6 +41,8 @@ class Summary:
     units_reused: int
     bytes_read: int  # input bytes tokenized by this run (reused units not counted)
     seconds: float
+    replaced: int = 0  # documents with bytes that are not UTF-8 (replaced by U+FFFD)
+    replaced_first: str | None = None  # the first of them, in corpus order: file[:line]
 
     def line(self) -> str:
         mb = self.bytes_read / 1e6
@@ -49,6 +51,17 @@ class Summary:
         return (
             f"prepared {self.documents:,} documents, {self.tokens:,} tokens, {self.shards} "
             f"shards: {mb:,.1f} MB in {self.seconds:.1f} s, {rate:,.1f} MB/s{reused}"
+        )
+
+    def note(self) -> str | None:
+        """The line that says text was changed on the way in (None: it was not)."""
+        if not self.replaced:
+            return None
+        documents = f"{self.replaced:,} document{'s' if self.replaced > 1 else ''}"
+        return (
+            f"note: {documents} held bytes that are not valid UTF-8, prepared with U+FFFD in "
+            f"their place (the first: {self.replaced_first}); re-encode the source as UTF-8 "
+            "and prepare again to keep the original characters"
         )
 
 
@@ -271,6 +284,11 @@ def prepare(args: PrepareArgs) -> Summary:
         units_reused=sum(bool(r["reused"]) for r in results),
         bytes_read=sum(u["bytes"] for u, r in zip(units, results, strict=True) if not r["reused"]),
         seconds=time.monotonic() - start,
+        replaced=sum(r.get("replaced_documents", 0) for r in results),
+        # Units are in corpus order, whichever worker ran them: the first is the corpus' first.
+        replaced_first=next(
+            (r["replaced_first"] for r in results if r.get("replaced_first")), None
+        ),
     )
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from trainer.data import reader, shards
 from trainer.data.reader import COMMAND_LINE
 from trainer.data.shards import file_sha256
+from trainer.data.utf8 import OnReplaced, Replaced, decode_lines
 from trainer.errors import DataError
 from trainer.fileio import fsync_path, read_json, write_atomic
 from trainer.prepare import instructions, long_docs
@@ -47,27 +48,33 @@ def marker_path(out: str, index: int) -> str:
 # --- reading documents: trainer.data.reader's rules, with progress in input bytes -----------
 
 
-def _jsonl_documents(job: Job, unit: dict) -> Iterator[tuple[Any, int]]:
+def _jsonl_documents(job: Job, unit: dict, replaced: OnReplaced) -> Iterator[tuple[Any, int]]:
     """(text or a long one's TextStream, input bytes consumed): "" carries only progress."""
     for file_index, start, end in unit["pieces"]:
         path, field, long = job["files"][file_index], job["text_field"], long_docs.STREAM_BYTES
-        yield from reader.jsonl_documents(path, field, COMMAND_LINE, start, end, long)
+        yield from reader.jsonl_documents(path, field, COMMAND_LINE, start, end, long, replaced)
 
 
-def _text_documents(job: Job, unit: dict) -> Iterator[tuple[Any, int]]:
+def _text_documents(job: Job, unit: dict, replaced: OnReplaced) -> Iterator[tuple[Any, int]]:
     for file_index, start, end in unit["pieces"]:
         path = job["files"][file_index]
-        yield reader.text_document(path, long_docs.STREAM_BYTES), end - start
+        yield reader.text_document(path, long_docs.STREAM_BYTES, replaced), end - start
 
 
-def _instruction_documents(job: Job, unit: dict) -> Iterator[tuple[Any, int]]:
+def _instruction_documents(job: Job, unit: dict, replaced: OnReplaced) -> Iterator[tuple[Any, int]]:
     """(ids and mask, input bytes consumed) of `--format chat|prompt_completion` lines;
     None carries only progress. Lines are read as `reader.jsonl_documents` reads them."""
     for file_index, start, end in unit["pieces"]:
         path = job["files"][file_index]
         lineno = 0
         for chunk in reader._chunks(path, start, end):
-            text = chunk.decode("utf-8", errors="replace")
+
+            def replaced_line(
+                index: int, n: int = lineno, path: str = path, a: int = start
+            ) -> None:
+                replaced(lambda: f"{path}:{_line_number(path, a, n + index + 1)}")
+
+            text = decode_lines(chunk, replaced_line)
             if "\r" in text:  # universal newlines, as in text mode
                 text = text.replace("\r\n", "\n").replace("\r", "\n")
             for line in text.split("\n")[: -1 if text.endswith("\n") else None]:
@@ -75,11 +82,15 @@ def _instruction_documents(job: Job, unit: dict) -> Iterator[tuple[Any, int]]:
                 if line.strip():
 
                     def where(n: int = lineno, path: str = path, start: int = start) -> str:
-                        before = reader._lines_before(path, start) if start else 0
-                        return f"{path}:{before + n}"
+                        return f"{path}:{_line_number(path, start, n)}"
 
                     yield instructions.document(job, line, where), 0
             yield None, len(chunk)
+
+
+def _line_number(path: str, start: int, n: int) -> int:
+    """The file's line number of line `n` (from 1) of a piece that starts at byte `start`."""
+    return (reader._lines_before(path, start) if start else 0) + n
 
 
 _HF_CACHE: dict[tuple[str, str, str], Any] = {}
@@ -93,7 +104,8 @@ def load_hf(path: str, split: str, field: str) -> Any:
     return _HF_CACHE[key]
 
 
-def _hf_documents(job: Job, unit: dict) -> Iterator[tuple[str, int]]:
+def _hf_documents(job: Job, unit: dict, replaced: OnReplaced) -> Iterator[tuple[str, int]]:
+    # (`replaced`: never called; a dataset's rows are text already)
     field, path = job["text_field"], job["hf"]["path"]
     lo, hi = unit["rows"]
     # Row ranges have no exact byte size: spread the unit's estimate over its rows.
@@ -216,6 +228,14 @@ class ShardWriter:
                 os.remove(tmp)
 
 
+def _replaced_fields(replaced: Replaced) -> dict[str, Any]:
+    """What a done marker records of the unit's invalid UTF-8 (none: nothing), so that a
+    resumed prepare reports reused units' too."""
+    if not replaced.count:
+        return {}
+    return {"replaced_documents": replaced.count, "replaced_first": replaced.first}
+
+
 def intact_marker(job: Job, index: int) -> dict | None:
     """The unit's done marker if it belongs to this plan and its files match it byte for byte."""
     marker = read_json(marker_path(job["out"], index))
@@ -266,7 +286,8 @@ def run_unit(
     if job["format"] != "text":
         return _run_instruction_unit(job, index, report, alive)
     read = {"jsonl": _jsonl_documents, "text": _text_documents, "hf_datasets": _hf_documents}
-    documents = read[job["kind"]](job, unit)
+    replaced = Replaced()
+    documents = read[job["kind"]](job, unit, replaced)
     tok = _tokenizer(job)
     encode = encoder_of(tok)
     writer = ShardWriter(
@@ -295,7 +316,7 @@ def run_unit(
             if chars >= BATCH_CHARS:
                 flush()
         flush()
-        marker = {"unit": unit, **writer.finish()}
+        marker = {"unit": unit, **writer.finish(), **_replaced_fields(replaced)}
     except DataError as err:
         writer.abort()
         return {"error": str(err)}
@@ -311,6 +332,7 @@ def _run_instruction_unit(job: Job, index: int, report: Report, alive: Callable[
     mask by `trainer.prepare.instructions`, and written with it."""
     unit = job["units"][index]
     name, eos_mask = shard_name(index), instructions.eos_in_loss(job["format"])
+    replaced = Replaced()
     writer = ShardWriter(job["out"], name, job["dtype"], job["eos_id"], job["block_bytes"], True)
     docs: list[tuple[np.ndarray, np.ndarray]] = []
     pending = nbytes = 0
@@ -328,7 +350,7 @@ def _run_instruction_unit(job: Job, index: int, report: Report, alive: Callable[
             raise SystemExit(1)
 
     try:
-        for doc, consumed in _instruction_documents(job, unit):
+        for doc, consumed in _instruction_documents(job, unit, replaced):
             nbytes += consumed
             if doc is not None:
                 docs.append(doc)
@@ -336,7 +358,7 @@ def _run_instruction_unit(job: Job, index: int, report: Report, alive: Callable[
             if pending >= BATCH_CHARS // 4:  # ~1 MB of text's tokens at a time
                 flush()
         flush()
-        marker = {"unit": unit, **writer.finish()}
+        marker = {"unit": unit, **writer.finish(), **_replaced_fields(replaced)}
     except DataError as err:
         writer.abort()
         return {"error": str(err)}

@@ -1,0 +1,69 @@
+"""Values a run accepts that do nothing in it: one console line each, not a refusal.
+
+A refusal is for a value no run can use (`checks.py`); these are fine in another run (a
+longer one, one with more context-parallel ranks, one started from scratch), so the run goes
+on and says which key has no effect and what would give it one. `startup_notes` needs the
+config alone (`train.py` prints them once the preflight passed); `resume_notes` needs the
+step a resumed run starts after, which only the trainer knows once it read the checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from trainer.config.schema import JobConfig, ParallelSection
+
+
+def _default(cls: type, name: str) -> object:
+    return next(f.default for f in fields(cls) if f.name == name)
+
+
+def startup_notes(cfg: JobConfig) -> list[str]:
+    """What in `cfg` has no effect in this run, whatever it resumes from."""
+    p, t = cfg.parallel, cfg.train
+    notes = []
+    # Only a layout other than the default: the config does not record which keys were set,
+    # and a note on every one-rank run's default would be noise.
+    if p.cp == 1 and p.cp_layout != _default(ParallelSection, "cp_layout"):
+        notes.append(
+            f"parallel.cp_layout={p.cp_layout} has no effect with parallel.cp=1: one "
+            "context-parallel rank holds every sequence whole"
+        )
+    run_samples = t.steps * t.global_batch_size
+    total = sum(table.weight for table in cfg.data.mix)
+    for i, table in enumerate(cfg.data.mix, start=1):
+        share = table.weight / total * run_samples
+        # The blend keeps each source within one sample of its share (trainer/data/mixture.py),
+        # so a share below one is at most one sample, and most often none.
+        if share < 1:
+            notes.append(
+                f"data.mix[{i}] ({table.name or table.path}) has weight {table.weight:g} of "
+                f"{total:g}: {share:.3g} of the run's {run_samples:,} samples (train.steps x "
+                "train.global_batch_size), so it gives at most one sample; raise its weight or "
+                "remove the table"
+            )
+    return notes
+
+
+def resume_notes(cfg: JobConfig, resume_step: int) -> list[str]:
+    """What in `cfg` would have acted at or before `resume_step`, the step of the checkpoint
+    the run resumed from (it goes on with step resume_step + 1), and so never acts."""
+    if resume_step >= cfg.train.steps:
+        return []  # nothing is left to run: no key could act
+    notes = []
+    steps = cfg.profile.steps
+    if len(steps) == 2 and steps[1] <= resume_step:
+        notes.append(
+            f"profile.steps={steps} lies before step {resume_step + 1}, where this run resumes: "
+            f"nothing is profiled; give steps in {resume_step + 1}..{cfg.train.steps}"
+        )
+    d = cfg.debug
+    last = d.inject_nonfinite_step + d.inject_nonfinite_count - 1
+    if d.inject_nonfinite_step > 0 and last <= resume_step:
+        at = f"step {last}" if d.inject_nonfinite_count == 1 else f"steps up to {last}"
+        notes.append(
+            f"debug.inject_nonfinite_step={d.inject_nonfinite_step} injects into {at}, before "
+            f"step {resume_step + 1}, where this run resumes: nothing is injected; give a step "
+            f"in {resume_step + 1}..{cfg.train.steps}"
+        )
+    return notes
