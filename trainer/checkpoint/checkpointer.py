@@ -34,8 +34,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 
@@ -298,6 +300,29 @@ class Checkpointer:
         state = {"model": model_sd}
         dcp.load(state, checkpoint_id=path)  # reads only the keys asked for
         set_model_state_dict(model, state["model"], options=_options(frozen))
+
+    def load_stage(
+        self, path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        """A new stage's start (`checkpoint.init_from`, checked by `trainer.loop.stages`):
+        the model tensors `path` holds (adapters it lacks keep their fresh init) and, given
+        an optimizer, the per-parameter state (Adam's moments and step), never the param
+        groups, so this run's lr, betas and weight decay apply."""
+        options = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+        index = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        model_sd = get_model_state_dict(model, options=options)
+        state: dict[str, dict] = {
+            "model": {k: v for k, v in model_sd.items() if f"model.{k}" in index}
+        }
+        if optimizer is not None:
+            optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
+            state["optim"] = {k: v for k, v in optim_sd.items() if k.startswith("state.")}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"], options=options)
+        if optimizer is not None:
+            set_optimizer_state_dict(
+                model, optimizer, {**optim_sd, **state["optim"]}, options=options
+            )
 
     def load_weights(
         self, path: str, model: nn.Module, optimizer: torch.optim.Optimizer, frozen: bool = True

@@ -1,13 +1,16 @@
 """Which checkpoint a run may resume from, judged on its trainer state before any weight is
 read: the same model (another architecture is named key by key, not left to DCP's shape
-errors), a position at a step boundary, and the same data unless
-`checkpoint.allow_data_change` says otherwise."""
+errors), the same `data.seq_len` (another is a new stage: `trainer.loop.stages`), a position
+at a step boundary, and the same data unless `checkpoint.allow_data_change` says
+otherwise."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from models.spec import ModelSpec
+from trainer.checkpoint.markers import complete_checkpoints, read_trainer_state
 from trainer.config import JobConfig, config_to_dict
 from trainer.data.packing import PackedDataset
 from trainer.errors import CheckpointError, DataError
@@ -64,12 +67,44 @@ def accept_base(path: str, state: dict, cfg: JobConfig) -> None:
         )
 
 
+def accept_seq_len(path: str, state: dict, cfg: JobConfig) -> None:
+    """A resume continues the checkpoint's sample order, which its `data.seq_len` cut: a new
+    length is a new stage (`checkpoint.init_from`), not a resume."""
+    saved = state.get("config", {}).get("data", {}).get("seq_len")
+    if saved is not None and saved != cfg.data.seq_len:
+        raise DataError(
+            f"{path} was trained at data.seq_len={saved}, but this run has "
+            f"data.seq_len={cfg.data.seq_len}: a resume continues the same samples, so it "
+            f"keeps data.seq_len. To train on at the new length, start a new stage from it in "
+            f"a new job.output_dir: --checkpoint.init_from={path} (its weights; add "
+            "--checkpoint.init_optimizer=true for its optimizer state)"
+        )
+
+
+def resume_candidate(cfg: JobConfig) -> str | None:
+    """The checkpoint a launch would resume from, as far as the files say before any
+    process group exists (the trainer resolves it again, refusing a damaged newest one)."""
+    resume = cfg.checkpoint.resume
+    if resume != "auto":
+        return None if resume == "none" else resume
+    found = complete_checkpoints(os.path.join(cfg.job.output_dir, "checkpoints"))
+    return found[-1][1] if found else None
+
+
+def check_resume(path: str, cfg: JobConfig, spec: ModelSpec) -> None:
+    """What can be refused of a resume from its trainer state alone, before work starts."""
+    state = read_trainer_state(path)
+    accept_model(path, state, cfg, spec)
+    accept_seq_len(path, state, cfg)
+
+
 def accept_checkpoint(
     path: str, state: dict, cfg: JobConfig, spec: ModelSpec, dataset: PackedDataset
 ) -> bool:
-    """Refuse another model, a position that is not at a step boundary, or other data
-    unless allowed. Returns whether the data differs (allowed)."""
+    """Refuse another model or `data.seq_len`, a position that is not at a step boundary,
+    or other data unless allowed. Returns whether the data differs (allowed)."""
     accept_model(path, state, cfg, spec)
+    accept_seq_len(path, state, cfg)
     if state["data"]["micro_batches_into_step"]:
         # The trainer saves at step boundaries only; a mid-step position would put its
         # own count of consumed samples out of step with the sampler's.

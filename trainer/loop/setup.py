@@ -32,6 +32,8 @@ from trainer.data.run_data import check_held_out
 from trainer.data.tokenizers import build_tokenizer
 from trainer.errors import DataError
 from trainer.loop.peft import apply_lora
+from trainer.loop.resume import check_resume, resume_candidate
+from trainer.loop.stages import check_stage, check_stage_keys, resolve_stage
 from trainer.metrics.sinks import check_sinks
 
 
@@ -99,6 +101,11 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
     resolve_model_args(cfg)
     if cfg.checkpoint.resume not in ("auto", "none"):
         check_checkpoint(cfg.checkpoint.resume)
+    check_stage_keys(cfg)
+    resume_from = resume_candidate(cfg)
+    # A stage starts from checkpoint.init_from only while its job has no checkpoint of its
+    # own: a relaunch resumes the stage, even once the checkpoint it started from is gone.
+    stage = resolve_stage(cfg) if resume_from is None else None
     if dims.cp > 1:
         check_cp_kernel(cfg.parallel.cp_kernel, resolve_device(cfg.train.device).type, cfg)
     spec = get_model_spec(cfg.model.name)
@@ -107,6 +114,10 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
         if cfg.peft.method == "lora":  # a target the model lacks is refused here
             apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
         check_layout(model, spec.plan, dims)
+    if resume_from is not None:
+        check_resume(resume_from, cfg, spec)
+    if stage is not None:
+        check_stage(stage, cfg, model)
     dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
     tokenizer = build_tokenizer(cfg.data)
     vocab = cfg.model.args.vocab_size  # part of the contract (models/spec.py)

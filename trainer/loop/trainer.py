@@ -4,11 +4,12 @@ One step: this rank's micro-batches of the global batch -> for each: forward, lo
 backward (`trainer.loop.losses.StepLoss` composes the loss: docs/architecture.md,
 "Loss and gradient scale") -> clip -> update.
 The set-up before the first step (checks, device, process group) is `trainer.loop.setup`.
+Where the weights come from (init, a resume, a new stage) and what a checkpoint holds of the
+run: `trainer.loop.run_start`.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
@@ -20,33 +21,29 @@ from parallelisms.clip import clip_grads_, grad_norm
 from parallelisms.context_parallel import use_cp_table
 from parallelisms.dims import ParallelDims
 from parallelisms.fsdp import gather_once_per_step
-from parallelisms.init import init_weights_global
 from parallelisms.mesh import build_meshes
 from parallelisms.plan import match_modules
 from parallelisms.trace import named_range
-from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.config import JobConfig, config_to_dict
+from trainer.config import JobConfig
 from trainer.data.batch import Batch
 from trainer.data.loader import build_dataloader
 from trainer.data.run_data import build_data
 from trainer.data.tokenizers import build_tokenizer
 from trainer.errors import DataError
-from trainer.hf.weights import load_hf_weights
 from trainer.loop.balance import attach_bias_update
 from trainer.loop.evaluation import Evaluator, batch_preparer
 from trainer.loop.guard import StepGuard, poison_one_gradient
 from trainer.loop.losses import BalanceTerms, StepLoss, model_inputs
 from trainer.loop.optim import build_optimizer, set_lr
-from trainer.loop.peft import init_adapters
 from trainer.loop.profiling import StepProfiler
 from trainer.loop.report import balance_figures, source_tokens, startup_lines, step_figures
-from trainer.loop.resume import accept_base, accept_checkpoint, data_identity
+from trainer.loop.run_start import RunStart
 from trainer.loop.setup import build_model, init_distributed, resolve_device
 from trainer.metrics.logger import MetricsLogger, peak_flops
 from trainer.metrics.sinks import build_sinks
 
 
-class Trainer:
+class Trainer(RunStart):
     def __init__(self, cfg: JobConfig, dims: ParallelDims) -> None:
         self.cfg, self.dims = cfg, dims
         self.spec = get_model_spec(cfg.model.name)
@@ -60,20 +57,16 @@ class Trainer:
         self._first_step_of_run = True  # its expert load is logged whatever the interval
         self.history: list[dict] = []
         self._stop_requested = False
-        self._notes: list[str] = []  # said on the console once the logger exists
+        self.notes: list[str] = []  # said on the console once the logger exists
         if cfg.train.warmup_steps > cfg.train.steps:
-            self._notes.append(
+            self.notes.append(
                 f"train.warmup_steps={cfg.train.warmup_steps} is longer than the run "
                 f"(train.steps={cfg.train.steps}): warming up over all {cfg.train.steps} steps"
             )
 
         self._build_model()
         self._build_data()
-        resume_from = self._resume_path()
-        if resume_from is None:
-            self._init_weights()
-        else:  # a resumed run gets every weight (and the data position) from its checkpoint
-            self._restore(resume_from)
+        resume_from = self._begin()  # trainer.loop.run_start
         self._build_metrics(resume_from)
 
     # --- phases of __init__ ------------------------------------------------------------
@@ -130,30 +123,6 @@ class Trainer:
                 cfg.data.document_mask,
             )
 
-    def _resume_path(self) -> str | None:
-        """The checkpointer, and the checkpoint to resume from (None: a fresh run)."""
-        ck = self.cfg.checkpoint
-        self.checkpointer = Checkpointer(
-            os.path.join(self.cfg.job.output_dir, "checkpoints"),
-            ck.keep_last,
-            ck.async_save,
-            stop_requested=lambda: self._stop_requested,
-            save_frozen=ck.save_frozen or self.cfg.peft.method != "lora",
-        )
-        resume_from = [self.checkpointer.resolve(ck.resume) if self.rank == 0 else None]
-        dist.broadcast_object_list(resume_from, src=0)  # every rank loads the same one
-        return resume_from[0]
-
-    def _init_weights(self) -> None:
-        if self.cfg.model.init_from_hf:
-            load_hf_weights(
-                self.model, self.spec.hf_adapter, self.args, self.cfg.model.init_from_hf
-            )
-        else:
-            init_weights_global(self.model, self.cfg.train.seed)
-        if self.cfg.peft.method == "lora":
-            init_adapters(self.model, self.cfg.train.seed)
-
     def _build_metrics(self, resumed_from: str | None) -> None:
         cfg = self.cfg
         self.logger = MetricsLogger(
@@ -167,7 +136,7 @@ class Trainer:
         )
         if resumed_from is not None:
             self.logger.info(f"resumed from {resumed_from} at step {self.step}")
-        for note in self._notes + self.logger.notes:
+        for note in self.notes + self.logger.notes:
             self.logger.info(note)
         self.flops_per_token = self.spec.flops_per_token(self.model, cfg.data.seq_len)
         self.peak_flops = peak_flops(self.device)
@@ -274,47 +243,6 @@ class Trainer:
         for dispatcher in self.dispatchers:
             dispatcher.reset_traffic()
         return record
-
-    # --- checkpoints ------------------------------------------------------------------
-    def trainer_state(self) -> dict:
-        rng = {"torch": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        return {
-            "step": self.step,
-            # The LR schedule is a function of the step and the skipped steps (the guard's).
-            "guard": self.guard.state_dict(),
-            # The data position at this step boundary: the same on every rank and layout.
-            "data": self.sampler.state_at(self.consumed_samples),
-            "rng": rng,  # rank 0's; training itself draws no random numbers after init
-            "config": config_to_dict(self.cfg),
-            "data_identity": data_identity(self.loader.dataset),
-        }
-
-    def save_checkpoint(self) -> None:
-        self.checkpointer.save(self.model, self.optimizer, self.step, self.trainer_state())
-
-    def _restore(self, path: str) -> None:
-        state = self.checkpointer.read(path)
-        other_data = accept_checkpoint(path, state, self.cfg, self.spec, self.loader.dataset)
-        if other_data:
-            self._notes.append(f"resuming on other data than {path}'s, as allowed")
-        frozen = state.get("frozen_saved", True)
-        if not frozen:  # LoRA's adapters alone: the base first, from where the run took it
-            accept_base(path, state, self.cfg)
-            self._init_weights()
-        self.checkpointer.load_weights(path, self.model, self.optimizer, frozen)
-        self.step = state["step"]
-        if "guard" in state:  # checkpoints from before the guard skipped nothing
-            self.guard.load_state_dict(state["guard"])
-        if other_data:  # on purpose: continue the global sample count in the new data's order
-            self.sampler.continue_on_other_data(state["data"])
-        else:
-            self.sampler.load_state_dict(state["data"])
-        self.consumed_samples = self.sampler.consumed_samples
-        torch.set_rng_state(state["rng"]["torch"])
-        if "cuda" in state["rng"] and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
 
     def _on_sigterm(self, _signum, _frame) -> None:
         self._stop_requested = True  # acted on at the end of the current step
