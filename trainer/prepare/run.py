@@ -294,7 +294,7 @@ def prepare(args: PrepareArgs) -> Summary:
 
 def verify(out: str) -> Manifest:
     """Re-read every shard of a prepared directory: DataError naming the first bad file."""
-    manifest = shards.read_manifest(out)
+    manifest = shards.read_manifest(out, key="--out")
     try:
         shards.check_shards(out, manifest, checksums=True)
     except DataError as err:
