@@ -35,15 +35,37 @@ CASES = {
     "no_topk_norm_tied": dict(norm_topk_prob=False, tie_word_embeddings=True),
     "sparse_step_2": dict(norm_topk_prob=True, decoder_sparse_step=2),
     "mlp_only_layers": dict(norm_topk_prob=False, mlp_only_layers=[0, 2]),
+    # YaRN, as a context extension sets it (Qwen3's published recipe: factor and the
+    # original length), and with every option transformers reads.
+    "yarn": dict(
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        rope=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
+    ),
+    "yarn_all_options": dict(
+        norm_topk_prob=True,
+        rope=dict(
+            rope_type="yarn",
+            factor=8.0,
+            original_max_position_embeddings=8,
+            beta_fast=16.0,
+            beta_slow=2.0,
+            mscale=1.0,
+            mscale_all_dim=0.5,
+            truncate=False,
+        ),
+    ),
 }
 
 
 def _hf_model(overrides: dict, seed: int = 0):
     kwargs = dict(BASE, **overrides)
-    rope_theta = kwargs.pop("rope_theta")
-    cfg = transformers.Qwen3MoeConfig(
-        **kwargs, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}
-    )
+    rope = {
+        "rope_type": "default",
+        **kwargs.pop("rope", {}),
+        "rope_theta": kwargs.pop("rope_theta"),
+    }
+    cfg = transformers.Qwen3MoeConfig(**kwargs, rope_parameters=rope)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     return transformers.Qwen3MoeForCausalLM(cfg).eval()
@@ -83,7 +105,7 @@ def test_logits_and_loss_match_transformers(case, tmp_path):
     torch.testing.assert_close(our_loss, hf_out.loss, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["topk_norm", "no_topk_norm_tied"])
+@pytest.mark.parametrize("case", ["topk_norm", "no_topk_norm_tied", "yarn_all_options"])
 def test_export_round_trip_reproduces_transformers(case, tmp_path):
     hf_model = _hf_model(CASES[case])
     hf_model.save_pretrained(tmp_path / "hf", max_shard_size="20KB")  # sharded + index

@@ -1,5 +1,5 @@
 """Training in stages (`checkpoint.init_from`): a stage 1 on 2 ranks, then a stage 2 on 4
-ranks with EP 2, a longer data.seq_len, a blend and another RoPE base; its weights are
+ranks with EP 2, a longer data.seq_len, a blend and YaRN scaling; its weights are
 stage 1's bits, its optimizer moments only when asked, and a stage 2 resumed mid-way is
 exact. Shape changes, and a resume at another data.seq_len, are refused before work starts."""
 
@@ -49,7 +49,10 @@ def _stage2(corpora, job: Path, out: Path, optimizer: bool = True) -> list[str]:
         "--data.source=tokens",
         "--data.max_tokens=none",
         "--data.seq_len=128",  # twice stage 1's
-        "--model.rope_theta=40000",  # a context extension's RoPE base: no shape changes
+        # A context extension's RoPE: YaRN over stage 1's length (no shape changes).
+        "--model.rope_type=yarn",
+        "--model.rope_factor=2",
+        "--model.rope_original_max_position_embeddings=64",
         "--train.global_batch_size=8",
         "--train.micro_batch_size=2",
         "--train.steps=4",
@@ -72,7 +75,8 @@ def _stage2_worker(rank: int, world: int, argv: list[str], fresh: list[str], out
     assert len(trainer.optimizer.state) == 0, "the optimizer should start fresh"
     del trainer
     cfg, trainer = build_trainer(argv, world)
-    assert trainer.step == 0 and any("rope_theta: 10000.0 -> 40000.0" in n for n in trainer.notes)
+    assert trainer.step == 0 and any("rope_type: 'default' -> 'yarn'" in n for n in trainer.notes)
+    assert trainer.model.yarn is not None
     # Copies: the optimizer steps its `step` counts in place.
     optim = {
         f"state.{name}.{key}": value.full_tensor() if isinstance(value, DTensor) else value.clone()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,6 +29,23 @@ class YaRN:
                 self.factor, self.mscale_all_dim
             )
         return yarn_mscale(self.factor)
+
+
+def yarn_of(args: Any) -> YaRN | None:
+    """The YaRN scaling a model's args ask for (`rope_type = "yarn"` and its `rope_*`
+    keys, models.common.rope_args), None for plain RoPE; keys a model lacks keep YaRN's
+    defaults."""
+    if getattr(args, "rope_type", "default") != "yarn":
+        return None
+    return YaRN(
+        factor=args.rope_factor,
+        original_max_position_embeddings=args.rope_original_max_position_embeddings,
+        beta_fast=args.rope_beta_fast,
+        beta_slow=args.rope_beta_slow,
+        mscale=getattr(args, "rope_mscale", 0.0),
+        mscale_all_dim=getattr(args, "rope_mscale_all_dim", 0.0),
+        truncate=args.rope_truncate,
+    )
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

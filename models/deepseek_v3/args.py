@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 from models.common.args import arg as _h
 from models.common.args import embedding_init_std
+from models.common.rope_args import YaRNArgs
 
 
 @dataclass
-class DeepseekV3Args:
+class DeepseekV3Args(YaRNArgs):
     vocab_size: int = _h(129280, "vocabulary size (rows of the embedding and the LM head)", gt=0)
     hidden_size: int = _h(7168, "model width", gt=0)
     intermediate_size: int = _h(18432, "hidden width of the dense SwiGLU of the first layers", gt=0)
@@ -37,18 +38,6 @@ class DeepseekV3Args:
     rms_norm_eps: float = _h(1e-6, "epsilon of the block and final RMSNorms", gt=0)
     rope_theta: float = _h(10000.0, "RoPE base frequency", gt=0)
     rope_interleave: bool = _h(True, "RoPE on interleaved pairs (DeepSeek's weight layout)")
-    rope_type: str = _h("default", "RoPE scaling: default or yarn", choices=("default", "yarn"))
-    rope_factor: float = _h(1.0, "YaRN: context extension factor")
-    rope_original_max_position_embeddings: int = _h(4096, "YaRN: pre-training context length")
-    rope_beta_fast: float = _h(32.0, "YaRN: extrapolation boundary of the ramp")
-    rope_beta_slow: float = _h(1.0, "YaRN: interpolation boundary of the ramp")
-    rope_mscale: float = _h(
-        0.0, "YaRN: mscale (0 = unset; with mscale_all_dim it sets the cos/sin scale)"
-    )
-    rope_mscale_all_dim: float = _h(
-        0.0, "YaRN: mscale_all_dim (0 = unset; also scales the softmax)"
-    )
-    rope_truncate: bool = _h(True, "YaRN: round the correction range to whole dims")
     max_position_embeddings: int = _h(163840, "longest position the model is meant for")
     tie_word_embeddings: bool = _h(False, "share the embedding matrix with the LM head")
     initializer_range: float = _h(

@@ -18,6 +18,7 @@ import torch
 
 from models import HFFormatError, read_config_json
 from models.common.hf_experts import is_stacked_expert, per_expert_keys, read_stacked, split_stacked
+from models.common.hf_rope import rope_config, rope_kwargs
 from models.deepseek_v3.args import DeepseekV3Args
 
 _SAME_NAME_KEYS = (
@@ -27,8 +28,6 @@ _SAME_NAME_KEYS = (
     "routed_scaling_factor first_k_dense_replace rms_norm_eps max_position_embeddings "
     "tie_word_embeddings initializer_range attention_bias rope_interleave"
 ).split()
-_YARN_KEYS = ("factor original_max_position_embeddings beta_fast beta_slow mscale mscale_all_dim "
-              "truncate").split()  # fmt: skip
 _NO_HF = "tokens_per_expert"
 
 
@@ -60,25 +59,7 @@ def args_from_hf_config(cfg: dict) -> DeepseekV3Args:
     kwargs["q_lora_rank"] = cfg.get("q_lora_rank") or 0
     # NOTE: num_nextn_predict_layers is not read: transformers writes num_mtp_layers=1
     # without saving MTP weights, and MTP training is opt-in (a job config key).
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    kwargs["rope_theta"] = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "yarn"):
-        raise HFFormatError(f"RoPE type {rope_type!r} is not supported, only default or yarn")
-    kwargs["rope_type"] = rope_type
-    if rope_type == "yarn":
-        if rope.get("attention_factor") is not None:
-            raise HFFormatError("an explicit YaRN attention_factor is not supported")
-        for key in _YARN_KEYS:
-            if rope.get(key) is not None:
-                kwargs[f"rope_{key}"] = rope[key]
-        # Missing keys mean what they mean to transformers: the original length defaults
-        # to max_position_embeddings, and the factor to their ratio.
-        max_len = kwargs["max_position_embeddings"]
-        original = rope.get("original_max_position_embeddings") or max_len
-        kwargs["rope_original_max_position_embeddings"] = original
-        if rope.get("factor") is None:
-            kwargs["rope_factor"] = max_len / original
+    kwargs.update(rope_kwargs(cfg, kwargs["max_position_embeddings"]))
     return DeepseekV3Args(**kwargs)
 
 
@@ -89,14 +70,6 @@ def load_hf_config(model_dir: str) -> DeepseekV3Args:
 def hf_config_dict(args: DeepseekV3Args, dtype: torch.dtype = torch.float32) -> dict:
     """config.json in the transformers-5 dialect, plus the published keys older readers use
     (`rope_theta`, and `rope_scaling` for YaRN)."""
-    rope = {"rope_type": args.rope_type, "rope_theta": args.rope_theta}
-    scaling = None
-    if args.rope_type == "yarn":
-        yarn = {k: getattr(args, f"rope_{k}") for k in _YARN_KEYS}
-        if not args.rope_mscale:  # unset: written as absent, as transformers reads None
-            del yarn["mscale"]
-        rope.update(yarn)
-        scaling = {"type": "yarn", "rope_type": "yarn", **yarn}
     cfg = {k: getattr(args, k) for k in _SAME_NAME_KEYS}
     cfg.update(
         architectures=["DeepseekV3ForCausalLM"],
@@ -104,9 +77,7 @@ def hf_config_dict(args: DeepseekV3Args, dtype: torch.dtype = torch.float32) -> 
         q_lora_rank=args.q_lora_rank or None,
         num_key_value_heads=args.num_attention_heads,
         num_nextn_predict_layers=args.num_nextn_predict_layers,
-        rope_theta=args.rope_theta,
-        rope_parameters=rope,
-        rope_scaling=scaling,
+        **rope_config(args),
         scoring_func="sigmoid",
         topk_method="noaux_tc",
         hidden_act="silu",

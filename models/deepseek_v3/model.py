@@ -25,26 +25,18 @@ from models.common.mlp import SwiGLU
 from models.common.moe import GroupLimitedRouter, MoE, MoEOptions, RouterStats, stack_stats
 from models.common.norm import RMSNorm
 from models.common.output import CausalLMOutput
-from models.common.rope import YaRN, apply_rope, apply_rope_interleaved, rope_cos_sin, yarn_mscale
+from models.common.rope import (
+    apply_rope,
+    apply_rope_interleaved,
+    rope_cos_sin,
+    yarn_mscale,
+    yarn_of,
+)
 from models.deepseek_v3.args import DeepseekV3Args
 
 # NOTE: transformers builds q_a_layernorm and kv_a_layernorm with its default epsilon,
 # whatever rms_norm_eps says; so do we, or the logits would differ.
 LATENT_NORM_EPS = 1e-6
-
-
-def yarn_of(args: DeepseekV3Args) -> YaRN | None:
-    if args.rope_type != "yarn":
-        return None
-    return YaRN(
-        factor=args.rope_factor,
-        original_max_position_embeddings=args.rope_original_max_position_embeddings,
-        beta_fast=args.rope_beta_fast,
-        beta_slow=args.rope_beta_slow,
-        mscale=args.rope_mscale,
-        mscale_all_dim=args.rope_mscale_all_dim,
-        truncate=args.rope_truncate,
-    )
 
 
 class MLAttention(nn.Module):

@@ -37,20 +37,8 @@ from models.common.moe import (
 )
 from models.common.norm import RMSNorm
 from models.common.output import CausalLMOutput
-from models.common.rope import YaRN, apply_rope, rope_cos_sin
+from models.common.rope import apply_rope, rope_cos_sin, yarn_of
 from models.gpt_oss.args import GptOssArgs
-
-
-def yarn_of(args: GptOssArgs) -> YaRN | None:
-    if args.rope_type != "yarn":
-        return None
-    return YaRN(
-        factor=args.rope_factor,
-        original_max_position_embeddings=args.rope_original_max_position_embeddings,
-        beta_fast=args.rope_beta_fast,
-        beta_slow=args.rope_beta_slow,
-        truncate=args.rope_truncate,
-    )
 
 
 class Attention(nn.Module):

@@ -1,4 +1,5 @@
-"""Hyper-parameters of Qwen3-MoE, named as in Hugging Face's `Qwen3MoeConfig`."""
+"""Hyper-parameters of Qwen3-MoE, named as in Hugging Face's `Qwen3MoeConfig` (RoPE scaling,
+`rope_type = "yarn"` and its `rope_*` keys, from `models.common.rope_args`)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ from dataclasses import dataclass
 
 from models.common.args import arg as _h
 from models.common.args import embedding_init_std
+from models.common.rope_args import YaRNArgs
 
 
 @dataclass
-class Qwen3MoeArgs:
+class Qwen3MoeArgs(YaRNArgs):
     vocab_size: int = _h(151936, "vocabulary size (rows of the embedding and the LM head)", gt=0)
     hidden_size: int = _h(2048, "model width", gt=0)
     intermediate_size: int = _h(

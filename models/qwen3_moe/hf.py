@@ -13,6 +13,7 @@ import torch
 
 from models import HFFormatError, read_config_json
 from models.common.hf_names import PrefixedStackedNames
+from models.common.hf_rope import rope_config, rope_kwargs
 from models.qwen3_moe.args import Qwen3MoeArgs
 
 _SAME_NAME_KEYS = (
@@ -24,22 +25,20 @@ _SAME_NAME_KEYS = (
 
 
 def args_from_hf_config(cfg: dict) -> Qwen3MoeArgs:
-    """Both dialects: published (`rope_theta`, `num_experts`) and transformers-5
-    (`rope_parameters: {rope_type, rope_theta}`, possibly `num_local_experts`)."""
+    """Both dialects: published (`rope_theta`, `rope_scaling`, `num_experts`) and
+    transformers-5 (`rope_parameters: {rope_type, rope_theta, ...}`, possibly
+    `num_local_experts`); RoPE plain or YaRN (models.common.hf_rope)."""
     if cfg.get("model_type", "qwen3_moe") != "qwen3_moe":
         raise HFFormatError(
             f"config.json has model_type {cfg['model_type']!r}, expected 'qwen3_moe'"
         )
     if cfg.get("use_sliding_window"):
         raise HFFormatError("use_sliding_window=true is not supported (Qwen3-MoE ships it off)")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise HFFormatError(f"RoPE type {rope_type!r} is not supported, only 'default'")
     if cfg.get("hidden_act", "silu") != "silu":
         raise HFFormatError(f"hidden_act {cfg['hidden_act']!r} is not supported, only 'silu'")
     kwargs = {k: cfg[k] for k in _SAME_NAME_KEYS if k in cfg}
-    kwargs["rope_theta"] = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kwargs.setdefault("max_position_embeddings", 32768)  # transformers' default
+    kwargs.update(rope_kwargs(cfg, kwargs["max_position_embeddings"]))
     kwargs["num_experts"] = cfg.get("num_experts", cfg.get("num_local_experts", 128))
     kwargs["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kwargs["mlp_only_layers"] = list(cfg.get("mlp_only_layers") or [])
@@ -51,7 +50,8 @@ def load_hf_config(model_dir: str) -> Qwen3MoeArgs:
 
 
 def hf_config_dict(args: Qwen3MoeArgs, dtype: torch.dtype = torch.float32) -> dict:
-    """config.json content in the transformers-5 dialect (older versions read rope_theta)."""
+    """config.json content in the transformers-5 dialect (older versions read rope_theta and
+    rope_scaling)."""
     cfg = {k: getattr(args, k) for k in _SAME_NAME_KEYS}
     cfg.update(
         architectures=["Qwen3MoeForCausalLM"],
@@ -60,8 +60,7 @@ def hf_config_dict(args: Qwen3MoeArgs, dtype: torch.dtype = torch.float32) -> di
         num_experts=args.num_experts,
         mlp_only_layers=list(args.mlp_only_layers),
         hidden_act="silu",
-        rope_theta=args.rope_theta,
-        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+        **rope_config(args),
         use_sliding_window=False,
         sliding_window=None,
         attention_dropout=0.0,

@@ -21,7 +21,7 @@ from models.common.mlp import SwiGLU
 from models.common.moe import MoE, MoEOptions, RouterStats, TopKRouter, stack_stats
 from models.common.norm import RMSNorm
 from models.common.output import CausalLMOutput
-from models.common.rope import apply_rope, rope_cos_sin
+from models.common.rope import apply_rope, rope_cos_sin, yarn_of
 from models.qwen3_moe.args import Qwen3MoeArgs
 
 
@@ -69,6 +69,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         super().__init__()
         moe_options = moe_options or MoEOptions()
         self.args = args
+        self.yarn = yarn_of(args)  # None: plain RoPE
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
             decoder_block(args, i, moe_options) for i in range(args.num_hidden_layers)
@@ -95,7 +96,9 @@ class Qwen3MoeForCausalLM(nn.Module):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
             position_ids = position_ids.expand_as(input_ids)
         h = self.embed_tokens(input_ids)  # [B, S, hidden]
-        cos, sin = rope_cos_sin(position_ids, self.args.head_dim, self.args.rope_theta, h.dtype)
+        cos, sin = rope_cos_sin(
+            position_ids, self.args.head_dim, self.args.rope_theta, h.dtype, self.yarn
+        )
 
         all_stats: list[RouterStats] = []
         for block in self.layers:

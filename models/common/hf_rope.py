@@ -1,0 +1,52 @@
+"""Hugging Face's RoPE keys <-> `YaRNArgs` (models.common.rope_args): both config.json
+dialects, published (`rope_theta` + `rope_scaling: {type: yarn, ...}`) and transformers-5
+(`rope_parameters: {rope_type, rope_theta, ...}`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models import HFFormatError
+
+YARN_KEYS = ("factor original_max_position_embeddings beta_fast beta_slow mscale mscale_all_dim "
+             "truncate").split()  # fmt: skip
+
+
+def rope_kwargs(cfg: dict, max_len: int) -> dict[str, Any]:
+    """The args' rope_* values from a config.json (`max_len`: its max_position_embeddings,
+    which YaRN's missing keys default from, as in transformers)."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kwargs: dict[str, Any] = {
+        "rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    }
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise HFFormatError(f"RoPE type {rope_type!r} is not supported, only default or yarn")
+    kwargs["rope_type"] = rope_type
+    if rope_type == "yarn":
+        if rope.get("attention_factor") is not None:
+            raise HFFormatError("an explicit YaRN attention_factor is not supported")
+        for key in YARN_KEYS:
+            if rope.get(key) is not None:
+                kwargs[f"rope_{key}"] = rope[key]
+        # Missing keys mean what they mean to transformers: the original length defaults
+        # to max_position_embeddings, and the factor to their ratio.
+        original = rope.get("original_max_position_embeddings") or max_len
+        kwargs["rope_original_max_position_embeddings"] = original
+        if rope.get("factor") is None:
+            kwargs["rope_factor"] = max_len / original
+    return kwargs
+
+
+def rope_config(args: Any) -> dict[str, Any]:
+    """config.json's RoPE keys for `args`: `rope_parameters` (transformers-5), plus the
+    published `rope_theta` and, for YaRN, `rope_scaling` that older readers use."""
+    rope = {"rope_type": args.rope_type, "rope_theta": args.rope_theta}
+    scaling = None
+    if args.rope_type == "yarn":
+        yarn = {k: getattr(args, f"rope_{k}") for k in YARN_KEYS}
+        if not args.rope_mscale:  # unset: written as absent, as transformers reads None
+            del yarn["mscale"]
+        rope.update(yarn)
+        scaling = {"type": "yarn", "rope_type": "yarn", **yarn}
+    return {"rope_theta": args.rope_theta, "rope_parameters": rope, "rope_scaling": scaling}
