@@ -58,19 +58,24 @@ def run_case(args: list[str]) -> dict:
     }
 
 
-def main() -> None:
-    argv = sys.argv[1:]
-    out_path = argv[argv.index("--out") + 1] if "--out" in argv else None
-    cases = {name: run_case(args) for name, args in CASES.items()}
+def report(record: dict, out_path: str | None) -> None:
+    """Print `record` as JSON with the date and machine first, and write it to `out_path`."""
     text = json.dumps(
         {"date": time.strftime("%Y-%m-%d"), "device": f"CPU only, {os.cpu_count()} cores",
-         "cases": cases},
+         **record},
         indent=1,
     )  # fmt: skip
     print(text)
     if out_path:
         with open(out_path, "w") as f:
             f.write(text)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    out_path = argv[argv.index("--out") + 1] if "--out" in argv else None
+    cases = {name: run_case(args) for name, args in CASES.items()}
+    report({"cases": cases}, out_path)
     print(
         "dry run: "
         + "; ".join(

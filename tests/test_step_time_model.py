@@ -215,3 +215,58 @@ def test_the_rates_benchmark_times_the_matmuls_the_model_counts(model):
     halves = {m.num_experts // 2 for m in built.modules() if isinstance(m, MoE)}
     ep2 = gemm_shapes(built, tokens, 2, "bf16")
     assert {e["groups"] for e in ep2 if e["kind"] == "grouped"} == halves
+
+
+def _reuse_worker(_rank: int, _world_size: int, out: str) -> None:
+    """Every search candidate of the debug config on 4 ranks, measured with the search's
+    reuse and from nothing: their figures, and how many shardings and traces were run."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainer.config import load_config
+    from trainer.dry_run.layout_cost import MODES, Measured, measure_layout, peak_bytes
+    from trainer.dry_run.search import PRESETS, candidates
+
+    cfg = load_config([*SEARCH[1:4], "--parallel.ranks_per_node=2"])
+    if dist.is_initialized():  # the harness's gloo group: the planner plays on a fake one
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    hw = dataclasses.replace(PRESETS["h100"], ranks_per_node=2)
+    reuse, figures = Measured(), []
+    tried = candidates(cfg, 4, hw)
+    for cand in tried:
+        trial = copy.deepcopy(cfg)
+        for section, values in cand.items():
+            for key, value in values.items():
+                setattr(getattr(trial, section), key, value)
+        before = len(reuse.shards)
+        shared = measure_layout(trial, 4, reuse=reuse)
+        if len(reuse.shards) > before:  # measured afresh anyway: nothing to compare
+            continue
+        pair = [shared, measure_layout(trial, 4)]
+        figures.append([
+            [[peak_bytes(x, m) for m in MODES], x.comm, x.fsdp_buffers,
+             [x.activations[m].saved_after_forward for m in MODES]]
+            for x in pair
+        ])  # fmt: skip
+    with open(out, "w") as f:
+        json.dump({"figures": figures, "candidates": len(tried), "shards": len(reuse.shards),
+                   "traces": len(reuse.traces)}, f)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_search_measures_each_sharding_and_trace_once_with_the_same_figures(tmp_path):
+    from tests.distributed import run_distributed
+
+    out = tmp_path / "reuse.json"
+    run_distributed(_reuse_worker, 1, str(out))
+    got = json.loads(out.read_text())
+    assert got["figures"]
+    for shared, fresh in got["figures"]:
+        assert shared == fresh
+    # Micro-batches and the split of the FSDP group into dp_shard x cp share a sharding,
+    # and every degree but cp shares a trace.
+    assert got["shards"] < got["candidates"]
+    assert got["traces"] < 3 * got["candidates"]

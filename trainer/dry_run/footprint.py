@@ -18,7 +18,7 @@ planner (`python -m trainer.dry_run`; the instruments: `trainer.dry_run.meta_tra
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -138,18 +138,31 @@ def update_transient(optimizer: torch.optim.Optimizer, weight: dict[int, float])
     one gradient at a time in fp32. With the 2-D weights in one group that is one more fp32
     copy of the rank's parameters while the gradients are alive: Qwen3-30B-A3B's 4-block
     proxy on one H100 peaked there, 58.1 GiB, above its forward and backward. A parameter
-    that counts `weight` times (`sample_blocks`) gets int(weight) copies and a flat one
-    of the fraction left."""
+    that counts `weight` times (`sample_blocks`) counts int(weight) times and once more
+    for the fraction left.
+
+    NOTE: what the update allocates depends on each group's bytes per dtype (the foreach
+    lists) and its largest tensor (the norm's one-at-a-time square), not on how the bytes
+    are cut into tensors; so each group runs as flat tensors of its largest shard's size
+    holding its bytes, not one copy per parameter and sampled block (DeepSeek-V3 on 2,048
+    ranks: the same bytes, 0.7 s instead of 4.1 s per layout)."""
     from parallelisms.clip import clip_grads_, grad_norm
 
     groups = []
     for g in optimizer.param_groups:
-        copies = []
+        elements: dict[torch.dtype, list[int]] = {}  # dtype -> [total, largest]
         for p in g["params"]:
             shard, w = local_tensor(p), weight.get(id(p), 1.0)
-            copies += [torch.empty_like(shard) for _ in range(int(w))]
-            if rest := round((w - int(w)) * shard.numel()):
-                copies.append(shard.new_empty(rest))
+            n = shard.numel()
+            count = elements.setdefault(shard.dtype, [0, 0])
+            count[0] += n * int(w) + round((w - int(w)) * n)
+            count[1] = max(count[1], n)
+        copies = []
+        for dtype, (total, largest) in elements.items():
+            whole, rest = divmod(total, max(1, largest))
+            copies += [torch.empty(largest, dtype=dtype, device="meta") for _ in range(whole)]
+            if rest:
+                copies.append(torch.empty(rest, dtype=dtype, device="meta"))
         rest_of_group = {k: v for k, v in g.items() if k != "params"}
         groups.append({**rest_of_group, "params": [nn.Parameter(c) for c in copies]})
     opt = type(optimizer)(groups)
@@ -215,6 +228,28 @@ class StepTrace:
     top_k: int = 0
     kv: int = 0  # bytes of K and V entering the attention cores (all layers)
     kv_fp32: int = 0  # the same elements in fp32 (the dK/dV sums the ring passes on)
+    # What `peak` was computed from, so another rank's gradient bytes re-price it
+    # (`at_grad_bytes`) without tracing again: the storage spans, which of them are
+    # gradients, the dropped blocks' windows, and the plain model's gradient bytes.
+    curve: tuple = field(default=(), repr=False, compare=False)
+
+    def at_grad_bytes(self, sharded_grad_bytes: int) -> StepTrace:
+        """This trace with the gradients scaled to `sharded_grad_bytes` (a layout whose
+        shards differ but whose micro-batch, local sequence and mode are the same)."""
+        spans, grad_serials, mirrored, plain_grads = self.curve
+        peak = _highest(spans, grad_serials, mirrored, sharded_grad_bytes / max(1, plain_grads))
+        return replace(self, peak=peak)
+
+
+def _highest(spans, grad_serials, mirrored, scale: float) -> int:
+    """Live activations + gradients x `scale`, at their peak; `mirrored`: the dropped
+    blocks' backward windows (trace_step)."""
+    live = live_curve(spans, grad_serials, scale)
+    peak = max(live, default=0.0)
+    for start, end, dropped, saved, grad in mirrored:
+        window = max(live[start : max(end, start + 1)])
+        peak = max(peak, window + dropped * max(0.0, saved - grad * scale))
+    return int(peak)
 
 
 def trace_step(
@@ -323,18 +358,10 @@ def trace_step(
         plain_grads += grad_mean * dropped
         end = min((t for t in backward_from.values() if t > turn), default=timeline.op)
         mirrored.append((turn, end, dropped, mean[0], grad_mean))
-    grad_scale = sharded_grad_bytes / max(1, plain_grads)
     at = forward_end[0] if forward_end else 0
-
-    def highest(scale: float) -> int:  # live activations + gradients x scale, at their peak
-        live = live_curve(spans, grad_serials, scale)
-        peak = max(live, default=0.0)
-        for start, end, dropped, saved, grad in mirrored:
-            window = max(live[start : max(end, start + 1)])
-            peak = max(peak, window + dropped * max(0.0, saved - grad * scale))
-        return int(peak)
-
-    trace.peak, trace.activations = highest(grad_scale), highest(0.0)
+    trace.curve = (spans, grad_serials, mirrored, plain_grads)
+    trace.activations = _highest(spans, grad_serials, mirrored, 0.0)
+    trace.peak = trace.at_grad_bytes(sharded_grad_bytes).peak
     trace.saved_after_forward = sum(
         n for i, (n, born, died) in enumerate(spans)
         if i not in grad_serials and born <= at and (died < 0 or at < died)

@@ -10,7 +10,7 @@ initialised with the launch's world size (the planner's `main` does that).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 MODES = ("none", "selective", "full")
@@ -90,22 +90,67 @@ def _units(model, plan, param_dtype, module_weight: dict[int, float]) -> list[Fs
     return units
 
 
-def measure_layout(cfg, world_size: int, modes=MODES) -> Layout:
-    """The full measurement of one layout (the process group must be the fake one)."""
-    import torch
+@dataclass
+class Measured:
+    """What a search measures once and reuses across the layouts that share it
+    (`measure_layout(..., reuse=)`): the sharded state and FSDP units of each `[parallel]`
+    section with the same FSDP group (the micro-batch does not change them, nor how the
+    group splits into dp_shard x cp), and the trace of each (micro-batch,
+    cp, checkpointing mode), which runs the plain model at the rank's local shapes, so the
+    other degrees change only the gradient bytes it is priced at (`StepTrace.at_grad_bytes`)."""
 
+    shards: dict = field(default_factory=dict)
+    traces: dict = field(default_factory=dict)
+
+
+def measure_layout(cfg, world_size: int, modes=MODES, reuse: Measured | None = None) -> Layout:
+    """The full measurement of one layout (the process group must be the fake one);
+    `reuse`: what earlier layouts of the same model measured (filled in as it goes)."""
     from models import get_model_spec
     from parallelisms.dims import ParallelDims
+
+    reuse = reuse if reuse is not None else Measured()
+    dims = ParallelDims.of(cfg.parallel, world_size)
+    spec = get_model_spec(cfg.model.name)
+    # NOTE: the shards depend on dp_shard and cp only through their product, the FSDP group
+    # (the fsdp mesh dim flattens them in rank order: parallelisms.mesh), so layouts that
+    # trade one for the other share one measurement.
+    key = repr(sorted({**asdict(cfg.parallel), "dp_shard": dims.fsdp_size, "cp": 0}.items()))
+    if key not in reuse.shards:
+        reuse.shards[key] = _shard(cfg, spec, dims, world_size)
+    state, units = reuse.shards[key]
+    grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
+    activations = {}
+    for mode in modes:
+        at = (cfg.train.micro_batch_size, dims.cp, mode)
+        if at not in reuse.traces:
+            reuse.traces[at] = _trace(cfg, spec, dims, mode, state.grads[0])
+        activations[mode] = reuse.traces[at].at_grad_bytes(state.grads[0])
+    any_trace = activations[modes[0]]
+    return Layout(
+        cfg,
+        dims,
+        state,
+        _fsdp_buffers(units),
+        _comm(units, dims, grad_accum, any_trace),
+        activations,
+        int(sum((u.gathered + u.grads) * u.weight for u in units)),
+        any_trace.experts,
+        any_trace.top_k,
+    )
+
+
+def _shard(cfg, spec, dims, world_size: int):
+    """(sharded state, FSDP units) of the real plan applied to the meta model."""
+    import torch
+
     from parallelisms.mesh import build_meshes
     from parallelisms.parallelize import parallelize
     from trainer.dry_run.footprint import sample_blocks, sharded_state
     from trainer.loop.optim import build_optimizer
     from trainer.loop.peft import apply_lora
 
-    p = cfg.parallel
-    dims = ParallelDims.of(p, world_size)
     meshes = build_meshes(dims, "cpu")
-    spec = get_model_spec(cfg.model.name)
     param_dtype = _param_dtype(cfg)
     with torch.device("meta"):
         model = spec.build(cfg.model.args)
@@ -126,21 +171,7 @@ def measure_layout(cfg, world_size: int, modes=MODES) -> Layout:
     }
     frozen = [p for p in model.parameters() if not p.requires_grad]
     state = sharded_state(build_optimizer(model, cfg.train), world_size, param_weight, frozen)
-    units = _units(model, spec.plan, param_dtype, module_weight)
-    grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
-    activations = {m: _trace(cfg, spec, dims, meshes, m, state.grads[0]) for m in modes}
-    any_trace = activations[modes[0]]
-    return Layout(
-        cfg,
-        dims,
-        state,
-        _fsdp_buffers(units),
-        _comm(units, dims, grad_accum, any_trace),
-        activations,
-        int(sum((u.gathered + u.grads) * u.weight for u in units)),
-        any_trace.experts,
-        any_trace.top_k,
-    )
+    return state, _units(model, spec.plan, param_dtype, module_weight)
 
 
 def _fsdp_buffers(units: list[FsdpUnit]) -> int:
@@ -189,12 +220,13 @@ def _comm(units: list[FsdpUnit], dims, grad_accum: int, trace) -> dict:
     }
 
 
-def _trace(cfg, spec, dims, meshes, mode: str, sharded_grad_bytes: int):
+def _trace(cfg, spec, dims, mode: str, sharded_grad_bytes: int):
     """One micro-batch of the plain model at this rank's local shapes, with `mode`."""
     import torch
 
     from models.common.moe import MoEOptions
     from parallelisms.activation_checkpoint import apply_activation_checkpointing
+    from parallelisms.mesh import build_meshes
     from parallelisms.plan import match_modules
     from trainer.data.batch import Batch
     from trainer.dry_run.footprint import sample_blocks, trace_step
@@ -227,7 +259,7 @@ def _trace(cfg, spec, dims, meshes, mode: str, sharded_grad_bytes: int):
         batch = losses.with_mtp_targets(batch, terms.mtp_depth)
     grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
     step_loss = losses.StepLoss(
-        terms, losses.BalanceTerms.of(cfg.moe), dims, meshes.world.get_group("cp"),
+        terms, losses.BalanceTerms.of(cfg.moe), dims, build_meshes(dims, "cpu").world.get_group("cp"),
         cfg.train.global_batch_size, grad_accum, torch.device("meta"),
     )  # fmt: skip
 

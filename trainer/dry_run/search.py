@@ -226,17 +226,20 @@ def run_search(
     import copy
 
     from trainer.config import ConfigError
-    from trainer.dry_run.layout_cost import MODES, measure_layout, peak_bytes
+    from trainer.dry_run.layout_cost import MODES, Measured, measure_layout, peak_bytes
 
     flops = flops_per_token(cfg)
     ranked, tried = [], candidates(cfg, world_size, hw)
+    # Candidates share shardings (all micro-batch sizes) and traces (every degree but cp):
+    # each is measured once (layout_cost.Measured).
+    reuse = Measured()
     for i, cand in enumerate(tried, start=1):
         trial = copy.deepcopy(cfg)
         for section, values in cand.items():
             for key, value in values.items():
                 setattr(getattr(trial, section), key, value)
         try:
-            layout = measure_layout(trial, world_size)
+            layout = measure_layout(trial, world_size, reuse=reuse)
         except (ValueError, ConfigError) as err:  # e.g. ep not dividing the experts
             log(f"  [{i}/{len(tried)}] {cand['parallel']} skipped: {err}")
             continue
