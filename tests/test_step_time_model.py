@@ -243,7 +243,8 @@ def _reuse_worker(_rank: int, _world_size: int, out: str) -> None:
                 setattr(getattr(trial, section), key, value)
         before = len(reuse.shards)
         shared = measure_layout(trial, 4, reuse=reuse)
-        if len(reuse.shards) > before:  # measured afresh anyway: nothing to compare
+        # Measured afresh anyway, or a plain reuse (cp 1): the cp splits are the riskiest.
+        if len(reuse.shards) > before or trial.parallel.cp == 1:
             continue
         pair = [shared, measure_layout(trial, 4)]
         figures.append([
