@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -177,6 +178,17 @@ def test_trainer_evaluate_gives_the_loss_the_run_logged(tmp_path, capsys, monkey
     # Without held-out data there is nothing to evaluate: a clear refusal.
     assert evaluate([*TINY, "--checkpoint", str(checkpoint)]) == 2
     assert "no held-out data" in capsys.readouterr().err
+    # A checkpoint whose bytes changed is refused with evaluation's advice, not a resume's.
+    damaged = tmp_path / "damaged" / "step-2"
+    shutil.copytree(checkpoint, damaged)
+    shard = next(damaged.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    assert evaluate([*argv, "--checkpoint", str(damaged)]) == 2
+    err = capsys.readouterr().err
+    assert "does not match the checksum" in err and "no intact checkpoint beside it" in err
+    assert "--checkpoint.resume" not in err
 
 
 # --- what `python -m trainer.evaluate` is given ----------------------------------------------

@@ -51,6 +51,7 @@ from trainer.checkpoint.commit import (
 from trainer.checkpoint.markers import (
     COMPLETE,
     TRAINER_STATE,
+    beside,
     check_checkpoint,
     complete_checkpoints,
     newest_damaged,
@@ -264,10 +265,11 @@ class Checkpointer:
         check_checkpoint(resume, self.root)
         return resume
 
-    def verify(self, path: str) -> None:
+    def verify(self, path: str, resuming: bool = True) -> None:
         """Refuse a checkpoint whose files do not match the checksums of its commit marker,
-        naming the file (and, for resume=auto, the newest older checkpoint to use instead).
-        The files are shared out over the ranks; all ranks call it, and all agree."""
+        naming the file and the checkpoint to use instead (`resuming`: with the flag that
+        resumes from it; else, to read another: a stage's start, an evaluation). The files
+        are shared out over the ranks; all ranks call it, and all agree."""
         expected = check_checkpoint(path, self.root).get("files")
         bad: list[str] = []
         if expected is not None:  # markers before checksums were recorded: nothing to check
@@ -283,13 +285,15 @@ class Checkpointer:
         if bad:
             raise CheckpointError(
                 f"checkpoint {path} is corrupted: {bad[0]} does not match the checksum recorded "
-                f"when it was saved ({len(bad)} file(s) differ); {resume_hint(self.root, path)}"
+                f"when it was saved ({len(bad)} file(s) differ); "
+                f"{resume_hint(self.root, path) if resuming else beside(path)}"
             )
 
-    def read(self, path: str) -> dict[str, Any]:
+    def read(self, path: str, resuming: bool = True) -> dict[str, Any]:
         """The trainer state of a verified checkpoint (all ranks call): cheap, so a caller
-        can refuse the checkpoint on it before `load_weights` reads the weights."""
-        self.verify(path)
+        can refuse the checkpoint on it before `load_weights` reads the weights; `resuming`
+        as in `verify`."""
+        self.verify(path, resuming)
         return read_trainer_state(path)
 
     def load_model(self, path: str, model: nn.Module, frozen: bool = True) -> None:

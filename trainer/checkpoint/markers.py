@@ -150,6 +150,16 @@ def _problem(path: str) -> str | None:
     return None
 
 
+def beside(path: str) -> str:
+    """The way out of damaged checkpoint `path` for a command that reads it (not a resume:
+    `resume_hint`): the newest intact checkpoint in the same directory."""
+    others = [p for _, p in complete_checkpoints(os.path.dirname(os.path.abspath(path)))]
+    intact = [p for p in others if _problem(p) is None and not os.path.samefile(p, path)]
+    if intact:
+        return f"the newest intact checkpoint beside it is {intact[-1]}: use that one"
+    return "there is no intact checkpoint beside it"
+
+
 def find_checkpoint(path: str, key: str | None = None) -> tuple[str, str | None]:
     """The checkpoint that `path` means, and a one-line note when it had to choose one.
 
@@ -172,14 +182,7 @@ def find_checkpoint(path: str, key: str | None = None) -> tuple[str, str | None]
         problem = _problem(path)
         if problem is None:
             return path, None
-        others = [p for _, p in complete_checkpoints(os.path.dirname(os.path.abspath(path)))]
-        intact = [p for p in others if _problem(p) is None and not os.path.samefile(p, path)]
-        instead = (
-            f"the newest intact checkpoint beside it is {intact[-1]}: use that one"
-            if intact
-            else "there is no intact checkpoint beside it"
-        )
-        raise CheckpointError(f"checkpoint {given} cannot be used: {problem}; {instead}")
+        raise CheckpointError(f"checkpoint {given} cannot be used: {problem}; {beside(path)}")
     root = os.path.join(path, "checkpoints")
     root = root if os.path.isdir(root) else path
     steps = _step_dirs(root)

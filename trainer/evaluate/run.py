@@ -33,7 +33,7 @@ def evaluate_weights(cfg: JobConfig, dims: ParallelDims, checkpoint: str | None)
         source = checkpoint
         if checkpoint is not None:
             loader = Checkpointer(os.path.dirname(os.path.abspath(checkpoint)), 0, False)
-            state = loader.read(checkpoint)  # verified first: a damaged one is refused
+            state = loader.read(checkpoint, resuming=False)  # a damaged one is refused
             accept_model(checkpoint, state, cfg, spec)
             frozen = state.get("frozen_saved", True)
             if not frozen:  # LoRA adapters alone: their base first, from where it came
