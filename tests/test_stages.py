@@ -107,9 +107,9 @@ def test_stage2_starts_from_stage1_on_another_layout_and_resumes_exactly(stage1,
     argv = _stage2(corpora, stage1, tmp_path / "stage2")
     fresh = _stage2(corpora, stage1, tmp_path / "fresh", optimizer=False)
     run_distributed(_stage2_worker, 4, argv, fresh, str(out))
-    got = torch.load(out, weights_only=False)
+    got = torch.load(out, weights_only=True)
     dcp_to_torch_save(stage1 / "checkpoints" / "step-2", tmp_path / "stage1.pt")
-    saved = torch.load(tmp_path / "stage1.pt", weights_only=False)
+    saved = torch.load(tmp_path / "stage1.pt", weights_only=True)
     model, optim = got["start"]["model"], got["start"]["optim"]
     assert model.keys() == saved["model"].keys()
     for name, tensor in saved["model"].items():  # stage 1's bits, resharded

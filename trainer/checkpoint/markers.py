@@ -103,17 +103,10 @@ def check_checkpoint(path: str, root: str | None = None) -> dict[str, Any]:
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r}: no such directory")
     root = root or os.path.dirname(os.path.abspath(path))
-    try:
-        marker = read_marker(path)
-        listed = marker.get("files") or {}
-        for name in sorted({TRAINER_STATE, METADATA, *listed}):
-            if not os.path.isfile(os.path.join(path, name)):
-                raise CheckpointError(f"{os.path.join(path, name)} is missing")
-    except CheckpointError as err:
-        raise CheckpointError(
-            f"checkpoint {path} is damaged: {err}; {resume_hint(root, path)}"
-        ) from None
-    return marker
+    problem = _problem(path)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}; {resume_hint(root, path)}")
+    return read_marker(path)
 
 
 def read_trainer_state(path: str) -> dict[str, Any]:
@@ -139,7 +132,7 @@ def _is_checkpoint(path: str) -> bool:
 
 def _problem(path: str) -> str | None:
     """What keeps checkpoint `path` from being loaded (its marker, a file the marker lists
-    or every checkpoint has), or None: as `check_checkpoint` checks, without its advice."""
+    or every checkpoint has), or None; `check_checkpoint` adds a resume's advice to it."""
     try:
         marker = read_marker(path)
     except CheckpointError as err:

@@ -134,7 +134,7 @@ class RunStart:
         """`checkpoint.init_from` (checked by preflight): the model tensors the checkpoint
         holds, and its optimizer moments if asked; step, data order, schedule and RNG start
         anew, from this run's config."""
-        self.checkpointer.read(stage.path, resuming=False)  # its checksums, on every rank
+        self.checkpointer.verify(stage.path, resuming=False)  # checksums, on every rank
         if not stage.state.get("frozen_saved", True):  # adapters alone: the base as it came
             self._init_weights()
         elif self.cfg.peft.method == "lora":  # adapters the checkpoint lacks start fresh

@@ -82,7 +82,6 @@ def resolve_stage(cfg: JobConfig) -> Stage | None:
     """The checkpoint `checkpoint.init_from` names (a step directory, or a job's output or
     checkpoints directory: its newest complete checkpoint), checked complete; None unset."""
     ck = cfg.checkpoint
-    check_stage_keys(cfg)
     if ck.init_from is None:
         return None
     path, chosen = find_checkpoint(ck.init_from, "checkpoint.init_from")
@@ -111,7 +110,8 @@ def check_stage(stage: Stage, cfg: JobConfig, model: nn.Module) -> None:
     if not frozen_saved:  # LoRA's adapters alone: the base comes from where its run took it
         accept_base(path, stage.state, cfg)
     params = dict(model.named_parameters())
-    for name, tensor in model.state_dict().items():
+    ours = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    for name, shape in ours.items():
         key = f"model.{name}"
         if key not in saved:
             trained = name in params and params[name].requires_grad
@@ -122,14 +122,13 @@ def check_stage(stage: Stage, cfg: JobConfig, model: nn.Module) -> None:
                 f"{f' ({changed})' if changed else ''}: it is another architecture; start "
                 "from a checkpoint of this model"
             )
-        if saved[key] != tuple(tensor.shape):
+        if saved[key] != shape:
             raise CheckpointError(
-                f"{where}: {name} is {list(saved[key])} there but {list(tensor.shape)} in this "
+                f"{where}: {name} is {list(saved[key])} there but {list(shape)} in this "
                 f"run ({changed or 'the [model] keys are equal: check [peft]'}); a stage may "
                 "change only what keeps every tensor's shape: set those keys as the checkpoint "
                 "has them"
             )
-    ours = set(model.state_dict())
     extra = sorted(k[len("model.") :] for k in saved if k.startswith("model."))
     extra = [k for k in extra if k not in ours]
     if extra:
