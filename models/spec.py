@@ -21,7 +21,16 @@ through it: it never looks up a hyper-parameter or a submodule by name. The piec
 - attention variants: stated per layer on the model's own `AttentionCore` (a sliding
   `window`, and `sinks [Hq]` passed with each call), never as keys the trainer reads;
   context parallelism takes them from the core it replaces (`models/gpt_oss/`).
-- `plan`: the declarative `ParallelPlan` (blocks, routed experts, attention cores).
+- pipeline stages: the model's forward is its parts composed (`models.common.staged`):
+  `embed(input_ids) -> h`, `block_inputs(h, position_ids, document_ids)` (what each
+  block takes after h, computed on every stage from those inputs alone), the plan's
+  blocks `h, stats = block(h, *block_inputs)`, and `head(h, block_inputs, mtp_input_ids)`
+  (final norm, output head, MTP). A stage runs a slice of them: hidden states in, hidden
+  states out. `models.common.staged.DecoderLM` gives all four for an
+  embed_tokens/layers/norm/lm_head model with RoPE; the plan's `embedding` and `head`
+  name the modules the first and the last part use.
+- `plan`: the declarative `ParallelPlan` (blocks, routed experts, attention cores, the
+  embedding and head modules).
 - `loss_terms(args)`: what the loss adds to the token cross-entropy (`LossTerms`).
 - `flops_per_token(model, seq_len)`: training FLOPs per token, for MFU; usually
   `models.common.flops.training_flops_per_token`, which discounts the routed experts of

@@ -11,8 +11,11 @@ from torch.distributed.tensor import DTensor
 
 
 @torch.no_grad()
-def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of all gradients, equal to the norm of the unsharded gradients.
+def grad_norm(
+    params: Iterable[torch.Tensor], stages: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """L2 norm of all gradients, equal to the norm of the unsharded gradients. `stages`:
+    the pipeline's group, whose ranks hold the other stages' parameters.
 
     Squared sums of local shards are grouped by (mesh, sharded mesh dims), and each group
     is all-reduced once over exactly the dims its tensors are sharded on: replicated dims
@@ -36,6 +39,8 @@ def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
         for dim in dims:
             dist.all_reduce(sq, group=mesh.get_group(dim))
         total = total + sq
+    if stages is not None:
+        dist.all_reduce(total, group=stages)
     return total.sqrt()
 
 

@@ -1,8 +1,9 @@
 """Parallel degrees and their checks: arithmetic on the config, the world size and the ranks
 per node (torchrun's LOCAL_WORLD_SIZE unless the config sets them) only.
 
-Degrees (docs/architecture.md, "Device mesh"): world = dp_replicate * dp_shard * cp;
-expert parallelism borrows its ranks from dp_shard * cp. Every check here is arithmetic, so a
+Degrees (docs/architecture.md, "Device mesh"): world = pp * dp_replicate * dp_shard * cp;
+expert parallelism borrows its ranks from dp_shard * cp; each of the pp pipeline stages
+holds the other degrees' ranks. Every check here is arithmetic, so a
 bad layout is refused before any process group exists, and without importing torch (a
 refused launch answers at once). This file is the one owner of layout arithmetic, the split
 of the global batch into per-rank micro-batches included: config, data and trainer call it
@@ -83,6 +84,7 @@ class ParallelDims:
     ep: int
     world_size: int
     ranks_per_node: int = 0  # 0: every rank on one node
+    pp: int = 1  # pipeline stages' ranks: the outermost degree
 
     @classmethod
     def resolve(
@@ -93,23 +95,30 @@ class ParallelDims:
         ep: int,
         world_size: int,
         ranks_per_node: int = 0,
+        pp: int = 1,
     ) -> ParallelDims:
         """`ranks_per_node`: parallel.ranks_per_node (0: torchrun's LOCAL_WORLD_SIZE)."""
-        fixed = dp_replicate * cp
+        fixed = pp * dp_replicate * cp
+        named = "parallel.pp * dp_replicate * cp" if pp > 1 else "parallel.dp_replicate * cp"
+        factors = f"{pp} * {dp_replicate} * {cp}" if pp > 1 else f"{dp_replicate} * {cp}"
         if dp_shard == -1:
             if world_size % fixed:
                 raise LayoutError(
-                    f"world size {world_size} is not divisible by parallel.dp_replicate * "
-                    f"parallel.cp = {dp_replicate} * {cp}; launch a multiple of {fixed} ranks "
-                    "or change the degrees"
+                    f"world size {world_size} is not divisible by {named} = {factors}; launch "
+                    f"a multiple of {fixed} ranks or change the degrees"
                 )
             dp_shard = world_size // fixed
-        if dp_replicate * dp_shard * cp != world_size:
+        if pp * dp_replicate * dp_shard * cp != world_size:
+            degrees = (
+                "parallel.pp * dp_replicate * dp_shard * cp"
+                if pp > 1
+                else ("parallel.dp_replicate * dp_shard * cp")
+            )
+            values = f"{pp} * " * (pp > 1) + f"{dp_replicate} * {dp_shard} * {cp}"
             raise LayoutError(
-                f"parallel.dp_replicate * dp_shard * cp = {dp_replicate} * {dp_shard} * {cp} = "
-                f"{dp_replicate * dp_shard * cp}, but the world size is {world_size}; set "
-                "parallel.dp_shard=-1 to use the rest, or launch that many ranks "
-                "(torchrun --nproc_per_node=N)"
+                f"{degrees} = {values} = {pp * dp_replicate * dp_shard * cp}, but the world "
+                f"size is {world_size}; set parallel.dp_shard=-1 to use the rest, or launch "
+                "that many ranks (torchrun --nproc_per_node=N)"
             )
         if (dp_shard * cp) % ep:
             raise LayoutError(
@@ -125,13 +134,15 @@ class ParallelDims:
                 "every node must hold the same number of ranks"
             )
         check_ep_nodes(ep, ranks_per_node, where)
-        return cls(dp_replicate, dp_shard, cp, ep, world_size, ranks_per_node)
+        return cls(dp_replicate, dp_shard, cp, ep, world_size, ranks_per_node, pp)
 
     @classmethod
     def of(cls, parallel, world_size: int) -> ParallelDims:
         """From a config's [parallel] section (trainer.config.schema.ParallelSection)."""
         p = parallel
-        return cls.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size, p.ranks_per_node)
+        return cls.resolve(
+            p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size, p.ranks_per_node, p.pp
+        )
 
     def grad_accum(self, global_batch_size: int, micro_batch_size: int) -> int:
         """Micro-batches per rank per step; refuses a global batch this layout cannot split."""
@@ -141,6 +152,11 @@ class ParallelDims:
     def dp_size(self) -> int:
         """Data-parallel ranks: each reads a different slice of the global batch."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def stage_ranks(self) -> int:
+        """Ranks that run one pipeline stage: together they hold the whole global batch."""
+        return self.world_size // self.pp
 
     @property
     def fsdp_size(self) -> int:
@@ -156,3 +172,55 @@ class ParallelDims:
     def efsdp_size(self) -> int:
         """Ranks that shard one expert-parallel slice of the routed experts."""
         return self.fsdp_size // self.ep
+
+
+# parallel.pp_schedule: the schedules of torch.distributed.pipelining this trainer runs.
+PP_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
+# Two stages per rank placed in a V (rank r holds stages r and 2 pp - 1 - r), so that the
+# first and the last stage share a rank: the zero-bubble schedules.
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+def stages_per_rank(schedule: str, virtual_stages: int) -> int:
+    """Pipeline stages each pp rank holds under `schedule` (parallel.pp_virtual_stages is
+    Interleaved1F1B's choice; the V schedules hold two)."""
+    if schedule in V_SCHEDULES:
+        return 2
+    return virtual_stages if schedule == "Interleaved1F1B" else 1
+
+
+def stage_rank(stage: int, pp: int, schedule: str) -> int:
+    """The pp rank that holds `stage`: round robin (looped), or in a V."""
+    if schedule in V_SCHEDULES:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def pipeline_micro_batches_needed(schedule: str, pp: int, micro_batches: int) -> str | None:
+    """What `schedule` needs of the step's micro-batches per rank that `micro_batches`
+    lacks (None: it runs): their number is the pipeline's, a step's gradient accumulation."""
+    least = 2 * pp if schedule == "DualPipeV" else pp
+    if micro_batches < least:
+        return f"at least {least} micro-batches per step"
+    if schedule == "Interleaved1F1B" and micro_batches % (micro_batches // pp):
+        # NOTE: torch runs it in rounds of n // pp micro-batches, which must divide n.
+        return f"a number of micro-batches divisible by {micro_batches // pp} (e.g. {pp}k)"
+    return None
+
+
+def check_pipeline(
+    pp: int, schedule: str, virtual_stages: int, micro_batches: int, global_batch_size: int
+) -> None:
+    """Refuse a pipeline schedule the step's micro-batches cannot feed."""
+    if pp == 1:
+        return
+    need = pipeline_micro_batches_needed(schedule, pp, micro_batches)
+    if need is not None:
+        per_micro = global_batch_size // micro_batches  # micro_batch_size x dp ranks
+        least = 2 * pp if schedule == "DualPipeV" else pp
+        raise LayoutError(
+            f"parallel.pp_schedule={schedule} with parallel.pp={pp} needs {need}, but each rank "
+            f"runs {micro_batches} (train.global_batch_size / (train.micro_batch_size x "
+            f"data-parallel ranks)); e.g. use train.global_batch_size={least * per_micro}, or "
+            "a smaller train.micro_batch_size"
+        )

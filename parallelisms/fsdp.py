@@ -28,6 +28,7 @@ def apply_fsdp(
     meshes: Meshes,
     param_dtype: torch.dtype,
     reshard_after_forward: bool = True,
+    required: bool = True,
 ) -> None:
     """Shard routers (fp32, with bf16), expert-parallel experts, every block, then the root.
     `reshard_after_forward=False` (parallel.fsdp_gather=step) keeps every unit gathered from
@@ -35,7 +36,8 @@ def apply_fsdp(
 
     Dense parameters shard over `meshes.dense` (HSDP when it is 2-D). Experts already
     sharded on dim 0 by EP get their own units over `meshes.expert_fsdp` on dim 1, so the
-    two shardings compose into one DTensor.
+    two shardings compose into one DTensor. `required=False`: a pipeline stage, which
+    may hold no routed experts.
     """
     policy = mixed_precision_policy(param_dtype)
     if param_dtype != torch.float32:
@@ -49,7 +51,8 @@ def apply_fsdp(
             )  # fmt: skip
     expert_units: dict[str, nn.Module] = {}
     if meshes.ep is not None:
-        for fqn, experts in match_modules(model, plan.routed_experts, "routed_experts"):
+        found = match_modules(model, plan.routed_experts, "routed_experts", required)
+        for fqn, experts in found:
             fully_shard(
                 experts, mesh=meshes.expert_fsdp, shard_placement_fn=_shard_dim1, mp_policy=policy,
                 reshard_after_forward=reshard_after_forward,

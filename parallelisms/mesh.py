@@ -1,5 +1,7 @@
 """The device meshes of a layout (`parallelisms.dims.ParallelDims`): the batch view, the
-dense parameters' FSDP mesh and, under expert parallelism, the experts' (efsdp, ep) mesh."""
+dense parameters' FSDP mesh, under expert parallelism the experts' (efsdp, ep) mesh, and
+under pipeline parallelism the pp mesh. Every mesh is over all ranks with pp outermost:
+the other views are this rank's stage's slice."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from parallelisms.dims import ParallelDims
 
 @dataclass
 class Meshes:
-    world: DeviceMesh  # dims (dp_replicate, dp_shard, cp): the batch view
+    world: DeviceMesh  # dims (dp_replicate, dp_shard, cp): the batch view (this stage's ranks)
     dense: DeviceMesh  # FSDP of dense params: (fsdp,) or (dp_replicate, fsdp) for HSDP
     # Routed experts, when ep > 1: `ep` shards dim 0 (EP), `expert_fsdp` shards dim 1
     # ((efsdp,) or (dp_replicate, efsdp) for HSDP). Both are slices of one (dp_replicate,
@@ -24,6 +26,15 @@ class Meshes:
     ep_rail: DeviceMesh | None = None
     ep_node: DeviceMesh | None = None
     ranks_per_node: int = 0  # 0: every rank on one node
+    # The ranks that hold the other stages of this rank's pipeline (pp > 1).
+    pp: DeviceMesh | None = None
+    # The batch view flattened, for reductions over the whole global batch (pp > 1; else
+    # None: the world's default group).
+    batch: DeviceMesh | None = None
+
+    def batch_group(self):
+        """The process group of every rank of this stage: the global batch's holders."""
+        return self.batch.get_group() if self.batch is not None else None
 
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (dp_replicate-major)."""
@@ -36,24 +47,28 @@ class Meshes:
 
 
 def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
-    world = init_device_mesh(
+    full = init_device_mesh(
         device_type,
-        (dims.dp_replicate, dims.dp_shard, dims.cp),
-        mesh_dim_names=("dp_replicate", "dp_shard", "cp"),
+        (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp),
+        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp"),
     )
+    world = full["dp_replicate", "dp_shard", "cp"]
     # NOTE: DeviceMesh._flatten is private but is how one mesh dim spans two (torchtitan
     # does the same); it keeps every view a slice of the one world mesh.
     fsdp = world["dp_shard", "cp"]._flatten("fsdp")
     dense = world["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else fsdp
     meshes = Meshes(world=world, dense=dense, ranks_per_node=dims.ranks_per_node)
+    if dims.pp > 1:
+        meshes.pp = full["pp"]
+        meshes.batch = world._flatten("batch")
     if dims.ep > 1:
         # NOTE: a second mesh over the same ranks in the same (row-major) order: ep groups
         # are runs of consecutive ranks inside one fsdp group, so EP traffic stays as local
         # (same node) as the fsdp group itself.
         sparse = init_device_mesh(
             device_type,
-            (dims.dp_replicate, dims.efsdp_size, dims.ep),
-            mesh_dim_names=("dp_replicate", "efsdp", "ep"),
+            (dims.pp, dims.dp_replicate, dims.efsdp_size, dims.ep),
+            mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"),
         )
         meshes.ep = sparse["ep"]
         meshes.expert_fsdp = (
@@ -64,8 +79,8 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
         # (ParallelDims.resolve), so ep index = node * ranks_per_node + local index.
         split = init_device_mesh(
             device_type,
-            (dims.dp_replicate, dims.efsdp_size, dims.ep_nodes, dims.ep // dims.ep_nodes),
-            mesh_dim_names=("dp_replicate", "efsdp", "ep_rail", "ep_node"),
+            (dims.pp, dims.dp_replicate, dims.efsdp_size, dims.ep_nodes, dims.ep // dims.ep_nodes),
+            mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep_rail", "ep_node"),
         )
         meshes.ep_rail, meshes.ep_node = split["ep_rail"], split["ep_node"]
     return meshes

@@ -25,6 +25,19 @@ class Parallelized:
 
     dispatchers: list[TokenDispatcher] = field(default_factory=list)  # one per MoE layer (EP)
     ring_attention: list[ContextParallelAttention] = field(default_factory=list)  # CP
+    # Pipeline parallelism: this rank's stages (parallelisms.pipeline.StageModule), their
+    # indices, and the whole model on the meta device (what describes the whole: FLOPs).
+    stages: list[nn.Module] = field(default_factory=list)
+    stage_indices: list[int] = field(default_factory=list)
+    num_stages: int = 1
+    embedding_on_last: bool = False  # the last stage holds a copy of the embedding
+    whole: nn.Module | None = None
+    # stage index -> (example input, example output) on the meta device
+    stage_metas: dict[int, tuple] = field(default_factory=dict)
+
+    def extend(self, other: Parallelized) -> None:
+        self.dispatchers += other.dispatchers
+        self.ring_attention += other.ring_attention
 
 
 def parallelize(
@@ -37,19 +50,23 @@ def parallelize(
     activation_checkpoint: str = "none",
     compile: bool = False,
     fsdp_gather: str = "micro_batch",
+    stage: bool = False,
 ) -> Parallelized:
     """Shard `model` (on the meta device) in place: context parallelism swaps the attention
     cores for ring attention, expert parallelism shards and wraps the routed experts,
     activation checkpointing (none | full | selective) wraps the blocks' forwards (compiled
-    first if `compile`), FSDP2 shards the rest (`fsdp_gather`: parallel.fsdp_gather)."""
+    first if `compile`), FSDP2 shards the rest (`fsdp_gather`: parallel.fsdp_gather).
+    `stage`: `model` is one pipeline stage, which may hold no expert or attention module
+    (the whole model's plan was checked by `check_layout`)."""
     out = Parallelized()
+    required = not stage
     if meshes.cp > 1:
-        cores = match_modules(model, plan.attention_core, "attention_core")
+        cores = match_modules(model, plan.attention_core, "attention_core", required)
         out.ring_attention = apply_context_parallel(
             model, cores, meshes.world, cp_zigzag, cp_kernel
         )
     if meshes.ep is not None:
-        for _, experts in match_modules(model, plan.routed_experts, "routed_experts"):
+        for _, experts in match_modules(model, plan.routed_experts, "routed_experts", required):
             nodes = (meshes.ep_rail, meshes.ep_node) if meshes.ep_rail is not None else None
             out.dispatchers.append(
                 apply_expert_parallel(experts, meshes.ep, meshes.ranks_per_node, nodes)
@@ -60,7 +77,15 @@ def parallelize(
     if compile:  # NOTE: inside checkpointing, not around it (see parallelisms/compile.py)
         apply_compile(blocks)
     apply_activation_checkpointing(blocks, activation_checkpoint)
-    apply_fsdp(model, plan, meshes, param_dtype, reshard_after_forward=fsdp_gather != "step")
+    apply_fsdp(
+        model, plan, meshes, param_dtype,
+        # NOTE: a pipeline stage keeps its units gathered from the first micro-batch's
+        # forward to the step's end (torch's schedules reduce its gradients once, after the
+        # last backward), as torchtitan does under PP: no gather per micro-batch, and the
+        # split backward of the zero-bubble schedules finds the unsharded parameters.
+        reshard_after_forward=fsdp_gather != "step" and not stage,
+        required=required,
+    )  # fmt: skip
     return out
 
 

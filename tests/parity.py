@@ -194,6 +194,8 @@ def layout_worker(
                 out["a2a_internode_forward"] = 2 * pairs * row + 12 * assignments
             counter.remote = counter.remote_pairs = counter.remote_node_assignments = 0
         records.append(out)
+    if dims.pp > 1:  # each rank holds its stages' tensors: the union is the model
+        _merge_stages(records, world)
     gathered = [None] * world
     dist.all_gather_object(
         gathered,
@@ -208,6 +210,17 @@ def layout_worker(
     )
     if rank == 0:
         torch.save({"records": records, "per_rank": gathered}, out_path)
+
+
+def _merge_stages(records: list[dict], world: int) -> None:
+    """Every record's per-tensor dicts and names, merged over the ranks (pipeline stages)."""
+    keys = ("grads", "params", "buffers")
+    for record in records:
+        parts = [None] * world
+        dist.all_gather_object(parts, {k: record[k] for k in (*keys, "optimized")})
+        for k in keys:
+            record[k] = {n: t for part in parts for n, t in part[k].items()}
+        record["optimized"] = sorted({n for part in parts for n in part["optimized"]})
 
 
 def reference_run(

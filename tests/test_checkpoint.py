@@ -49,7 +49,9 @@ def test_resume_on_the_same_layout_is_exact(ep_run, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,layout", [(4, ["--parallel.ep=4"]), (2, [])], ids=["ep4", "fsdp2"])
+@pytest.mark.parametrize(
+    "nproc,layout", [(4, ["--parallel.ep=4"]), (2, ["--parallel.pp=2"])], ids=["ep4", "pp2"]
+)
 def test_resume_on_another_layout(ep_run, nproc, layout, tmp_path):
     out, straight = ep_run
     resumed_dir = _resume_from(out / "checkpoints" / "step-2", tmp_path / "resharded")
@@ -59,6 +61,21 @@ def test_resume_on_another_layout(ep_run, nproc, layout, tmp_path):
         assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-5)
         # The same samples, though the number of data-parallel ranks changed.
         assert ours["data_fingerprint"] == ref["data_fingerprint"]
+
+
+@pytest.mark.slow
+def test_resume_from_pipeline_stages_into_one_process(tmp_path):
+    """Interleaved stages (2 per rank) with a tied head, whose embedding both the first and
+    the last stage hold -> 1 rank: the checkpoint's keys are the model's, once each."""
+    tied = FOUR_STEPS + ["--model.tie_word_embeddings=true"]
+    pp = ["--parallel.pp=2", "--parallel.pp_schedule=Interleaved1F1B"]
+    straight = run_train(tied + pp, tmp_path / "straight", nproc=2)
+    resumed_dir = _resume_from(tmp_path / "straight" / "checkpoints" / "step-2", tmp_path / "one")
+    resumed = run_train(tied, resumed_dir)
+    assert [r["step"] for r in resumed] == [3, 4]
+    for ours, ref in zip(resumed, straight[2:], strict=True):
+        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
 
 
 def test_export_reproduces_our_logits_in_transformers(ep_run, tmp_path):

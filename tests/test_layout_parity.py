@@ -1,7 +1,8 @@
 """Every parallel layout against one plain process on the same global batch (docs/architecture.md, "Principles").
 
-One table: each row is a layout (FSDP, HSDP, EP x FSDP, CP, CP x EP) of a tiny model,
-run for 3 steps (LoRA rows 5) on real gloo ranks through `Trainer.train_step` and compared with
+One table: each row is a layout (FSDP, HSDP, EP x FSDP, CP, CP x EP, pipeline stages) of a
+tiny model, run for 3 steps (LoRA rows 5) on real gloo ranks through `Trainer.train_step`
+and compared with
 `tests.parity.reference_run`, which has no parallel code: losses, aux and MTP losses, grad
 norms, every clipped gradient and updated parameter within 1e-5 relative, buffers (routing
 biases and counts) bit-equal. With expert parallelism, the all-to-all volume must equal the
@@ -32,6 +33,7 @@ class Layout(NamedTuple):
 
 
 EP2, CP2 = "--parallel.ep=2", "--parallel.cp=2"
+PP2, L4, TIED = "--parallel.pp=2", "--model.num_hidden_layers=4", "--model.tie_word_embeddings=true"
 HSDP = ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"]
 GLOBAL_AUX = "--moe.aux_loss_mode=global_batch"
 # The aux loss is per layer by default; pooled is Hugging Face's. z-loss weighted enough that
@@ -66,6 +68,16 @@ LAYOUTS = {
     "hsdp2x2_ep2_1rank_nodes_lora": Layout(
         TINY, 4, [*HSDP, EP2, "--parallel.ranks_per_node=1", *LORA], 4
     ),
+    # Pipeline stages (4 blocks where a rank holds two stages). ZBV: the backward split in
+    # input and weight parts, with FSDP and EP inside each stage.
+    "pp2_zbv_dp2_ep2": Layout(TINY, 4, [PP2, "--parallel.pp_schedule=ZBVZeroBubble", EP2, L4], 2),
+    # Looped stages over a ring; a tied head: the last stage's copy of the embedding.
+    "pp2_interleaved_cp2_tied": Layout(
+        TINY, 4, [PP2, "--parallel.pp_schedule=Interleaved1F1B", CP2, TIED, L4], 1
+    ),
+    "pp2_dualpipev": Layout(TINY, 2, [PP2, "--parallel.pp_schedule=DualPipeV", L4], 1),
+    # 1F1B: MLA, the bias update, MTP on the last stage (its embedding copy), EP.
+    "dsv3_pp2_ep2": Layout(TINY_DSV3, 4, [PP2, EP2], 2),
 }
 
 

@@ -24,3 +24,9 @@ class ParallelPlan:
     shared_experts: Patterns | None = None
     # Modules whose parameters stay fp32 under bf16 mixed precision (e.g. routers).
     fp32_modules: tuple[str, ...] = field(default_factory=tuple)
+    # Pipeline stages (parallel.pp): the modules the model's `embed` uses, on the first
+    # stage, and those its `head` uses (final norm, output head, MTP), on the last; blocks
+    # inside a head module run there too, the others are cut into stages
+    # (models/common/staged.py).
+    embedding: Patterns = "embed_tokens"
+    head: Patterns = ("norm", "lm_head")

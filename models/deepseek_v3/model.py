@@ -15,23 +15,22 @@ maps the stacked experts and the MTP modules (HF: `model.layers.{L + k}`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.common.attention import AttentionCore
 from models.common.block import DecoderBlock
 from models.common.init import init_all_, normal_init_
 from models.common.mlp import SwiGLU
-from models.common.moe import GroupLimitedRouter, MoE, MoEOptions, RouterStats, stack_stats
+from models.common.moe import GroupLimitedRouter, MoE, MoEOptions, RouterStats
 from models.common.norm import RMSNorm
 from models.common.output import CausalLMOutput
 from models.common.rope import (
     apply_rope,
     apply_rope_interleaved,
-    rope_cos_sin,
     yarn_mscale,
     yarn_of,
 )
+from models.common.staged import DecoderLM, HeadOutput, causal_lm_forward
 from models.deepseek_v3.args import DeepseekV3Args
 
 # NOTE: transformers builds q_a_layernorm and kv_a_layernorm with its default epsilon,
@@ -152,11 +151,12 @@ class MultiTokenPrediction(nn.Module):
         return self.norm(h), stats
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(DecoderLM):
     def __init__(self, args: DeepseekV3Args, moe_options: MoEOptions | None = None) -> None:
         super().__init__()
         moe_options = moe_options or MoEOptions()
         self.args = args
+        self.rope_dim = args.qk_rope_head_dim
         self.yarn = yarn_of(args)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
@@ -179,11 +179,6 @@ class DeepseekV3ForCausalLM(nn.Module):
             else None
         )
 
-    def _head(self, h: torch.Tensor) -> torch.Tensor:
-        return (
-            self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed_tokens.weight)
-        )
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -195,31 +190,28 @@ class DeepseekV3ForCausalLM(nn.Module):
         split or reordered); document_ids [B, S]: a token attends only to its own document
         (None: to every earlier token); mtp_input_ids [B, S, D]: at position i, depth k's
         input token i+k (see trainer.data.mtp_targets), needed for the MTP logits."""
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-            position_ids = position_ids.expand_as(input_ids)
-        h = self.embed_tokens(input_ids)  # [B, S, hidden]
-        cos, sin = rope_cos_sin(
-            position_ids, self.args.qk_rope_head_dim, self.args.rope_theta, h.dtype, self.yarn
+        return causal_lm_forward(
+            self, self.layers, input_ids, position_ids, document_ids, mtp_input_ids
         )
-        all_stats: list[RouterStats] = []
-        for block in self.layers:
-            h, stats = block(h, cos, sin, document_ids)
-            if stats is not None:
-                all_stats.append(stats)
-        h = self.norm(h)
-        logits = self._head(h)
 
-        mtp_logits = None
-        if self.mtp is not None and mtp_input_ids is not None:
-            mtp_logits = []
-            for k, module in enumerate(self.mtp):
-                embeds = self.embed_tokens(mtp_input_ids[..., k])
-                h, stats = module(h, embeds, cos, sin, document_ids)
-                if stats is not None:
-                    all_stats.append(stats)
-                mtp_logits.append(self._head(h))
-        return CausalLMOutput(logits, stack_stats(all_stats) if all_stats else None, mtp_logits)
+    # ---- the parts a pipeline stage runs (models/common/staged.py) -------------------
+    def head(
+        self, h: torch.Tensor, extra: tuple, mtp_input_ids: torch.Tensor | None = None
+    ) -> HeadOutput:
+        """Final norm and head; then, given their inputs, the MTP depths in turn, each from
+        the previous depth's normed output (the main model's first)."""
+        h = self.norm(h)
+        logits = self.logits(h)
+        if self.mtp is None or mtp_input_ids is None:
+            return HeadOutput(logits)
+        mtp_logits, stats = [], []
+        for k, module in enumerate(self.mtp):
+            embeds = self.embed_tokens(mtp_input_ids[..., k])
+            h, depth_stats = module(h, embeds, *extra)
+            if depth_stats is not None:
+                stats.append(depth_stats)
+            mtp_logits.append(self.logits(h))
+        return HeadOutput(logits, mtp_logits, stats)
 
     # ---- initialisation -------------------------------------------------------------
     def reset_parameter(

@@ -13,6 +13,7 @@ PLAN = ParallelPlan(
     attention_core=("layers.*.self_attn.core", "mtp.*.block.self_attn.core"),
     shared_experts=("layers.*.mlp.shared_experts", "mtp.*.block.mlp.shared_experts"),
     fp32_modules=("layers.*.mlp.gate", "mtp.*.block.mlp.gate"),
+    head=("norm", "lm_head", "mtp"),
 )
 
 

@@ -19,7 +19,6 @@ models store theirs (`gate_up_proj [E, 2I, H]`, gate rows then up rows); hf.py c
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -30,14 +29,12 @@ from models.common.moe import (
     MoE,
     MoEOptions,
     RoutedExperts,
-    RouterStats,
     TopKRouter,
     grouped_mm,
-    stack_stats,
 )
 from models.common.norm import RMSNorm
-from models.common.output import CausalLMOutput
-from models.common.rope import apply_rope, rope_cos_sin, yarn_of
+from models.common.rope import apply_rope, yarn_of
+from models.common.staged import DecoderLM
 from models.gpt_oss.args import GptOssArgs
 
 
@@ -117,11 +114,12 @@ def decoder_block(args: GptOssArgs, layer_idx: int, moe_options: MoEOptions) -> 
     return DecoderBlock(args.hidden_size, args.rms_norm_eps, Attention(args, layer_idx), mlp)
 
 
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(DecoderLM):
     def __init__(self, args: GptOssArgs, moe_options: MoEOptions | None = None) -> None:
         super().__init__()
         moe_options = moe_options or MoEOptions()
         self.args = args
+        self.rope_dim = args.head_dim
         self.yarn = yarn_of(args)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
@@ -134,28 +132,6 @@ class GptOssForCausalLM(nn.Module):
             if args.tie_word_embeddings
             else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        document_ids: torch.Tensor | None = None,
-    ) -> CausalLMOutput:
-        """input_ids [B, S]; position_ids [B, S] (default 0..S-1); document_ids [B, S]: a
-        token attends only to its own document (None: to every earlier token)."""
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-            position_ids = position_ids.expand_as(input_ids)
-        h = self.embed_tokens(input_ids)  # [B, S, hidden]
-        a = self.args
-        cos, sin = rope_cos_sin(position_ids, a.head_dim, a.rope_theta, h.dtype, self.yarn)
-        all_stats: list[RouterStats] = []
-        for block in self.layers:
-            h, stats = block(h, cos, sin, document_ids)
-            all_stats.append(stats)
-        h = self.norm(h)
-        weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
-        return CausalLMOutput(F.linear(h, weight), stack_stats(all_stats))
 
     # ---- initialisation -------------------------------------------------------------
     def reset_parameter(

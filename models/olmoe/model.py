@@ -14,16 +14,15 @@ stacked expert weights.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.common.attention import AttentionCore
 from models.common.block import DecoderBlock
 from models.common.init import init_all_, normal_init_
-from models.common.moe import MoE, MoEOptions, RouterStats, TopKRouter, stack_stats
+from models.common.moe import MoE, MoEOptions, TopKRouter
 from models.common.norm import RMSNorm
-from models.common.output import CausalLMOutput
-from models.common.rope import apply_rope, rope_cos_sin
+from models.common.rope import apply_rope
+from models.common.staged import DecoderLM
 from models.olmoe.args import OlmoeArgs
 
 
@@ -77,11 +76,12 @@ def decoder_block(args: OlmoeArgs, moe_options: MoEOptions) -> DecoderBlock:
     return DecoderBlock(args.hidden_size, args.rms_norm_eps, Attention(args), mlp)
 
 
-class OlmoeForCausalLM(nn.Module):
+class OlmoeForCausalLM(DecoderLM):
     def __init__(self, args: OlmoeArgs, moe_options: MoEOptions | None = None) -> None:
         super().__init__()
         moe_options = moe_options or MoEOptions()
         self.args = args
+        self.rope_dim = args.resolved_head_dim
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
             decoder_block(args, moe_options) for _ in range(args.num_hidden_layers)
@@ -94,34 +94,6 @@ class OlmoeForCausalLM(nn.Module):
             if args.tie_word_embeddings
             else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        document_ids: torch.Tensor | None = None,
-    ) -> CausalLMOutput:
-        """input_ids [B, S]; position_ids [B, S] (default 0..S-1, the true positions when the
-        sequence is split or reordered, as under context parallelism); document_ids [B, S]:
-        a token attends only to its own document (None: to every earlier token)."""
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-            position_ids = position_ids.expand_as(input_ids)
-        h = self.embed_tokens(input_ids)  # [B, S, hidden]
-        cos, sin = rope_cos_sin(
-            position_ids, self.args.resolved_head_dim, self.args.rope_theta, h.dtype
-        )
-
-        all_stats: list[RouterStats] = []
-        for block in self.layers:
-            h, stats = block(h, cos, sin, document_ids)
-            all_stats.append(stats)
-
-        h = self.norm(h)
-        logits = (
-            self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed_tokens.weight)
-        )  # [B, S, vocab]
-        return CausalLMOutput(logits, stack_stats(all_stats))
 
     # ---- initialisation -------------------------------------------------------------
     def reset_parameter(

@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import fields, is_dataclass
 
 from models.common.args import field_problems
-from parallelisms.dims import CP_CHUNKS_PER_RANK, LayoutError, grad_accum_steps
+from parallelisms.dims import (
+    CP_CHUNKS_PER_RANK,
+    V_SCHEDULES,
+    LayoutError,
+    grad_accum_steps,
+    stages_per_rank,
+)
 from trainer.config.schema import JobConfig
 
 # data.source values that read from data.path, and what the path names for each.
@@ -111,6 +117,7 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
         f"{t.steps}): no step would be made non-finite; set it to a step in 1..{t.steps}, "
         "or 0 (off)",
     )
+    problems += _pipeline_problems(cfg)
     need(
         p.dp_shard == -1 or p.dp_shard >= 1,
         f"parallel.dp_shard must be -1 (all remaining ranks) or >= 1, got {p.dp_shard}",
@@ -174,5 +181,52 @@ def _mix_problems(cfg: JobConfig) -> list[str]:
         problems.append(
             "eval.fraction holds out documents of data.path, but the run trains on "
             "[[data.mix]]: give the held-out data as eval.path or [[eval.mix]]"
+        )
+    return problems
+
+
+def _pipeline_problems(cfg: JobConfig) -> list[str]:
+    """What parallel.pp does not combine with yet, and pp_layers' length."""
+    p, t = cfg.parallel, cfg.train
+    if p.pp == 1:
+        return [
+            f"parallel.{key} is set but parallel.pp=1 runs no pipeline; remove it or set "
+            "parallel.pp"
+            for key, unset in (("pp_layers", not p.pp_layers),)
+            if not unset
+        ]
+    problems = []
+    stages = p.pp * stages_per_rank(p.pp_schedule, p.pp_virtual_stages)
+    if p.pp_layers and len(p.pp_layers) != stages:
+        problems.append(
+            f"parallel.pp_layers has {len(p.pp_layers)} entries, but parallel.pp={p.pp} with "
+            f"pp_schedule={p.pp_schedule} runs {stages} stages; give one block count per stage"
+        )
+    if p.fsdp_gather == "step":
+        problems.append(
+            f"parallel.fsdp_gather=step is what parallel.pp={p.pp} already does (a stage "
+            "gathers once per step and reduces its gradients once); remove the key"
+        )
+    for key, value, why in (
+        ("parallel.cp_layout", p.cp_layout == "balanced", "balanced"),
+        ("moe.aux_loss_layers", cfg.moe.aux_loss_layers == "pooled", "pooled"),
+    ):
+        if value:
+            problems.append(
+                f"{key}={why} does not run under parallel.pp={p.pp} yet (it needs every "
+                "micro-batch or every layer in one place); use the default, or parallel.pp=1"
+            )
+    e = cfg.eval
+    if e.path or e.mix or e.fraction:
+        problems.append(
+            f"held-out evaluation ([eval]) does not run under parallel.pp={p.pp} yet; evaluate "
+            "the checkpoints with `python -m trainer.evaluate` (any layout reads them), or "
+            "remove eval.path / [[eval.mix]] / eval.fraction"
+        )
+    if t.compile and p.pp_schedule in V_SCHEDULES:
+        problems.append(
+            f"parallel.pp_schedule={p.pp_schedule} splits the backward in input and weight "
+            "parts, which torch.compile does not support; use train.compile=false or "
+            "pp_schedule=1F1B / Interleaved1F1B"
         )
     return problems

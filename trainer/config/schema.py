@@ -15,6 +15,7 @@ from functools import cache
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from models.common.args import arg
+from parallelisms.dims import PP_SCHEDULES
 from trainer.config.moe_peft import MoESection, PeftSection  # noqa: F401  (sections of JobConfig)
 
 
@@ -216,6 +217,28 @@ class ParallelSection:
         "as a dense block bias) | sdpa_cudnn (CUDA bf16, no mask) | flex (CUDA "
         "FlexAttention: masks and windows without a dense mask)",
         choices=("auto", "cpu_flash", "math", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex"),
+    )
+    pp: int = arg(
+        1,
+        "pipeline-parallel degree: the blocks cut into stages over pp groups of ranks (the "
+        "outermost degree); a step's micro-batches flow through them",
+        ge=1,
+    )
+    pp_schedule: str = arg(
+        "1F1B",
+        "pipeline schedule (torch.distributed.pipelining): 1F1B (one stage per rank) | "
+        "Interleaved1F1B (parallel.pp_virtual_stages per rank, looped) | ZBVZeroBubble and "
+        "DualPipeV (two stages per rank in a V, the backward split in input and weight parts)",
+        choices=PP_SCHEDULES,
+    )
+    pp_virtual_stages: int = arg(
+        2, "stages per rank under pp_schedule=Interleaved1F1B (the others fix theirs)", ge=1
+    )
+    pp_layers: list[int] = arg(
+        [],
+        "blocks of each pipeline stage, in order (their sum: the model's blocks before its "
+        "head); [] = split by FLOPs",
+        ge=1,
     )
     fsdp_gather: str = arg(
         "micro_batch",

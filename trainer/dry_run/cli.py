@@ -277,6 +277,11 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.loop.setup import preflight
 
         dims = ParallelDims.of(p, world_size)
+        if dims.pp > 1:
+            raise ConfigError(
+                f"parallel.pp={p.pp}: the planner does not size pipeline stages yet (their "
+                "memory, bubble and point-to-point traffic); plan without parallel.pp"
+            )
         # the planned machines' nodes too (a planning process has no LOCAL_WORLD_SIZE)
         per_node = p.ranks_per_node or hw.ranks_per_node
         if per_node < world_size:

@@ -74,6 +74,7 @@ def aux_loss_share(
     global_batch_size: int,
     rounds: int,
     pooled: bool = False,
+    batch_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """This forward's share of the step's aux loss (`moe.aux_loss_mode`), each MoE layer's
     loss averaged over the layers, or pooled over them (`moe.aux_loss_layers`).
@@ -84,7 +85,8 @@ def aux_loss_share(
     sequence-wise loss, mean over the global batch's sequences. Statistics spread over
     several ranks (the cp ranks of a sequence, or the whole batch) have their assignment
     counts all-reduced, and each rank adds its share (the losses are linear in the router
-    probabilities and the counts carry no gradient).
+    probabilities and the counts carry no gradient). `batch_group`: the ranks that hold
+    the global batch (this pipeline stage's; None: the world).
     """
     _, batch, num_experts = stats.prob_sum.shape  # [L, B, E]
     cp = dims.cp
@@ -95,8 +97,8 @@ def aux_loss_share(
             dist.all_reduce(counts, group=cp_group)
         seq_tokens = stats.seq_len * cp
         return sequence_balance_loss(stats, counts, seq_tokens, pooled) / global_batch_size
-    if mode == "global_batch":
-        group, ranks, forwards = None, dims.world_size, rounds  # the whole batch
+    if mode == "global_batch":  # the whole batch: every rank of this pipeline stage
+        group, ranks, forwards = batch_group, dims.stage_ranks, rounds
     else:
         group, ranks, forwards = cp_group, cp, rounds * dims.dp_size
     if ranks == 1:
@@ -136,8 +138,14 @@ class GlobalCounts:
     mtp_tokens: list[int]  # valid labels of each MTP depth (its last k positions have none)
 
 
-def global_counts(micro_batches: list[Batch], mtp_depth: int, device: torch.device) -> GlobalCounts:
-    """One int64 all-reduce over the world (fp32 counts are exact only to 2^24)."""
+def global_counts(
+    micro_batches: list[Batch],
+    mtp_depth: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> GlobalCounts:
+    """One int64 all-reduce over the ranks that hold the global batch, `group` (None: the
+    world; fp32 counts are exact only to 2^24)."""
     local = sum(
         torch.stack(
             [
@@ -150,7 +158,7 @@ def global_counts(micro_batches: list[Batch], mtp_depth: int, device: torch.devi
         for mb in micro_batches
     )
     counts = local.to(device, torch.int64)
-    dist.all_reduce(counts)
+    dist.all_reduce(counts, group=group)
     tokens, inputs, fingerprint, *mtp_tokens = counts.tolist()
     # Sequences shorter than a depth leave it no label: no division by zero.
     return GlobalCounts(tokens, inputs, fingerprint, [max(n, 1) for n in mtp_tokens])
@@ -174,15 +182,23 @@ class StepLoss:
         global_batch_size: int,
         rounds: int,
         device: torch.device,
+        batch_group: dist.ProcessGroup | None = None,
+        moe_layers: int = 0,
     ) -> None:
+        """`batch_group`: the ranks holding the global batch (a pipeline stage's; None: the
+        world). `moe_layers`: the whole model's MoE layers, when a forward's statistics
+        cover only some of them (a pipeline stage's): the aux and z losses average over
+        the layers, so a stage adds its layers' part of that mean."""
         self.terms, self.balance, self.dims, self.cp_group = terms, balance, dims, cp_group
         self.global_batch_size, self.rounds, self.device = global_batch_size, rounds, device
+        self.batch_group, self.moe_layers = batch_group, moe_layers
         self.counts: GlobalCounts | None = None
 
     def begin(self, micro_batches: list[Batch]) -> None:
         if len(micro_batches) != self.rounds:  # the aux-loss shares are scaled by it
             raise ValueError(f"expected {self.rounds} micro-batches, got {len(micro_batches)}")
-        self.start(global_counts(micro_batches, self.terms.mtp_depth, self.device))
+        counts = global_counts(micro_batches, self.terms.mtp_depth, self.device, self.batch_group)
+        self.start(counts)
 
     def start(self, counts: GlobalCounts) -> None:
         """Begin a step whose global counts are known (the dry-run planner's meta trace)."""
@@ -190,41 +206,63 @@ class StepLoss:
         # [sum of token losses, sum of aux shares, sum over depths of mean MTP losses,
         #  sum of z-loss shares]
         self._sums = torch.zeros(4, device=self.device)
-        self._expert_load: torch.Tensor | None = None
+        # this rank's expert load per stage (one key without pipeline stages), [L_s, E] each
+        self.stage_loads: dict[int, torch.Tensor] = {}
 
     def __call__(self, out: CausalLMOutput, batch: Batch) -> torch.Tensor:
+        loss = self.output_loss(out.logits, out.mtp_logits, batch.labels, batch.mtp_labels)
+        if out.router_stats is not None:
+            loss = loss + self.router_loss(out.router_stats)
+        return loss
+
+    def output_loss(
+        self,
+        logits: torch.Tensor,
+        mtp_logits: list[torch.Tensor] | None,
+        labels: torch.Tensor,
+        mtp_labels: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The token loss share of one forward (and its MTP depths'), from its logits."""
         counts, terms = self.counts, self.terms
-        ce_sum = token_loss_sum(out.logits, batch.labels)
+        ce_sum = token_loss_sum(logits, labels)
         # NOTE: max(, 1): a global batch whose loss mask keeps no token (instruction data)
         # has no token loss at all: 0, not 0/0; its aux loss still trains the routers.
         loss = ce_sum / max(counts.tokens, 1)
         self._sums[0] += ce_sum.detach()
-        for k, logits_k in enumerate(out.mtp_logits or []):
-            mtp_mean = token_loss_sum(logits_k, batch.mtp_labels[..., k]) / counts.mtp_tokens[k]
+        for k, logits_k in enumerate(mtp_logits or []):
+            mtp_mean = token_loss_sum(logits_k, mtp_labels[..., k]) / counts.mtp_tokens[k]
             loss = loss + terms.mtp_weight / terms.mtp_depth * mtp_mean
             self._sums[2] += mtp_mean.detach()
-        stats = out.router_stats
-        if stats is not None:
-            balance = self.balance
-            aux = aux_loss_share(
-                stats, balance.mode, self.dims, self.cp_group, self.global_batch_size,
-                self.rounds, balance.pooled,
-            )  # fmt: skip
-            loss = loss + terms.aux_loss_coef * aux
-            self._sums[1] += aux.detach()
-            z = z_loss_sum(stats) / counts.inputs  # every token routed, masked-in or not
-            if balance.z_loss_coef:
-                loss = loss + balance.z_loss_coef * z
-            self._sums[3] += z.detach()
-            load = stats.tokens_per_expert.sum(1)  # [L, E]
-            self._expert_load = load if self._expert_load is None else self._expert_load + load
+        return loss
+
+    def router_loss(self, stats: RouterStats, stage: int = 0) -> torch.Tensor:
+        """The aux (and z) loss share of one forward's routing statistics [L, B, E] (of
+        pipeline stage `stage`'s layers)."""
+        balance, terms = self.balance, self.terms
+        aux = aux_loss_share(
+            stats, balance.mode, self.dims, self.cp_group, self.global_batch_size,
+            self.rounds, balance.pooled, self.batch_group,
+        )  # fmt: skip
+        z = z_loss_sum(stats) / self.counts.inputs  # every token routed, masked-in or not
+        if self.moe_layers:  # a stage's layers: their part of the mean over all layers
+            part = len(stats.prob_sum) / self.moe_layers
+            aux, z = aux * part, z * part
+        loss = terms.aux_loss_coef * aux
+        if balance.z_loss_coef:
+            loss = loss + balance.z_loss_coef * z
+        self._sums[1] += aux.detach()
+        self._sums[3] += z.detach()
+        load = stats.tokens_per_expert.sum(1)  # [L, E]
+        have = self.stage_loads.get(stage)
+        self.stage_loads[stage] = load if have is None else have + load
         return loss
 
     def end(self) -> dict:
         sums = self._sums
         dist.all_reduce(sums)  # over the world: every rank holds a distinct part of the batch
         loss_sum, aux, mtp_sum, z = sums.tolist()
-        routed = self._expert_load is not None
+        # NOTE: under pipeline stages, by the whole model: a stage may hold no MoE layer
+        routed = bool(self.stage_loads) or self.moe_layers > 0
         record = {
             "loss": loss_sum / max(self.counts.tokens, 1),
             "aux_loss": aux if routed else None,
@@ -232,7 +270,11 @@ class StepLoss:
             "tokens": self.counts.tokens,  # in the loss (a loss mask may leave some out)
             "tokens_all": self.counts.inputs,  # computed on
             "data_fingerprint": self.counts.fingerprint,
-            "expert_load": self._expert_load,
+            "expert_load": (
+                torch.cat([self.stage_loads[k] for k in sorted(self.stage_loads)])
+                if self.stage_loads
+                else None
+            ),
         }
         if self.terms.mtp_depth:
             record["mtp_loss"] = mtp_sum / self.terms.mtp_depth  # mean over depths

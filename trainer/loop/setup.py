@@ -22,9 +22,16 @@ from models.common.args import field_problems
 from models.common.moe import MoEOptions
 from models.spec import ModelSpec
 from parallelisms.attention_kernels import CUDA_ONLY
-from parallelisms.dims import LayoutError, ParallelDims
+from parallelisms.dims import LayoutError, ParallelDims, check_pipeline
 from parallelisms.mesh import Meshes
 from parallelisms.parallelize import Parallelized, check_layout, parallelize
+from parallelisms.pipeline import LocalStages
+from parallelisms.pipeline_build import (
+    cut_pipeline,
+    example_inputs,
+    last_stage_output,
+    stage_module,
+)
 from trainer.checkpoint.markers import check_checkpoint
 from trainer.config import ConfigError, JobConfig, validate
 from trainer.data.corpus import check_corpus, resolve_document_flags
@@ -114,6 +121,17 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
         if cfg.peft.method == "lora":  # a target the model lacks is refused here
             apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
         check_layout(model, spec.plan, dims)
+    if dims.pp > 1:
+        mtp_depth = spec.loss_terms(cfg.model.args).mtp_depth
+        attention = spec.flops_per_token(model, cfg.data.seq_len).by_kind["attention"]
+        cut_pipeline(model, spec.plan, cfg.parallel, attention, mtp_depth)  # refuses a bad cut
+        check_pipeline(
+            dims.pp,
+            cfg.parallel.pp_schedule,
+            cfg.parallel.pp_virtual_stages,
+            dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size),
+            cfg.train.global_batch_size,
+        )
     if resume_from is not None:
         check_resume(resume_from, cfg, spec)
     if stage is not None:
@@ -154,20 +172,49 @@ def build_model(
         model = spec.build(cfg.model.args, moe_options)
         if cfg.peft.method == "lora":  # before the plan: it shards adapters like their base
             apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
-    parallel = parallelize(
-        model,
-        spec.plan,
-        meshes,
-        torch.bfloat16 if bf16 else torch.float32,
-        cp_zigzag=cfg.parallel.cp_layout == "zigzag",
-        cp_kernel=cfg.parallel.cp_kernel,
-        activation_checkpoint=cfg.train.activation_checkpoint,
-        compile=cfg.train.compile,
-        fsdp_gather=cfg.parallel.fsdp_gather,
+    dtype = torch.bfloat16 if bf16 else torch.float32
+
+    def shard(module: nn.Module, stage: bool = False) -> Parallelized:
+        out = parallelize(
+            module,
+            spec.plan,
+            meshes,
+            dtype,
+            cp_zigzag=cfg.parallel.cp_layout == "zigzag",
+            cp_kernel=cfg.parallel.cp_kernel,
+            activation_checkpoint=cfg.train.activation_checkpoint,
+            compile=cfg.train.compile,
+            fsdp_gather=cfg.parallel.fsdp_gather,
+            stage=stage,
+        )
+        module.to_empty(device=device)
+        module.train()
+        return out
+
+    if meshes.pp is None:
+        return model, shard(model)
+    # Pipeline stages: cut the whole (meta) model, keep this rank's stages, shard each.
+    attention = spec.flops_per_token(model, cfg.data.seq_len).by_kind["attention"]
+    mtp_depth = spec.loss_terms(cfg.model.args).mtp_depth
+    cut = cut_pipeline(model, spec.plan, cfg.parallel, attention, mtp_depth)
+    local = cut.local(meshes.pp.get_local_rank())
+    parallel = Parallelized(
+        stage_indices=local,
+        num_stages=cut.num_stages,
+        embedding_on_last=cut.embedding_on_last,
+        whole=model,
     )
-    model.to_empty(device=device)
-    model.train()
-    return model, parallel
+    seq_part = cfg.data.seq_len // meshes.cp
+    ids, h, kwargs = example_inputs(model, cfg.train.micro_batch_size, seq_part, dtype)
+    for index in parallel.stage_indices:
+        stage = stage_module(model, spec.plan, cut, index)
+        output = h
+        if index == cut.num_stages - 1:  # before sharding: on the meta device
+            output = last_stage_output(stage, h, kwargs, dtype, mtp_depth)
+        parallel.stage_metas[index] = (ids if index == 0 else h, output)
+        parallel.extend(shard(stage, stage=True))
+        parallel.stages.append(stage)
+    return LocalStages(parallel.stages), parallel
 
 
 def resolve_device(choice: str) -> torch.device:

@@ -22,6 +22,7 @@ from parallelisms.context_parallel import use_cp_table
 from parallelisms.dims import ParallelDims
 from parallelisms.fsdp import gather_once_per_step
 from parallelisms.mesh import build_meshes
+from parallelisms.pipeline import Pipeline, SharedEmbedding
 from parallelisms.plan import match_modules
 from parallelisms.trace import named_range
 from trainer.config import JobConfig
@@ -78,8 +79,12 @@ class Trainer(RunStart):
         self.dispatchers = self.parallel.dispatchers
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg.train)
-        # Routers with a correction bias move it before every update (world = global batch).
-        self.bias_update = attach_bias_update(self.model, self.optimizer, cfg.moe.bias_update_rate)
+        # Routers with a correction bias move it before every update (their counts summed
+        # over the ranks that hold the global batch: this pipeline stage's).
+        batch_group = self.meshes.batch_group()
+        self.bias_update = attach_bias_update(
+            self.model, self.optimizer, cfg.moe.bias_update_rate, batch_group
+        )
         t = cfg.train
         self.guard = StepGuard(t.max_skipped_steps, t.skip_spike_sigma, t.skip_spike_window)
         self.terms = self.spec.loss_terms(self.args)
@@ -95,7 +100,67 @@ class Trainer(RunStart):
             cfg.train.global_batch_size,
             self.grad_accum,
             self.device,
+            batch_group,
+            moe_layers=self._moe_layers() if self.meshes.pp is not None else 0,
         )
+        self.pipeline, self.shared_embedding = None, None
+        if self.meshes.pp is not None:
+            self.pipeline = Pipeline(
+                self.parallel.stages,
+                self.parallel.stage_indices,
+                self.parallel.num_stages,
+                cfg.parallel.pp_schedule,
+                self.grad_accum,
+                self.meshes.pp.get_group(),
+                self.device,
+                self.parallel.stage_metas,
+                self._pipeline_loss,
+            )
+            self.pipeline.set_router_loss(self.step_loss.router_loss)
+            self.shared_embedding = self._shared_embedding()
+        # What the gradient norm counts: each parameter once (not a stage's copy).
+        copies = self.shared_embedding.copies if self.shared_embedding else set()
+        self.norm_params = [p for p in self.params if id(p) not in copies]
+
+    def _shared_embedding(self) -> SharedEmbedding | None:
+        """The embedding copies of the first and last stage, when the head reads it."""
+        if not self.parallel.embedding_on_last:
+            return None
+        whole, plan, pp, mine = self.parallel.whole, self.spec.plan, self.dims.pp, None
+        names = {
+            f"{fqn}.{name}"
+            for fqn, module in match_modules(whole, plan.embedding, "embedding")
+            for name, _ in module.named_parameters()
+        }
+        # NOTE: every rank creates every pair's group, in the same order (torch requires it);
+        # rank = pp index * stage ranks + place in the batch (pp is the outermost degree).
+        stage_ranks = self.dims.stage_ranks
+        for place in range(stage_ranks):
+            pair = [place, (pp - 1) * stage_ranks + place]
+            group = dist.new_group(pair)
+            if self.rank in pair:
+                mine = group
+        if mine is None:  # a middle stage holds neither copy
+            return None
+        return SharedEmbedding(self.parallel.stages, names, mine)
+
+    def _moe_layers(self) -> int:
+        """The whole model's MoE layers (one routed-experts module each)."""
+        plan = self.spec.plan
+        if plan.routed_experts is None:
+            return 0
+        return len(match_modules(self.parallel.whole, plan.routed_experts, "routed_experts"))
+
+    def _pipeline_loss(self, output, target: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch: output = logits [B, S, V] (with MTP a
+        tuple with each depth's); target = labels [B, S] (with MTP [B, S, 1 + D]: the
+        labels, then each depth's)."""
+        logits, *mtp_logits = output if isinstance(output, tuple) else (output,)
+        if self.terms.mtp_depth:
+            labels, mtp_labels = target[..., 0], target[..., 1:]
+        else:
+            labels, mtp_labels = target, None
+        return self.step_loss.output_loss(logits, mtp_logits or None, labels, mtp_labels)
 
     def _build_data(self) -> None:
         cfg, dp_rank, dp_size = self.cfg, self.meshes.dp_rank(), self.dims.dp_size
@@ -138,7 +203,8 @@ class Trainer(RunStart):
             self.logger.info(f"resumed from {resumed_from} at step {self.step}")
         for note in self.notes + self.logger.notes:
             self.logger.info(note)
-        self.flops_per_token = self.spec.flops_per_token(self.model, cfg.data.seq_len)
+        whole = self.parallel.whole or self.model  # a pipeline stage is not the whole model
+        self.flops_per_token = self.spec.flops_per_token(whole, cfg.data.seq_len)
         self.peak_flops = peak_flops(self.device)
         self.profiler = StepProfiler(
             cfg.profile.steps,
@@ -158,6 +224,9 @@ class Trainer(RunStart):
         the tokens routed to each expert ([L, E], this rank, summed over micro-batches).
         """
         self.step_loss.begin(micro_batches)  # global counts: one all-reduce
+        if self.pipeline is not None:
+            self._pipeline_step(micro_batches)
+            return self.step_loss.end()
         once = self.cfg.parallel.fsdp_gather == "step"
         for i, mb in enumerate(micro_batches):
             if once:
@@ -168,6 +237,24 @@ class Trainer(RunStart):
             out = self.model(mb.input_ids, mb.position_ids, **inputs)
             self.step_loss(out, mb).backward()
         return self.step_loss.end()
+
+    def _pipeline_step(self, micro_batches: list[Batch]) -> None:
+        """The step's micro-batches through the pipeline schedule, stacked on dim 0."""
+
+        def stacked(name: str) -> torch.Tensor | None:
+            parts = [getattr(mb, name) for mb in micro_batches]
+            return None if parts[0] is None else torch.cat(parts)
+
+        inputs = model_inputs(micro_batches[0], self.terms, self.cfg.data.document_mask)
+        kwargs = {key: stacked(key) for key in inputs}
+        target = stacked("labels")
+        if self.terms.mtp_depth:
+            target = torch.cat([target[..., None], stacked("mtp_labels")], dim=-1)
+        self.pipeline.step(
+            stacked("input_ids"), target, position_ids=stacked("position_ids"), **kwargs
+        )
+        if self.shared_embedding is not None:
+            self.shared_embedding.reduce_grads()
 
     def optimizer_step(self, loss: float) -> dict:
         """Clip and update, or skip a bad step (`trainer.loop.guard`); returns the pre-clip
@@ -183,7 +270,8 @@ class Trainer(RunStart):
         first = debug.inject_nonfinite_step
         if 0 < first <= self.step + 1 < first + debug.inject_nonfinite_count:
             poison_one_gradient(self.params)
-        norm = grad_norm(self.params)  # all-reduced: every rank holds the global norm
+        # All-reduced (over the pipeline stages too): every rank holds the global norm.
+        norm = grad_norm(self.norm_params, self.meshes.pp.get_group() if self.meshes.pp else None)
         # The schedule counts applied updates: a skipped step does not advance it.
         lr = set_lr(self.optimizer, self.step - self.guard.skipped_total, self.cfg.train)
         verdict = self.guard.judge(loss, norm.item())
@@ -211,7 +299,10 @@ class Trainer(RunStart):
         # The first step of a run too: its forward routes with the weights the run began
         # from (the init's routing, "step 0", on a fresh run).
         first, self._first_step_of_run = self._first_step_of_run, False
-        if load is not None and interval and (first or self.step % interval == 0):
+        due = interval and (first or self.step % interval == 0)
+        if due and self.pipeline is not None:  # every stage's layers, in model order
+            load = self._whole_model_load()
+        if load is not None and due:
             record.update(balance_figures(load))
         if self.dispatchers:
             traffic = [d.reset_traffic() for d in self.dispatchers]
@@ -221,6 +312,14 @@ class Trainer(RunStart):
                     t.internode + t.internode_routing for t in traffic
                 )
         return record
+
+    def _whole_model_load(self) -> torch.Tensor | None:
+        """The step's expert load of every pipeline stage ([L, E], this rank's data)."""
+        mine = {k: v.cpu() for k, v in self.step_loss.stage_loads.items()}
+        every: list[dict | None] = [None] * self.dims.pp
+        dist.all_gather_object(every, mine, group=self.meshes.pp.get_group())
+        loads = {k: v for part in every for k, v in part.items()}
+        return torch.cat([loads[k] for k in sorted(loads)]) if loads else None
 
     def next_micro_batches(self) -> list[Batch]:
         """This rank's micro-batches of the next global batch, on the training device."""

@@ -1,0 +1,132 @@
+"""From a meta model to this rank's pipeline stages: the cut, its checks, the stage modules
+and their example shapes (`parallelisms.pipeline`)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from models.common.plan import ParallelPlan
+from models.common.staged import default_positions
+from parallelisms.dims import V_SCHEDULES, LayoutError, stage_rank, stages_per_rank
+from parallelisms.pipeline import StageModule
+from parallelisms.pipeline_split import (
+    balanced_split,
+    check_split,
+    prune_to_stage,
+    stage_block_names,
+    stage_costs,
+    trunk_blocks,
+)
+
+
+@dataclass(frozen=True)
+class PipelineCut:
+    """Which blocks each stage runs, and which stages this rank holds."""
+
+    blocks: list[list[str]]  # per stage: its trunk blocks' FQNs
+    schedule: str
+    pp: int
+    # The head reads the embedding (a tied output head, MTP depths that embed tokens): the
+    # last stage holds a copy of it, its gradient summed with the first stage's
+    # (`parallelisms.pipeline.SharedEmbedding`).
+    embedding_on_last: bool = False
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.blocks)
+
+    def local(self, pp_rank: int) -> list[int]:
+        """The stages `pp_rank` holds, in stage order."""
+        return [
+            s for s in range(self.num_stages) if stage_rank(s, self.pp, self.schedule) == pp_rank
+        ]
+
+
+def cut_pipeline(
+    model: nn.Module, plan: ParallelPlan, parallel, attention_flops: float, mtp_depth: int
+) -> PipelineCut:
+    """The cut of `model` (meta, whole) for a config's [parallel] section: its
+    `pp_layers`, or the split that balances the stages' FLOPs; and whether its head needs
+    the embedding on the last stage (tried on the meta device)."""
+    stages = parallel.pp * stages_per_rank(parallel.pp_schedule, parallel.pp_virtual_stages)
+    blocks = len(trunk_blocks(model, plan))
+    if parallel.pp_layers:
+        counts = list(parallel.pp_layers)
+        check_split(counts, blocks, stages)
+    else:
+        counts = balanced_split(stage_costs(model, plan, attention_flops), stages)
+    cut = PipelineCut(stage_block_names(model, plan, counts), parallel.pp_schedule, parallel.pp)
+    # NOTE: MTP depths take token ids (models/spec.py), so they embed them: by contract.
+    _, h, kwargs = example_inputs(model, 1, 2, torch.float32)
+    if not mtp_depth and _head_runs(stage_module(model, plan, cut, cut.num_stages - 1), h, kwargs):
+        return cut
+    cut = replace(cut, embedding_on_last=True)
+    if not _head_runs(stage_module(model, plan, cut, cut.num_stages - 1), h, kwargs):
+        last_stage_output(stage_module(model, plan, cut, cut.num_stages - 1), h, kwargs)
+    if parallel.pp_schedule in V_SCHEDULES:
+        raise LayoutError(
+            f"parallel.pp_schedule={parallel.pp_schedule} puts the first and the last stage on "
+            "one rank, and this model's head reads the embedding (a tied output head, or MTP "
+            "depths that embed tokens), which needs a copy on each; not supported yet: use "
+            "pp_schedule=1F1B or Interleaved1F1B"
+        )
+    return cut
+
+
+def _head_runs(stage: StageModule, h: torch.Tensor, kwargs: dict) -> bool:
+    try:
+        with torch.device("meta"), torch.no_grad():
+            stage.head_only(h, **kwargs)
+    except (AttributeError, TypeError):
+        return False
+    return True
+
+
+def stage_module(model: nn.Module, plan: ParallelPlan, cut: PipelineCut, index: int) -> StageModule:
+    """Stage `index` of `model` (meta): a pruned copy, wrapped."""
+    part = copy.deepcopy(model)
+    first, last = index == 0, index == cut.num_stages - 1
+    prune_to_stage(part, plan, cut.blocks[index], first, last, cut.embedding_on_last)
+    return StageModule(part, cut.blocks[index], index, first, last)
+
+
+def example_inputs(
+    model: nn.Module, micro_batch: int, seq_len: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Meta (input_ids, hidden states, keyword inputs) of one micro-batch on a rank:
+    `seq_len` is this rank's part of a sequence, `dtype` the model's compute dtype. The
+    keyword inputs are those the head's shapes need: the MTP inputs are left out (the
+    MTP logits have the logits' shape, models/spec.py)."""
+    with torch.device("meta"):
+        ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+        h = model.embed(ids).to(dtype)
+        kwargs = {"position_ids": default_positions(ids)}
+    return ids, h, kwargs
+
+
+def last_stage_output(
+    stage: StageModule,
+    h: torch.Tensor,
+    kwargs: dict,
+    dtype: torch.dtype = torch.float32,
+    mtp_depth: int = 0,
+):
+    """The last stage's output on the meta device (its head run on `h`: the blocks keep
+    the shape of the hidden states; each MTP depth's logits that of the logits); a head
+    that reads
+    a module of another stage is refused here, before any rank builds."""
+    try:
+        with torch.device("meta"), torch.no_grad():
+            out = stage.head_only(h, **kwargs)
+    except (AttributeError, TypeError) as err:
+        raise LayoutError(
+            "parallel.pp: this model's head reads a module that is on no pipeline stage's "
+            f"list ({err}); its plan's `head` must name every module the head uses, or use "
+            "parallel.pp=1"
+        ) from None
+    logits = out[0].to(dtype)
+    return (logits,) * (1 + mtp_depth) if mtp_depth else logits
