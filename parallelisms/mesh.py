@@ -56,7 +56,7 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     # NOTE: DeviceMesh._flatten is private but is how one mesh dim spans two (torchtitan
     # does the same); it keeps every view a slice of the one world mesh.
     fsdp = world["dp_shard", "cp"]._flatten("fsdp")
-    dense = world["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else fsdp
+    dense = full["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else fsdp
     meshes = Meshes(world=world, dense=dense, ranks_per_node=dims.ranks_per_node)
     if dims.pp > 1:
         meshes.pp = full["pp"]

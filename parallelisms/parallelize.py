@@ -31,6 +31,7 @@ class Parallelized:
     stage_indices: list[int] = field(default_factory=list)
     num_stages: int = 1
     embedding_on_last: bool = False  # the last stage holds a copy of the embedding
+    stage_blocks: list[list[str]] = field(default_factory=list)  # each stage's blocks
     whole: nn.Module | None = None
     # stage index -> (example input, example output) on the meta device
     stage_metas: dict[int, tuple] = field(default_factory=dict)

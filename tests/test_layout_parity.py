@@ -34,6 +34,7 @@ class Layout(NamedTuple):
 
 EP2, CP2 = "--parallel.ep=2", "--parallel.cp=2"
 PP2, L4, TIED = "--parallel.pp=2", "--model.num_hidden_layers=4", "--model.tie_word_embeddings=true"
+AC = "--train.activation_checkpoint=selective"
 HSDP = ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"]
 GLOBAL_AUX = "--moe.aux_loss_mode=global_batch"
 # The aux loss is per layer by default; pooled is Hugging Face's. z-loss weighted enough that
@@ -70,14 +71,17 @@ LAYOUTS = {
     ),
     # Pipeline stages (4 blocks where a rank holds two stages). ZBV: the backward split in
     # input and weight parts, with FSDP and EP inside each stage.
-    "pp2_zbv_dp2_ep2": Layout(TINY, 4, [PP2, "--parallel.pp_schedule=ZBVZeroBubble", EP2, L4], 2),
+    # ... with the global-batch aux loss (counts over the stage's ranks) and the z-loss.
+    "pp2_zbv_dp2_ep2_global_aux_z": Layout(
+        TINY, 4, [PP2, "--parallel.pp_schedule=ZBVZeroBubble", EP2, L4, GLOBAL_AUX, Z_LOSS], 2
+    ),
     # Looped stages over a ring; a tied head: the last stage's copy of the embedding.
-    "pp2_interleaved_cp2_tied": Layout(
-        TINY, 4, [PP2, "--parallel.pp_schedule=Interleaved1F1B", CP2, TIED, L4], 1
+    "pp2_interleaved_cp2_tied_selective_ac": Layout(
+        TINY, 4, [PP2, "--parallel.pp_schedule=Interleaved1F1B", CP2, TIED, L4, AC], 1
     ),
     "pp2_dualpipev": Layout(TINY, 2, [PP2, "--parallel.pp_schedule=DualPipeV", L4], 1),
-    # 1F1B: MLA, the bias update, MTP on the last stage (its embedding copy), EP.
-    "dsv3_pp2_ep2": Layout(TINY_DSV3, 4, [PP2, EP2], 2),
+    # DeepSeek-V3 (MLA, the bias update, MTP and its embedding copy on the last stage) in
+    # 1F1B stages with CP and EP: tests/test_document_mask.py, with document masks.
 }
 
 

@@ -156,10 +156,14 @@ def test_schedules_place_stages_and_need_micro_batches():
             "moe.aux_loss_layers=pooled does not",
         ),
         (["--parallel.pp=2", "--parallel.fsdp_gather=step"], "already does"),
-        (["--parallel.pp=2", "--eval.fraction=0.1"], "held-out evaluation"),
         (
             ["--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble", "--train.compile=true"],
             "torch.compile does not support",
+        ),
+        (
+            ["--parallel.pp=2", "--parallel.pp_schedule=DualPipeV"]
+            + ["--train.activation_checkpoint=full"],
+            "cannot replay its forward for both",
         ),
     ],
 )

@@ -216,12 +216,11 @@ def _pipeline_problems(cfg: JobConfig) -> list[str]:
                 f"{key}={why} does not run under parallel.pp={p.pp} yet (it needs every "
                 "micro-batch or every layer in one place); use the default, or parallel.pp=1"
             )
-    e = cfg.eval
-    if e.path or e.mix or e.fraction:
+    if t.activation_checkpoint != "none" and p.pp_schedule in V_SCHEDULES:
         problems.append(
-            f"held-out evaluation ([eval]) does not run under parallel.pp={p.pp} yet; evaluate "
-            "the checkpoints with `python -m trainer.evaluate` (any layout reads them), or "
-            "remove eval.path / [[eval.mix]] / eval.fraction"
+            f"parallel.pp_schedule={p.pp_schedule} splits the backward in input and weight "
+            "parts, and a checkpointed block cannot replay its forward for both; use "
+            "train.activation_checkpoint=none, or pp_schedule=1F1B / Interleaved1F1B"
         )
     if t.compile and p.pp_schedule in V_SCHEDULES:
         problems.append(

@@ -49,15 +49,20 @@ class Evaluator:
         prepare: Callable[[Batch], Batch],
         terms: LossTerms,
         document_mask: bool,
+        enough: Callable[[int], bool] | None = None,
     ) -> None:
         """`prepare`: a micro-batch as the model takes it on this rank (device, MTP inputs,
-        this rank's part of each sequence under CP): the same path as training's."""
+        this rank's part of each sequence under CP): the same path as training's.
+        `enough(n)`: whether n micro-batches per source can run (a pipeline schedule's
+        need); fewer are padded with micro-batches that count no token."""
         self.names = [h.name for h in held_out]
         self.prepare, self.terms, self.document_mask = prepare, terms, document_mask
         self.batches: list[list[Batch]] = []  # per source: this rank's micro-batches (CPU)
         for h in held_out:
             per_rank = -(-h.samples // dp_size)
             rounds = -(-per_rank // micro_batch_size)
+            while enough is not None and not enough(rounds):
+                rounds += 1
             mine = [h.dataset[i] for i in _share(h.samples, dp_rank, dp_size)]
             pad = _no_tokens(h.dataset[0])
             mine += [pad] * (rounds * micro_batch_size - len(mine))
@@ -69,10 +74,18 @@ class Evaluator:
             )
 
     @torch.no_grad()
-    def __call__(self, model: nn.Module) -> dict[str, float]:
+    def __call__(
+        self, model: nn.Module, pipeline: Callable[[list[Batch]], torch.Tensor] | None = None
+    ) -> dict[str, float]:
+        """`pipeline`: under pipeline stages, what runs a source's micro-batches through them
+        and returns this rank's [cross-entropy sum, tokens] (float64; zeros but on the last
+        stage's ranks)."""
         sums = []  # per source: [cross-entropy sum, tokens], float64
         rings = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
         for batches in self.batches:
+            if pipeline is not None:
+                sums.append(pipeline([self.prepare(mb) for mb in batches]))
+                continue
             total = torch.zeros(2, dtype=torch.float64)
             for mb in batches:
                 mb = self.prepare(mb)
@@ -83,13 +96,7 @@ class Evaluator:
                     mb.position_ids,
                     **model_inputs(mb, self.terms, self.document_mask),
                 )
-                ce = F.cross_entropy(
-                    out.logits.flatten(0, 1).float(),
-                    mb.labels.flatten(),
-                    ignore_index=IGNORE_INDEX,
-                    reduction="none",
-                )
-                total[0] += ce.double().sum().cpu()
+                total[0] += token_loss_sum64(out.logits, mb.labels).cpu()
                 total[1] += (mb.labels != IGNORE_INDEX).sum().cpu()
             sums.append(total)
         device = next(model.parameters()).device
@@ -103,6 +110,14 @@ class Evaluator:
             for name, (ce, tokens) in zip(self.names, sums.tolist(), strict=True):
                 record[f"eval_loss/{name}"] = ce / tokens
         return record
+
+
+def token_loss_sum64(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of the per-token cross-entropies (fp32) of logits [B, S, V]."""
+    ce = F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    return ce.double().sum()
 
 
 def _no_tokens(sample: Batch) -> Batch:

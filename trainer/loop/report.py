@@ -21,19 +21,26 @@ def startup_lines(
     data: RunData,
     grad_accum: int,
     device: torch.device,
+    stage_blocks: list[list[str]] | None = None,
+    embedding_on_last: bool = False,
 ) -> list[str]:
-    """The model and layout, the data (each source of a blend: weight, size, share, epochs)
-    and the held-out data."""
+    """The model (`model`: the whole of it, also under pipeline stages) and layout, the
+    stages' cut, the data (each source of a blend: weight, size, share, epochs) and the
+    held-out data."""
     n_params = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = f" ({trained / 1e6:.3f}M trained: LoRA)" if trained < n_params else ""
+    pp = f"pp {dims.pp}, " if dims.pp > 1 else ""
     lines = [
         f"{cfg.model.name}: {n_params / 1e6:.2f}M params{frozen} | world {dims.world_size} "
-        f"(dp_replicate {dims.dp_replicate}, dp_shard {dims.dp_shard}, cp {dims.cp}, ep "
+        f"({pp}dp_replicate {dims.dp_replicate}, dp_shard {dims.dp_shard}, cp {dims.cp}, ep "
         f"{dims.ep}) | global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens, "
         f"micro {cfg.train.micro_batch_size}, grad accum {grad_accum} | {device}",
         dataset.summary.describe(cfg.data.seq_len, len(dataset)),
     ]
+    if stage_blocks:
+        copy = " (+ a copy of the embedding for its head)" if embedding_on_last else ""
+        lines.insert(1, pipeline_line(cfg.parallel.pp_schedule, stage_blocks) + copy)
     run_samples = cfg.train.steps * cfg.train.global_batch_size
     lines += [source.describe(run_samples, cfg.data.seq_len) for source in data.sources]
     when = f"every {cfg.eval.interval} steps and " if cfg.eval.interval else ""
@@ -97,3 +104,19 @@ def balance_figures(load: torch.Tensor) -> dict:
         "expert_load_max_over_mean": (load.max(1).values / mean[:, 0]).tolist(),
         "expert_load_starved": (load < STARVED_SHARE * mean).sum(1).tolist(),
     }
+
+
+def pipeline_line(schedule: str, stage_blocks: list[list[str]]) -> str:
+    """e.g. "pipeline: 1F1B, 2 stages: layers.0-1 | layers.2-3 (+ head)"."""
+
+    def span(names: list[str]) -> str:
+        first, last = names[0], names[-1]
+        prefix = first.rpartition(".")[0]
+        if first == last:
+            return first
+        if last.rpartition(".")[0] == prefix:
+            return f"{first}-{last.rpartition('.')[2]}"
+        return f"{first}..{last}"
+
+    parts = " | ".join(span(b) for b in stage_blocks)
+    return f"pipeline: {schedule}, {len(stage_blocks)} stages: embedding + {parts} + head"

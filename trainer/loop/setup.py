@@ -202,6 +202,7 @@ def build_model(
         stage_indices=local,
         num_stages=cut.num_stages,
         embedding_on_last=cut.embedding_on_last,
+        stage_blocks=cut.blocks,
         whole=model,
     )
     seq_part = cfg.data.seq_len // meshes.cp

@@ -5,7 +5,8 @@ backward (`trainer.loop.losses.StepLoss` composes the loss: docs/architecture.md
 "Loss and gradient scale") -> clip -> update.
 The set-up before the first step (checks, device, process group) is `trainer.loop.setup`.
 Where the weights come from (init, a resume, a new stage) and what a checkpoint holds of the
-run: `trainer.loop.run_start`.
+run: `trainer.loop.run_start`. Under pipeline stages a schedule runs the micro-batches
+instead: `trainer.loop.pipelined`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from parallelisms.context_parallel import use_cp_table
 from parallelisms.dims import ParallelDims
 from parallelisms.fsdp import gather_once_per_step
 from parallelisms.mesh import build_meshes
-from parallelisms.pipeline import Pipeline, SharedEmbedding
 from parallelisms.plan import match_modules
 from parallelisms.trace import named_range
 from trainer.config import JobConfig
@@ -36,6 +36,7 @@ from trainer.loop.evaluation import Evaluator, batch_preparer
 from trainer.loop.guard import StepGuard, poison_one_gradient
 from trainer.loop.losses import BalanceTerms, StepLoss, model_inputs
 from trainer.loop.optim import build_optimizer, set_lr
+from trainer.loop.pipelined import PipelinedSteps
 from trainer.loop.profiling import StepProfiler
 from trainer.loop.report import balance_figures, source_tokens, startup_lines, step_figures
 from trainer.loop.run_start import RunStart
@@ -44,7 +45,7 @@ from trainer.metrics.logger import MetricsLogger, peak_flops
 from trainer.metrics.sinks import build_sinks
 
 
-class Trainer(RunStart):
+class Trainer(RunStart, PipelinedSteps):
     def __init__(self, cfg: JobConfig, dims: ParallelDims) -> None:
         self.cfg, self.dims = cfg, dims
         self.spec = get_model_spec(cfg.model.name)
@@ -103,64 +104,7 @@ class Trainer(RunStart):
             batch_group,
             moe_layers=self._moe_layers() if self.meshes.pp is not None else 0,
         )
-        self.pipeline, self.shared_embedding = None, None
-        if self.meshes.pp is not None:
-            self.pipeline = Pipeline(
-                self.parallel.stages,
-                self.parallel.stage_indices,
-                self.parallel.num_stages,
-                cfg.parallel.pp_schedule,
-                self.grad_accum,
-                self.meshes.pp.get_group(),
-                self.device,
-                self.parallel.stage_metas,
-                self._pipeline_loss,
-            )
-            self.pipeline.set_router_loss(self.step_loss.router_loss)
-            self.shared_embedding = self._shared_embedding()
-        # What the gradient norm counts: each parameter once (not a stage's copy).
-        copies = self.shared_embedding.copies if self.shared_embedding else set()
-        self.norm_params = [p for p in self.params if id(p) not in copies]
-
-    def _shared_embedding(self) -> SharedEmbedding | None:
-        """The embedding copies of the first and last stage, when the head reads it."""
-        if not self.parallel.embedding_on_last:
-            return None
-        whole, plan, pp, mine = self.parallel.whole, self.spec.plan, self.dims.pp, None
-        names = {
-            f"{fqn}.{name}"
-            for fqn, module in match_modules(whole, plan.embedding, "embedding")
-            for name, _ in module.named_parameters()
-        }
-        # NOTE: every rank creates every pair's group, in the same order (torch requires it);
-        # rank = pp index * stage ranks + place in the batch (pp is the outermost degree).
-        stage_ranks = self.dims.stage_ranks
-        for place in range(stage_ranks):
-            pair = [place, (pp - 1) * stage_ranks + place]
-            group = dist.new_group(pair)
-            if self.rank in pair:
-                mine = group
-        if mine is None:  # a middle stage holds neither copy
-            return None
-        return SharedEmbedding(self.parallel.stages, names, mine)
-
-    def _moe_layers(self) -> int:
-        """The whole model's MoE layers (one routed-experts module each)."""
-        plan = self.spec.plan
-        if plan.routed_experts is None:
-            return 0
-        return len(match_modules(self.parallel.whole, plan.routed_experts, "routed_experts"))
-
-    def _pipeline_loss(self, output, target: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss of one micro-batch: output = logits [B, S, V] (with MTP a
-        tuple with each depth's); target = labels [B, S] (with MTP [B, S, 1 + D]: the
-        labels, then each depth's)."""
-        logits, *mtp_logits = output if isinstance(output, tuple) else (output,)
-        if self.terms.mtp_depth:
-            labels, mtp_labels = target[..., 0], target[..., 1:]
-        else:
-            labels, mtp_labels = target, None
-        return self.step_loss.output_loss(logits, mtp_logits or None, labels, mtp_labels)
+        self._build_pipeline()  # trainer.loop.pipelined (pp > 1)
 
     def _build_data(self) -> None:
         cfg, dp_rank, dp_size = self.cfg, self.meshes.dp_rank(), self.dims.dp_size
@@ -186,6 +130,7 @@ class Trainer(RunStart):
                 self.prepare_batch,
                 self.terms,
                 cfg.data.document_mask,
+                enough=self._pipeline_can_run if self.pipeline is not None else None,
             )
 
     def _build_metrics(self, resumed_from: str | None) -> None:
@@ -237,24 +182,6 @@ class Trainer(RunStart):
             out = self.model(mb.input_ids, mb.position_ids, **inputs)
             self.step_loss(out, mb).backward()
         return self.step_loss.end()
-
-    def _pipeline_step(self, micro_batches: list[Batch]) -> None:
-        """The step's micro-batches through the pipeline schedule, stacked on dim 0."""
-
-        def stacked(name: str) -> torch.Tensor | None:
-            parts = [getattr(mb, name) for mb in micro_batches]
-            return None if parts[0] is None else torch.cat(parts)
-
-        inputs = model_inputs(micro_batches[0], self.terms, self.cfg.data.document_mask)
-        kwargs = {key: stacked(key) for key in inputs}
-        target = stacked("labels")
-        if self.terms.mtp_depth:
-            target = torch.cat([target[..., None], stacked("mtp_labels")], dim=-1)
-        self.pipeline.step(
-            stacked("input_ids"), target, position_ids=stacked("position_ids"), **kwargs
-        )
-        if self.shared_embedding is not None:
-            self.shared_embedding.reduce_grads()
 
     def optimizer_step(self, loss: float) -> dict:
         """Clip and update, or skip a bad step (`trainer.loop.guard`); returns the pre-clip
@@ -313,14 +240,6 @@ class Trainer(RunStart):
                 )
         return record
 
-    def _whole_model_load(self) -> torch.Tensor | None:
-        """The step's expert load of every pipeline stage ([L, E], this rank's data)."""
-        mine = {k: v.cpu() for k, v in self.step_loss.stage_loads.items()}
-        every: list[dict | None] = [None] * self.dims.pp
-        dist.all_gather_object(every, mine, group=self.meshes.pp.get_group())
-        loads = {k: v for part in every for k, v in part.items()}
-        return torch.cat([loads[k] for k in sorted(loads)]) if loads else None
-
     def next_micro_batches(self) -> list[Batch]:
         """This rank's micro-batches of the next global batch, on the training device."""
         if self._data_iter is None:
@@ -338,7 +257,8 @@ class Trainer(RunStart):
     def evaluate(self) -> dict[str, float]:
         """The held-out loss of the current weights (trainer.loop.evaluation); the training
         state is untouched, and the EP bytes it moved are not the step's."""
-        record = self.evaluator(self.model)
+        pipeline = self._pipeline_eval if self.pipeline is not None else None
+        record = self.evaluator(self.model, pipeline)
         for dispatcher in self.dispatchers:
             dispatcher.reset_traffic()
         return record
@@ -370,9 +290,11 @@ class Trainer(RunStart):
 
     def _fit(self) -> list[dict]:
         cfg = self.cfg
+        parallel = self.parallel
         for line in startup_lines(
-            cfg, self.dims, self.model, self.loader.dataset, self.data, self.grad_accum, self.device
-        ):
+            cfg, self.dims, parallel.whole or self.model, self.loader.dataset, self.data,
+            self.grad_accum, self.device, parallel.stage_blocks, parallel.embedding_on_last,
+        ):  # fmt: skip
             self.logger.info(line)
         if self.step >= cfg.train.steps:
             self.logger.info(

@@ -1,0 +1,143 @@
+"""What the trainer does differently under pipeline stages (`parallel.pp` > 1): the
+schedule that runs a step's micro-batches through this rank's stages, the last stage's
+loss, the embedding copy a head may need, the held-out loss forward only, and the
+whole model's expert load. A mixin of `trainer.loop.trainer.Trainer`
+(parallelisms/pipeline.py has the stages themselves)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallelisms.dims import pipeline_micro_batches_needed
+from parallelisms.pipeline import Pipeline, SharedEmbedding
+from parallelisms.plan import match_modules
+from trainer.data.batch import IGNORE_INDEX, Batch
+from trainer.loop.evaluation import token_loss_sum64
+from trainer.loop.losses import model_inputs
+
+
+class PipelinedSteps:
+    """Needs the Trainer's cfg, dims, meshes, spec, parallel, params, terms, step_loss,
+    grad_accum, device and rank."""
+
+    def _build_pipeline(self) -> None:
+        """The schedule over this rank's stages (none without pipeline stages), and which
+        parameters the gradient norm counts: each once, not a stage's copy."""
+        cfg = self.cfg
+        self.pipeline, self.shared_embedding = None, None
+        if self.meshes.pp is not None:
+            self.pipeline = Pipeline(
+                self.parallel.stages,
+                self.parallel.stage_indices,
+                self.parallel.num_stages,
+                cfg.parallel.pp_schedule,
+                self.grad_accum,
+                self.meshes.pp.get_group(),
+                self.device,
+                self.parallel.stage_metas,
+                self._pipeline_loss,
+            )
+            self.pipeline.set_router_loss(self.step_loss.router_loss)
+            self.shared_embedding = self._shared_embedding()
+        # What the gradient norm counts: each parameter once (not a stage's copy).
+        copies = self.shared_embedding.copies if self.shared_embedding else set()
+        self.norm_params = [p for p in self.params if id(p) not in copies]
+
+    def _shared_embedding(self) -> SharedEmbedding | None:
+        """The embedding copies of the first and last stage, when the head reads it."""
+        if not self.parallel.embedding_on_last:
+            return None
+        whole, plan, pp, mine = self.parallel.whole, self.spec.plan, self.dims.pp, None
+        names = {
+            f"{fqn}.{name}"
+            for fqn, module in match_modules(whole, plan.embedding, "embedding")
+            for name, _ in module.named_parameters()
+        }
+        # NOTE: every rank creates every pair's group, in the same order (torch requires it);
+        # rank = pp index * stage ranks + place in the batch (pp is the outermost degree).
+        stage_ranks = self.dims.stage_ranks
+        for place in range(stage_ranks):
+            pair = [place, (pp - 1) * stage_ranks + place]
+            group = dist.new_group(pair)
+            if self.rank in pair:
+                mine = group
+        if mine is None:  # a middle stage holds neither copy
+            return None
+        return SharedEmbedding(self.parallel.stages, names, mine)
+
+    def _moe_layers(self) -> int:
+        """The whole model's MoE layers (one routed-experts module each)."""
+        plan = self.spec.plan
+        if plan.routed_experts is None:
+            return 0
+        return len(match_modules(self.parallel.whole, plan.routed_experts, "routed_experts"))
+
+    def _pipeline_loss(self, output, target: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch: output = logits [B, S, V] (with MTP a
+        tuple with each depth's); target = labels [B, S] (with MTP [B, S, 1 + D]: the
+        labels, then each depth's)."""
+        logits, *mtp_logits = output if isinstance(output, tuple) else (output,)
+        if self.terms.mtp_depth:
+            labels, mtp_labels = target[..., 0], target[..., 1:]
+        else:
+            labels, mtp_labels = target, None
+        return self.step_loss.output_loss(logits, mtp_logits or None, labels, mtp_labels)
+
+    def _pipeline_step(self, micro_batches: list[Batch]) -> None:
+        """The step's micro-batches through the pipeline schedule, stacked on dim 0."""
+
+        def stacked(name: str) -> torch.Tensor | None:
+            parts = [getattr(mb, name) for mb in micro_batches]
+            return None if parts[0] is None else torch.cat(parts)
+
+        inputs = model_inputs(micro_batches[0], self.terms, self.cfg.data.document_mask)
+        kwargs = {key: stacked(key) for key in inputs}
+        target = stacked("labels")
+        if self.terms.mtp_depth:
+            target = torch.cat([target[..., None], stacked("mtp_labels")], dim=-1)
+        self.pipeline.step(
+            stacked("input_ids"), target, position_ids=stacked("position_ids"), **kwargs
+        )
+        if self.shared_embedding is not None:
+            self.shared_embedding.reduce_grads()
+
+    def _pipeline_can_run(self, micro_batches: int) -> bool:
+        need = pipeline_micro_batches_needed(
+            self.cfg.parallel.pp_schedule, self.dims.pp, micro_batches
+        )
+        return need is None
+
+    def _pipeline_eval(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """[cross-entropy sum, tokens] (float64) of held-out micro-batches, forward only
+        through the stages; counted on the last stage's ranks alone."""
+        inputs = model_inputs(micro_batches[0], self.terms, self.cfg.data.document_mask)
+        kwargs = {k: torch.cat([getattr(mb, k) for mb in micro_batches]) for k in inputs}
+        labels = torch.cat([mb.labels for mb in micro_batches])
+        losses = self.pipeline.evaluate(
+            torch.cat([mb.input_ids for mb in micro_batches]),
+            labels,
+            len(micro_batches),
+            _eval_loss,
+            position_ids=torch.cat([mb.position_ids for mb in micro_batches]),
+            **kwargs,
+        )
+        total = torch.zeros(2, dtype=torch.float64)
+        if self.pipeline.has_last:
+            total[0] = sum(loss.cpu() for loss in losses)
+            total[1] = (labels != IGNORE_INDEX).sum().cpu()
+        return total
+
+    def _whole_model_load(self) -> torch.Tensor | None:
+        """The step's expert load of every pipeline stage ([L, E], this rank's data)."""
+        mine = {k: v.cpu() for k, v in self.step_loss.stage_loads.items()}
+        every: list[dict | None] = [None] * self.dims.pp
+        dist.all_gather_object(every, mine, group=self.meshes.pp.get_group())
+        loads = {k: v for part in every for k, v in part.items()}
+        return torch.cat([loads[k] for k in sorted(loads)]) if loads else None
+
+
+def _eval_loss(output, labels: torch.Tensor) -> torch.Tensor:
+    """The last stage's held-out loss of one micro-batch: its float64 cross-entropy sum."""
+    logits = output[0] if isinstance(output, tuple) else output
+    return token_loss_sum64(logits, labels)
