@@ -184,31 +184,33 @@ def test_layout_refusal_through_train_py(monkeypatch, capsys):
     assert "parallel.ep=3 must divide" in capsys.readouterr().err
 
 
-def _hf_load_worker(rank: int, world: int, hf_dir: str, out_path: str) -> None:
+def _hf_load_worker(rank: int, world: int, hf_dir: str, out_path: str, layout: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from trainer.hf.weights import load_hf_weights
     from trainer.loop.trainer import Trainer
 
-    argv = [
-        "--config=configs/debug_qwen3_moe.toml",
-        "--parallel.ep=2",
-        f"--model.init_from_hf={hf_dir}",
-    ]
-    trainer = Trainer(load_config(argv), ParallelDims.resolve(1, -1, 1, 2, world))
+    argv = ["--config=configs/debug_qwen3_moe.toml", layout, f"--model.init_from_hf={hf_dir}"]
+    cfg = load_config(argv)
+    trainer = Trainer(cfg, ParallelDims.of(cfg.parallel, world))
     spec = get_model_spec("qwen3_moe")
-    reader = load_hf_weights(trainer.model, spec.hf_adapter, trainer.args, hf_dir)  # again, counted
+    # again, counted (under pipeline stages, this rank's stage of the whole model)
+    whole = trainer.parallel.whole
+    reader = load_hf_weights(trainer.model, spec.hf_adapter, trainer.args, hf_dir, whole)
     full = {
         n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
         for n, p in trainer.model.named_parameters()
     }
-    gathered = [None] * world
+    gathered, params = [None] * world, [None] * world
     dist.all_gather_object(gathered, reader.bytes_read)
+    dist.all_gather_object(params, full)  # the stages' parts
     if rank == 0:
-        torch.save({"params": full, "bytes_read": gathered}, out_path)
+        params = {n: t for part in params for n, t in part.items()}
+        torch.save({"params": params, "bytes_read": gathered}, out_path)
 
 
-def test_init_from_hf_reads_only_the_local_part_on_each_rank(tmp_path):
+@pytest.mark.parametrize("layout", ["--parallel.ep=2", "--parallel.pp=2"], ids=["ep2", "pp2"])
+def test_init_from_hf_reads_only_the_local_part_on_each_rank(layout, tmp_path):
     from trainer.hf.weights import save_hf_checkpoint
 
     args = load_config(["--config=configs/debug_qwen3_moe.toml"]).model.args
@@ -218,10 +220,11 @@ def test_init_from_hf_reads_only_the_local_part_on_each_rank(tmp_path):
     save_hf_checkpoint(reference, spec.hf_adapter, args, str(tmp_path / "hf"))
     total = sum(p.numel() * 4 for p in reference.parameters())
 
-    run_distributed(_hf_load_worker, 2, str(tmp_path / "hf"), str(tmp_path / "out.pt"))
+    run_distributed(_hf_load_worker, 2, str(tmp_path / "hf"), str(tmp_path / "out.pt"), layout)
     out = torch.load(tmp_path / "out.pt")
     for name, param in reference.named_parameters():
         assert torch.equal(out["params"][name], param.detach()), name
-    # EP 2 splits the experts, FSDP 2 the rest: every byte is read once, by its owner.
+    # EP 2 splits the experts, FSDP 2 the rest (or each pipeline stage holds its blocks):
+    # every byte is read once, by its owner.
     assert sum(out["bytes_read"]) == total
     assert all(b < 0.6 * total for b in out["bytes_read"])

@@ -84,17 +84,18 @@ class SafetensorsDir:
 
 @torch.no_grad()
 def load_hf_weights(
-    model: nn.Module, adapter: HFAdapter, args: Any, model_dir: str
+    model: nn.Module, adapter: HFAdapter, args: Any, model_dir: str, whole: nn.Module | None = None
 ) -> SafetensorsDir:
     """Fill every parameter and buffer of `model` (sharded or not) from an HF checkpoint
-    directory.
+    directory. `whole`: the whole model (e.g. on the meta device) when `model` is a part of
+    it (this rank's pipeline stages): the file is judged against the whole.
 
     Each rank reads only the part of each tensor that it holds. Returns the reader (its
     `bytes_read` says how much this rank read).
     """
     reader = SafetensorsDir(model_dir)
     needed: dict[str, tuple] = {}
-    for name, param in named_weights(model):
+    for name, param in named_weights(whole if whole is not None else model):
         needed.update(adapter.hf_keys(name, tuple(param.shape), args, reader.has))
     for key, shape in needed.items():  # metadata only: refuse a mismatch before reading data
         if not reader.has(key):

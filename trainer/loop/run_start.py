@@ -82,7 +82,11 @@ class RunStart:
     def _init_weights(self) -> None:
         if self.cfg.model.init_from_hf:
             load_hf_weights(
-                self.model, self.spec.hf_adapter, self.args, self.cfg.model.init_from_hf
+                self.model,
+                self.spec.hf_adapter,
+                self.args,
+                self.cfg.model.init_from_hf,
+                whole=self.parallel.whole,  # under pipeline stages
             )
         else:
             init_weights_global(self.model, self.cfg.train.seed)
