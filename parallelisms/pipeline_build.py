@@ -103,7 +103,9 @@ def example_inputs(
     MTP logits have the logits' shape, models/spec.py)."""
     with torch.device("meta"):
         ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
-        h = model.embed(ids).to(dtype)
+        # NOTE: hidden states carry gradients between stages even when the embedding is
+        # frozen (LoRA): the receiving stage sends its input's gradient back.
+        h = model.embed(ids).to(dtype).detach().requires_grad_()
         kwargs = {"position_ids": default_positions(ids)}
     return ids, h, kwargs
 

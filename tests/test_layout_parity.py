@@ -79,7 +79,10 @@ LAYOUTS = {
     "pp2_interleaved_cp2_tied_selective_ac": Layout(
         TINY, 4, [PP2, "--parallel.pp_schedule=Interleaved1F1B", CP2, TIED, L4, AC], 1
     ),
-    "pp2_dualpipev": Layout(TINY, 2, [PP2, "--parallel.pp_schedule=DualPipeV", L4], 1),
+    # ... with LoRA: a frozen embedding, yet the stages pass gradients back.
+    "pp2_dualpipev_lora": Layout(
+        TINY, 2, [PP2, "--parallel.pp_schedule=DualPipeV", L4, *LORA], 1, steps=5
+    ),
     # DeepSeek-V3 (MLA, the bias update, MTP and its embedding copy on the last stage) in
     # 1F1B stages with CP and EP: tests/test_document_mask.py, with document masks.
 }
