@@ -47,9 +47,9 @@ LORA_ALL = [*LORA, '--peft.targets=["attention", "experts", "shared_experts"]']
 LAYOUTS = {
     "fsdp2": Layout(TINY, 2, [], 2),  # grad accumulation 2
     "hsdp2x2": Layout(TINY, 4, HSDP, 4),  # no accumulation
-    "fsdp4_lora": Layout(TINY, 4, LORA, 4, steps=5),
-    "ep2_efsdp2": Layout(TINY, 4, [EP2], 4),
     "hsdp2x2_ep2_pooled_aux": Layout(TINY, 4, [*HSDP, EP2, POOLED], 4),
+    # (Plain FSDP with LoRA, and EP x FSDP with the default aux: subsets of the LoRA rows
+    # and of ep2_global_batch_aux_z below.)
     # Experts 3..7 get no tokens; with ep 4, ranks 2 and 3 receive none at all.
     "ep4_skewed_idle_experts": Layout(TINY, 4, ["--parallel.ep=4"], 4, "skewed"),
     "ep2_global_batch_aux_z": Layout(TINY, 4, [EP2, GLOBAL_AUX, Z_LOSS], 4),
