@@ -178,6 +178,7 @@ LAYOUTS = {
     "ep2": ["--parallel.ep=2"],
     "cp2": ["--parallel.cp=2"],
     "cp2_ep2": ["--parallel.cp=2", "--parallel.ep=2"],
+    "pp2": ["--parallel.pp=2"],  # bf16 hidden states between stages
 }
 
 
