@@ -125,14 +125,23 @@ class LocalStages(nn.Module):
     the optimizer, weight init): the stages' children under the model's names, block lists
     merged. It is never called: the schedule runs the stages."""
 
-    def __init__(self, stages: list[StageModule]) -> None:
+    def __init__(self, stages: list[StageModule], shared: tuple[str, ...] = ()) -> None:
+        """`shared`: children both the first and the last stage hold (the embedding a
+        head reads, `SharedEmbedding`): the first stage's is adopted."""
         super().__init__()
         self._stages = stages  # NOTE: a plain list: their children are registered below
         for stage in stages:
-            self._adopt(stage)
+            self._adopt(stage, shared)
 
-    def _adopt(self, stage: StageModule) -> None:
+    def _adopt(self, stage: StageModule, shared: tuple[str, ...]) -> None:
         for name, child in stage.named_children():
+            if (
+                stage.last
+                and not stage.first
+                and name in shared
+                and any(s.first for s in self._stages)
+            ):
+                continue  # the first stage's copy stands for both
             have = getattr(self, name, None)
             if have is None:
                 self.add_module(name, child)
@@ -155,30 +164,51 @@ class LocalStages(nn.Module):
 
 class SharedEmbedding:
     """The embedding's parameters when the last stage holds a copy (its head reads them:
-    a tied output head, MTP depths that embed tokens). After each step's backward the two
-    copies' gradients are summed over `group` (the rank of the first stage and the rank of
-    the last, at the same place in the batch), so both copies take the same update from the
-    same state and stay equal; the gradient norm counts the first stage's copy only."""
+    a tied output head, MTP depths that embed tokens); the two copies stay equal.
+
+    Stages on two ranks: after each step's backward the copies' gradients are summed over
+    `group` (the first stage's rank and the last's, at the same place in the batch), so
+    both take the same update from the same state; the gradient norm counts the first
+    stage's copy only (`copies`). Both stages on this rank (the V schedules): the copy's
+    gradient is added to the first stage's and dropped; the optimizer holds the first
+    stage's alone (`LocalStages` adopts it), and `sync` copies its values over the copy
+    after every update and every load.
+    """
 
     def __init__(self, stages: list[StageModule], names: set[str], group: Any) -> None:
         self.group = group
-        self.params = [
-            p
-            for stage in stages
-            if stage.first or stage.last
-            for name, p in stage.named_parameters()
-            if name in names
-        ]
-        first = any(stage.first for stage in stages)
-        self.copies = set() if first else {id(p) for p in self.params}
+
+        def held(stage: StageModule) -> list[torch.Tensor]:
+            return [p for n, p in stage.named_parameters() if n in names]
+
+        first = [held(s) for s in stages if s.first]
+        last = [held(s) for s in stages if s.last]
+        self.pairs = list(zip(first[0], last[0], strict=True)) if first and last else []
+        self.params = [] if self.pairs else (first or last or [[]])[0]
+        self.copies = {id(p) for p in last[0]} if last else set()
+
+    @staticmethod
+    def _local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
 
     @torch.no_grad()
     def reduce_grads(self) -> None:
+        for kept, copy in self.pairs:
+            if copy.grad is not None:
+                if kept.grad is None:
+                    kept.grad = copy.grad
+                else:
+                    self._local(kept.grad).add_(self._local(copy.grad))
+                copy.grad = None
         for p in self.params:
             if p.grad is None:  # this copy had no use in the step: it adds zero
                 p.grad = torch.zeros_like(p)
-            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(local, group=self.group)
+            dist.all_reduce(self._local(p.grad), group=self.group)
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        for kept, copy in self.pairs:
+            self._local(copy).copy_(self._local(kept))
 
 
 class Pipeline:

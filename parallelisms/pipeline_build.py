@@ -11,7 +11,7 @@ from torch import nn
 
 from models.common.plan import ParallelPlan
 from models.common.staged import default_positions
-from parallelisms.dims import V_SCHEDULES, LayoutError, stage_rank, stages_per_rank
+from parallelisms.dims import LayoutError, stage_rank, stages_per_rank
 from parallelisms.pipeline import StageModule
 from parallelisms.pipeline_split import (
     balanced_split,
@@ -67,13 +67,6 @@ def cut_pipeline(
     cut = replace(cut, embedding_on_last=True)
     if not _head_runs(stage_module(model, plan, cut, cut.num_stages - 1), h, kwargs):
         last_stage_output(stage_module(model, plan, cut, cut.num_stages - 1), h, kwargs)
-    if parallel.pp_schedule in V_SCHEDULES:
-        raise LayoutError(
-            f"parallel.pp_schedule={parallel.pp_schedule} puts the first and the last stage on "
-            "one rank, and this model's head reads the embedding (a tied output head, or MTP "
-            "depths that embed tokens), which needs a copy on each; not supported yet: use "
-            "pp_schedule=1F1B or Interleaved1F1B"
-        )
     return cut
 
 

@@ -71,9 +71,10 @@ LAYOUTS = {
     ),
     # Pipeline stages (4 blocks where a rank holds two stages). ZBV: the backward split in
     # input and weight parts, with FSDP and EP inside each stage.
-    # ... with the global-batch aux loss (counts over the stage's ranks) and the z-loss.
-    "pp2_zbv_dp2_ep2_global_aux_z": Layout(
-        TINY, 4, [PP2, "--parallel.pp_schedule=ZBVZeroBubble", EP2, L4, GLOBAL_AUX, Z_LOSS], 2
+    # ... with the global-batch aux loss (counts over the stage's ranks), the z-loss, and a
+    # tied head: the first and the last stage, each with the embedding, on one rank.
+    "pp2_zbv_dp2_ep2_global_aux_z_tied": Layout(
+        TINY, 4, [PP2, "--parallel.pp_schedule=ZBVZeroBubble", EP2, L4, GLOBAL_AUX, Z_LOSS, TIED], 2
     ),
     # Looped stages over a ring; a tied head: the last stage's copy of the embedding.
     "pp2_interleaved_cp2_tied_selective_ac": Layout(

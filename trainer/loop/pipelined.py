@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallelisms.dims import pipeline_micro_batches_needed
+from parallelisms.dims import pipeline_micro_batches_needed, stage_rank
 from parallelisms.pipeline import Pipeline, SharedEmbedding
 from parallelisms.plan import match_modules
 from trainer.data.batch import IGNORE_INDEX, Batch
@@ -54,6 +54,8 @@ class PipelinedSteps:
             for fqn, module in match_modules(whole, plan.embedding, "embedding")
             for name, _ in module.named_parameters()
         }
+        if stage_rank(self.parallel.num_stages - 1, pp, self.cfg.parallel.pp_schedule) == 0:
+            return SharedEmbedding(self.parallel.stages, names, None)  # both on each pp rank 0
         # NOTE: every rank creates every pair's group, in the same order (torch requires it);
         # rank = pp index * stage ranks + place in the batch (pp is the outermost degree).
         stage_ranks = self.dims.stage_ranks

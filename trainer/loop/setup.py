@@ -32,6 +32,7 @@ from parallelisms.pipeline_build import (
     last_stage_output,
     stage_module,
 )
+from parallelisms.plan import match_modules
 from trainer.checkpoint.markers import check_checkpoint
 from trainer.config import ConfigError, JobConfig, validate
 from trainer.data.corpus import check_corpus, resolve_document_flags
@@ -215,7 +216,11 @@ def build_model(
         parallel.stage_metas[index] = (ids if index == 0 else h, output)
         parallel.extend(shard(stage, stage=True))
         parallel.stages.append(stage)
-    return LocalStages(parallel.stages), parallel
+    shared = ()  # the first stage's embedding stands for the last stage's copy
+    if cut.embedding_on_last:
+        found = match_modules(model, spec.plan.embedding, "embedding")
+        shared = tuple({fqn.partition(".")[0] for fqn, _ in found})
+    return LocalStages(parallel.stages, shared), parallel
 
 
 def resolve_device(choice: str) -> torch.device:

@@ -69,6 +69,8 @@ class Trainer(RunStart, PipelinedSteps):
         self._build_model()
         self._build_data()
         resume_from = self._begin()  # trainer.loop.run_start
+        if self.shared_embedding is not None:  # a stage's copy of the embedding, as loaded
+            self.shared_embedding.sync()
         self._build_metrics(resume_from)
 
     # --- phases of __init__ ------------------------------------------------------------
@@ -208,6 +210,8 @@ class Trainer(RunStart, PipelinedSteps):
         else:
             clip_grads_(self.params, self.cfg.train.max_grad_norm, norm)
             self.optimizer.step()
+            if self.shared_embedding is not None:
+                self.shared_embedding.sync()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         record = {"step": self.step, "grad_norm": norm.item(), "lr": lr}
