@@ -163,7 +163,8 @@ def test_published_configs_and_mxfp4_refusals(tmp_path):
 
 @pytest.mark.slow
 def test_train_py_losses_agree_on_every_layout(tmp_path, monkeypatch):
-    """configs/debug_gpt_oss.toml (windows and sinks) on 1 rank, FSDP 2, EP 2, CP 2, CP 2 x EP 2."""
+    """configs/debug_gpt_oss.toml (windows and sinks) on 1 rank, two pipeline stages, EP 2,
+    CP 2, CP 2 x EP 2 (plain FSDP: every other layout shards within it)."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(ROOT)
@@ -178,7 +179,7 @@ def test_train_py_losses_agree_on_every_layout(tmp_path, monkeypatch):
         "--metrics.log_interval=1",
     ]
     one = run_train(common, tmp_path / "one")
-    layouts = {"fsdp2": [], "ep2": ["--parallel.ep=2"], "cp2": ["--parallel.cp=2"],
+    layouts = {"pp2": ["--parallel.pp=2"], "ep2": ["--parallel.ep=2"], "cp2": ["--parallel.cp=2"],
                "cp2_ep2": ["--parallel.cp=2", "--parallel.ep=2"]}  # fmt: skip
     for name, layout in layouts.items():
         run = run_train(common + layout, tmp_path / name, nproc=2)

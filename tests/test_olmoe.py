@@ -260,12 +260,13 @@ def test_flops_and_plan_cover_the_model():
 
 @pytest.mark.slow
 def test_train_py_losses_agree_on_one_rank_ep_and_cp(tmp_path, monkeypatch):
-    """configs/debug_olmoe.toml through train.py: 1 rank; 4 ranks with EP 2; 2 ranks CP 2."""
+    """configs/debug_olmoe.toml through train.py: 1 rank; 4 ranks in 2 pipeline stages with
+    EP 2; 2 ranks CP 2."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(ROOT)
-    # Global batch 8 = micro 2 x 4 data-parallel ranks (the EP run); seq_len 64 splits into
-    # the 2 * cp pieces of the zigzag layout.
+    # Global batch 8 = micro 2 x 2 data-parallel ranks x 2 micro-batches (the pp run); seq_len
+    # 64 splits into the 2 * cp pieces of the zigzag layout.
     common = [
         "--config=configs/debug_olmoe.toml",
         "--train.steps=3",
@@ -277,10 +278,11 @@ def test_train_py_losses_agree_on_one_rank_ep_and_cp(tmp_path, monkeypatch):
         "--metrics.log_interval=1",
     ]
     one = run_train(common, tmp_path / "one")
-    four_ep = run_train(common + ["--parallel.ep=2"], tmp_path / "four_ep", nproc=4)
+    pp_ep = ["--parallel.pp=2", "--parallel.ep=2"]
+    four_ep = run_train(common + pp_ep, tmp_path / "four_ep", nproc=4)
     two_cp = run_train(common + ["--parallel.cp=2"], tmp_path / "two_cp", nproc=2)
     losses = [r["loss"] for r in one]
-    for label, run in (("1 rank", one), ("4 ranks ep=2", four_ep), ("2 ranks cp=2", two_cp)):
+    for label, run in (("1 rank", one), ("4 ranks pp=2 ep=2", four_ep), ("2 ranks cp=2", two_cp)):
         print(f"\n{label}: losses {[r['loss'] for r in run]}")
     assert [r["step"] for r in one] == [1, 2, 3]
     for run in (four_ep, two_cp):
