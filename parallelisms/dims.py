@@ -98,27 +98,27 @@ class ParallelDims:
         pp: int = 1,
     ) -> ParallelDims:
         """`ranks_per_node`: parallel.ranks_per_node (0: torchrun's LOCAL_WORLD_SIZE)."""
+        # The degrees a message names: pp only where it is set.
+        named = {"pp": pp} if pp > 1 else {}
+        named |= {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp}
+
+        def product(keys) -> str:
+            return "parallel." + " * ".join(keys) + " = " + " * ".join(str(named[k]) for k in keys)
+
         fixed = pp * dp_replicate * cp
-        named = "parallel.pp * dp_replicate * cp" if pp > 1 else "parallel.dp_replicate * cp"
-        factors = f"{pp} * {dp_replicate} * {cp}" if pp > 1 else f"{dp_replicate} * {cp}"
         if dp_shard == -1:
             if world_size % fixed:
                 raise LayoutError(
-                    f"world size {world_size} is not divisible by {named} = {factors}; launch "
-                    f"a multiple of {fixed} ranks or change the degrees"
+                    f"world size {world_size} is not divisible by "
+                    f"{product([k for k in named if k != 'dp_shard'])}; launch a multiple of "
+                    f"{fixed} ranks or change the degrees"
                 )
-            dp_shard = world_size // fixed
-        if pp * dp_replicate * dp_shard * cp != world_size:
-            degrees = (
-                "parallel.pp * dp_replicate * dp_shard * cp"
-                if pp > 1
-                else ("parallel.dp_replicate * dp_shard * cp")
-            )
-            values = f"{pp} * " * (pp > 1) + f"{dp_replicate} * {dp_shard} * {cp}"
+            dp_shard = named["dp_shard"] = world_size // fixed
+        if fixed * dp_shard != world_size:
             raise LayoutError(
-                f"{degrees} = {values} = {pp * dp_replicate * dp_shard * cp}, but the world "
-                f"size is {world_size}; set parallel.dp_shard=-1 to use the rest, or launch "
-                "that many ranks (torchrun --nproc_per_node=N)"
+                f"{product(list(named))} = {fixed * dp_shard}, but the world size is "
+                f"{world_size}; set parallel.dp_shard=-1 to use the rest, or launch that many "
+                "ranks (torchrun --nproc_per_node=N)"
             )
         if (dp_shard * cp) % ep:
             raise LayoutError(
@@ -138,7 +138,7 @@ class ParallelDims:
 
     @classmethod
     def of(cls, parallel, world_size: int) -> ParallelDims:
-        """From a config's [parallel] section (trainer.config.schema.ParallelSection)."""
+        """From a config's [parallel] section (trainer.config.parallel_section.ParallelSection)."""
         p = parallel
         return cls.resolve(
             p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size, p.ranks_per_node, p.pp
@@ -196,10 +196,15 @@ def stage_rank(stage: int, pp: int, schedule: str) -> int:
     return stage % pp
 
 
+def _least_micro_batches(schedule: str, pp: int) -> int:
+    """DualPipeV runs at least one micro-batch per stage (2 pp); the others one per rank."""
+    return 2 * pp if schedule == "DualPipeV" else pp
+
+
 def pipeline_micro_batches_needed(schedule: str, pp: int, micro_batches: int) -> str | None:
     """What `schedule` needs of the step's micro-batches per rank that `micro_batches`
     lacks (None: it runs): their number is the pipeline's, a step's gradient accumulation."""
-    least = 2 * pp if schedule == "DualPipeV" else pp
+    least = _least_micro_batches(schedule, pp)
     if micro_batches < least:
         return f"at least {least} micro-batches per step"
     if schedule == "Interleaved1F1B" and micro_batches % (micro_batches // pp):
@@ -217,7 +222,7 @@ def check_pipeline(
     need = pipeline_micro_batches_needed(schedule, pp, micro_batches)
     if need is not None:
         per_micro = global_batch_size // micro_batches  # micro_batch_size x dp ranks
-        least = 2 * pp if schedule == "DualPipeV" else pp
+        least = _least_micro_batches(schedule, pp)
         raise LayoutError(
             f"parallel.pp_schedule={schedule} with parallel.pp={pp} needs {need}, but each rank "
             f"runs {micro_batches} (train.global_batch_size / (train.micro_batch_size x "

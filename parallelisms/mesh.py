@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallelisms.dims import ParallelDims
@@ -32,7 +33,7 @@ class Meshes:
     # None: the world's default group).
     batch: DeviceMesh | None = None
 
-    def batch_group(self):
+    def batch_group(self) -> ProcessGroup | None:
         """The process group of every rank of this stage: the global batch's holders."""
         return self.batch.get_group() if self.batch is not None else None
 

@@ -132,6 +132,11 @@ class LocalStages(nn.Module):
         self._stages = stages  # NOTE: a plain list: their children are registered below
         for stage in stages:
             self._adopt(stage, shared)
+        # tensor name -> the stage that holds it (a shared copy: the first stage)
+        self._owner: dict[str, StageModule] = {}
+        for stage in reversed(stages):
+            for name, _ in [*stage.named_parameters(), *stage.named_buffers()]:
+                self._owner[name] = stage
 
     def _adopt(self, stage: StageModule, shared: tuple[str, ...]) -> None:
         for name, child in stage.named_children():
@@ -155,11 +160,7 @@ class LocalStages(nn.Module):
     def reset_parameter(
         self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None
     ) -> None:
-        for stage in self._stages:
-            owned = dict(stage.named_parameters()) | dict(stage.named_buffers())
-            if name in owned:
-                return stage.reset_parameter(name, tensor, generator)
-        raise KeyError(name)
+        self._owner[name].reset_parameter(name, tensor, generator)
 
 
 class SharedEmbedding:

@@ -65,16 +65,15 @@ def cut_pipeline(
     if not mtp_depth and _head_runs(stage_module(model, plan, cut, cut.num_stages - 1), h, kwargs):
         return cut
     cut = replace(cut, embedding_on_last=True)
-    if not _head_runs(stage_module(model, plan, cut, cut.num_stages - 1), h, kwargs):
-        last_stage_output(stage_module(model, plan, cut, cut.num_stages - 1), h, kwargs)
+    # with the embedding there, a head that still cannot run is refused
+    last_stage_output(stage_module(model, plan, cut, cut.num_stages - 1), h, kwargs)
     return cut
 
 
 def _head_runs(stage: StageModule, h: torch.Tensor, kwargs: dict) -> bool:
     try:
-        with torch.device("meta"), torch.no_grad():
-            stage.head_only(h, **kwargs)
-    except (AttributeError, TypeError):
+        last_stage_output(stage, h, kwargs)
+    except LayoutError:
         return False
     return True
 
@@ -111,9 +110,8 @@ def last_stage_output(
     mtp_depth: int = 0,
 ):
     """The last stage's output on the meta device (its head run on `h`: the blocks keep
-    the shape of the hidden states; each MTP depth's logits that of the logits); a head
-    that reads
-    a module of another stage is refused here, before any rank builds."""
+    the shape of the hidden states; each MTP depth's logits that of the logits). A head
+    that reads a module of another stage is refused here, before any rank builds."""
     try:
         with torch.device("meta"), torch.no_grad():
             out = stage.head_only(h, **kwargs)

@@ -15,8 +15,8 @@ from functools import cache
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from models.common.args import arg
-from parallelisms.dims import PP_SCHEDULES
 from trainer.config.moe_peft import MoESection, PeftSection  # noqa: F401  (sections of JobConfig)
+from trainer.config.parallel_section import ParallelSection  # noqa: F401  (a section of JobConfig)
 
 
 @dataclass
@@ -183,71 +183,6 @@ class TrainSection:
         ge=MIN_SPIKE_HISTORY,
         note="a mean and deviation of fewer steps are noise; train.skip_spike_sigma=0 turns "
         "spike skipping off",
-    )
-
-
-@dataclass
-class ParallelSection:
-    dp_replicate: int = arg(1, "replicas of the sharded model (HSDP when > 1)", ge=1)
-    # -1 or >= 1: a hole in the range that bounds cannot say, so checks.py tests it.
-    dp_shard: int = arg(-1, "FSDP shard degree; -1 = the rest of the world size")
-    cp: int = arg(1, "context-parallel degree (sequence split across ranks)", ge=1)
-    ep: int = arg(1, "expert-parallel degree (borrows ranks from dp_shard * cp)", ge=1)
-    ranks_per_node: int = arg(
-        0,
-        "ranks on one node (0 = torchrun's LOCAL_WORLD_SIZE); an ep group over several "
-        "nodes dispatches in two stages (each token crosses to a node once, then fans out "
-        "inside it); set it below the ranks of one machine to simulate nodes",
-        ge=0,
-        note="0 = LOCAL_WORLD_SIZE",
-    )
-    cp_layout: str = arg(
-        "zigzag",
-        "how the sequence is split over cp ranks: zigzag (rank r holds chunks r and 2cp-1-r: "
-        "equal causal work) | contiguous (chunk r) | balanced (with document masks: 8 chunks "
-        "per rank chosen per micro-batch by their visible query-key pairs, largest first)",
-        choices=("zigzag", "contiguous", "balanced"),
-    )
-    cp_kernel: str = arg(
-        "auto",
-        "block kernel of ring attention: auto (CPU: cpu_flash, or math with masks; CUDA: "
-        "flex with masks, else sdpa_flash in bf16 with one head dim, else sdpa_efficient) | "
-        "cpu_flash (CPU, one head dim, no mask) | math (exact fp32, dense block mask) | "
-        "sdpa_flash (CUDA bf16, one head dim <= 256, no mask) | sdpa_efficient (CUDA, masks "
-        "as a dense block bias) | sdpa_cudnn (CUDA bf16, no mask) | flex (CUDA "
-        "FlexAttention: masks and windows without a dense mask)",
-        choices=("auto", "cpu_flash", "math", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex"),
-    )
-    pp: int = arg(
-        1,
-        "pipeline-parallel degree: the blocks cut into stages over pp groups of ranks (the "
-        "outermost degree); a step's micro-batches flow through them",
-        ge=1,
-    )
-    pp_schedule: str = arg(
-        "1F1B",
-        "pipeline schedule (torch.distributed.pipelining): 1F1B (one stage per rank) | "
-        "Interleaved1F1B (parallel.pp_virtual_stages per rank, looped) | ZBVZeroBubble and "
-        "DualPipeV (two stages per rank in a V, the backward split in input and weight parts)",
-        choices=PP_SCHEDULES,
-    )
-    pp_virtual_stages: int = arg(
-        2, "stages per rank under pp_schedule=Interleaved1F1B (the others fix theirs)", ge=1
-    )
-    pp_layers: list[int] = arg(
-        [],
-        "blocks of each pipeline stage, in order (their sum: the model's blocks before its "
-        "head); [] = split by FLOPs",
-        ge=1,
-    )
-    fsdp_gather: str = arg(
-        "micro_batch",
-        "when FSDP gathers parameters and reduces gradients under accumulation: micro_batch "
-        "(gathered again for every micro-batch's forward and backward, gradients reduced per "
-        "micro-batch: least memory) | step (gathered once per step and kept until the last "
-        "micro-batch's backward, gradients accumulated unsharded in fp32 and reduced once: "
-        "the bytes of one micro-batch, the memory of unsharded parameters and gradients)",
-        choices=("micro_batch", "step"),
     )
 
 

@@ -88,21 +88,24 @@ class PipelinedSteps:
 
     def _pipeline_step(self, micro_batches: list[Batch]) -> None:
         """The step's micro-batches through the pipeline schedule, stacked on dim 0."""
-
-        def stacked(name: str) -> torch.Tensor | None:
-            parts = [getattr(mb, name) for mb in micro_batches]
-            return None if parts[0] is None else torch.cat(parts)
-
-        inputs = model_inputs(micro_batches[0], self.terms, self.cfg.data.document_mask)
-        kwargs = {key: stacked(key) for key in inputs}
-        target = stacked("labels")
+        ids, kwargs, labels = self._stacked(micro_batches)
+        target = labels
         if self.terms.mtp_depth:
-            target = torch.cat([target[..., None], stacked("mtp_labels")], dim=-1)
-        self.pipeline.step(
-            stacked("input_ids"), target, position_ids=stacked("position_ids"), **kwargs
-        )
+            mtp_labels = torch.cat([mb.mtp_labels for mb in micro_batches])
+            target = torch.cat([labels[..., None], mtp_labels], dim=-1)
+        self.pipeline.step(ids, target, **kwargs)
         if self.shared_embedding is not None:
             self.shared_embedding.reduce_grads()
+
+    def _stacked(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        """(input_ids, keyword inputs, labels) of `micro_batches`, stacked on dim 0."""
+
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([getattr(mb, name) for mb in micro_batches])
+
+        inputs = model_inputs(micro_batches[0], self.terms, self.cfg.data.document_mask)
+        kwargs = {key: cat(key) for key in ("position_ids", *inputs)}
+        return cat("input_ids"), kwargs, cat("labels")
 
     def _pipeline_can_run(self, micro_batches: int) -> bool:
         need = pipeline_micro_batches_needed(
@@ -113,17 +116,8 @@ class PipelinedSteps:
     def _pipeline_eval(self, micro_batches: list[Batch]) -> torch.Tensor:
         """[cross-entropy sum, tokens] (float64) of held-out micro-batches, forward only
         through the stages; counted on the last stage's ranks alone."""
-        inputs = model_inputs(micro_batches[0], self.terms, self.cfg.data.document_mask)
-        kwargs = {k: torch.cat([getattr(mb, k) for mb in micro_batches]) for k in inputs}
-        labels = torch.cat([mb.labels for mb in micro_batches])
-        losses = self.pipeline.evaluate(
-            torch.cat([mb.input_ids for mb in micro_batches]),
-            labels,
-            len(micro_batches),
-            _eval_loss,
-            position_ids=torch.cat([mb.position_ids for mb in micro_batches]),
-            **kwargs,
-        )
+        ids, kwargs, labels = self._stacked(micro_batches)
+        losses = self.pipeline.evaluate(ids, labels, len(micro_batches), _eval_loss, **kwargs)
         total = torch.zeros(2, dtype=torch.float64)
         if self.pipeline.has_last:
             total[0] = sum(loss.cpu() for loss in losses)

@@ -27,6 +27,7 @@ from parallelisms.mesh import Meshes
 from parallelisms.parallelize import Parallelized, check_layout, parallelize
 from parallelisms.pipeline import LocalStages
 from parallelisms.pipeline_build import (
+    PipelineCut,
     cut_pipeline,
     example_inputs,
     last_stage_output,
@@ -123,9 +124,7 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
             apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
         check_layout(model, spec.plan, dims)
     if dims.pp > 1:
-        mtp_depth = spec.loss_terms(cfg.model.args).mtp_depth
-        attention = spec.flops_per_token(model, cfg.data.seq_len).by_kind["attention"]
-        cut_pipeline(model, spec.plan, cfg.parallel, attention, mtp_depth)  # refuses a bad cut
+        _cut(cfg, spec, model)  # refuses a bad cut
         check_pipeline(
             dims.pp,
             cfg.parallel.pp_schedule,
@@ -195,9 +194,8 @@ def build_model(
     if meshes.pp is None:
         return model, shard(model)
     # Pipeline stages: cut the whole (meta) model, keep this rank's stages, shard each.
-    attention = spec.flops_per_token(model, cfg.data.seq_len).by_kind["attention"]
+    cut = _cut(cfg, spec, model)
     mtp_depth = spec.loss_terms(cfg.model.args).mtp_depth
-    cut = cut_pipeline(model, spec.plan, cfg.parallel, attention, mtp_depth)
     local = cut.local(meshes.pp.get_local_rank())
     parallel = Parallelized(
         stage_indices=local,
@@ -221,6 +219,13 @@ def build_model(
         found = match_modules(model, spec.plan.embedding, "embedding")
         shared = tuple({fqn.partition(".")[0] for fqn, _ in found})
     return LocalStages(parallel.stages, shared), parallel
+
+
+def _cut(cfg: JobConfig, spec: ModelSpec, model: nn.Module) -> PipelineCut:
+    """The pipeline cut of the whole (meta) `model` for the config."""
+    attention = spec.flops_per_token(model, cfg.data.seq_len).by_kind["attention"]
+    mtp_depth = spec.loss_terms(cfg.model.args).mtp_depth
+    return cut_pipeline(model, spec.plan, cfg.parallel, attention, mtp_depth)
 
 
 def resolve_device(choice: str) -> torch.device:
