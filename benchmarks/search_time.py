@@ -53,7 +53,7 @@ def main() -> None:
             "wall_s": result["wall_s"],
             "peak_rss_gib": result["peak_rss_gib"],
             "layouts_ranked": len(ranked),
-            "fastest": {k: ranked[0][k] for k in ("dp_replicate", "dp_shard", "cp", "ep",
+            "fastest": {k: ranked[0].get(k) for k in ("pp", "pp_schedule", "dp_replicate", "dp_shard", "cp", "ep",
                                                   "micro_batch_size", "activation_checkpoint",
                                                   "step_s")} if ranked else None,
         }  # fmt: skip

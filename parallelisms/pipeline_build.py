@@ -21,6 +21,7 @@ from parallelisms.pipeline_split import (
     stage_costs,
     trunk_blocks,
 )
+from parallelisms.plan import match_modules
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,16 @@ def _head_runs(stage: StageModule, h: torch.Tensor, kwargs: dict) -> bool:
 
 def stage_module(model: nn.Module, plan: ParallelPlan, cut: PipelineCut, index: int) -> StageModule:
     """Stage `index` of `model` (meta): a pruned copy, wrapped."""
-    part = copy.deepcopy(model)
     first, last = index == 0, index == cut.num_stages - 1
+    # NOTE: the modules pruning drops are shared, not copied (the memo maps them to
+    # themselves), then dropped from the copy's containers: a stage costs its own modules.
+    keep = set(cut.blocks[index])
+    dropped = [m for f, m in trunk_blocks(model, plan) if f not in keep]
+    if not (first or (last and cut.embedding_on_last)):
+        dropped += [m for _, m in match_modules(model, plan.embedding, "embedding", required=False)]
+    if not last:
+        dropped += [m for _, m in match_modules(model, plan.head, "head", required=False)]
+    part = copy.deepcopy(model, {id(m): m for m in dropped})
     prune_to_stage(part, plan, cut.blocks[index], first, last, cut.embedding_on_last)
     return StageModule(part, cut.blocks[index], index, first, last)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -16,6 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "debug_qwen3_moe.toml")
 # vocab 330 over 4 ranks does not split evenly: FSDP2's padding shows in the sizes.
 UNEVEN = ["--model.vocab_size=330", "--parallel.ep=2"]
+# The same in two pipeline stages (layers 0-1 | 2-3 and the head) of 2 ranks, 4 micro-batches.
+STAGED = [*UNEVEN, "--parallel.pp=2", "--train.global_batch_size=32"]
 
 
 def _dry_run(world_size: int, *overrides: str) -> dict:
@@ -40,45 +43,74 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _real_state_bytes(rank: int, world_size: int, overrides: list[str], out: str) -> None:
-    """One real step on gloo: the bytes behind the parameters, gradients and optimizer
-    state this rank really holds (distinct storages, padding included)."""
+def _real_state_bytes(rank: int, world_size: int, layouts: list[list[str]], out: str) -> None:
+    """One real step on gloo per layout: the bytes behind the parameters, gradients and
+    optimizer state this rank really holds (distinct storages, padding included), and
+    the bytes its point-to-point sends carry (pipeline stages), read from the profiler's
+    events of the step (gloo's send ops, with their shapes and dtypes)."""
     import torch
+    from torch.profiler import ProfilerActivity, profile
 
     from parallelisms.dims import ParallelDims
     from trainer.config import load_config
     from trainer.loop.trainer import Trainer
 
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(
-            ["--config", CONFIG, *overrides, f"--job.output_dir={tmp}",
-             "--metrics.jsonl=false", "--metrics.progress=false"]
-        )  # fmt: skip
-        p = cfg.parallel
-        trainer = Trainer(cfg, ParallelDims.of(p, 4))
-        params = _storage_bytes(trainer.params)
-        trainer.forward_backward(trainer.next_micro_batches())
-        grads = _storage_bytes(q.grad for q in trainer.params)
-        trainer.optimizer.step()
-        state = [v for s in trainer.optimizer.state.values() for v in s.values()]
-        optimizer = _storage_bytes(v for v in state if isinstance(v, torch.Tensor))
+    found = []
+    for overrides in layouts:
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = load_config(
+                ["--config", CONFIG, *overrides, f"--job.output_dir={tmp}",
+                 "--metrics.jsonl=false", "--metrics.progress=false"]
+            )  # fmt: skip
+            trainer = Trainer(cfg, ParallelDims.of(cfg.parallel, 4))
+            params = _storage_bytes(trainer.params)
+            batches = trainer.next_micro_batches()
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                trainer.forward_backward(batches)
+            grads = _storage_bytes(q.grad for q in trainer.params)
+            trainer.optimizer.step()
+            state = [v for s in trainer.optimizer.state.values() for v in s.values()]
+            optimizer = _storage_bytes(v for v in state if isinstance(v, torch.Tensor))
+        sends = [e for e in prof.events() if e.name == "gloo:send"]
+        dtypes = {"float": torch.float32, "c10::BFloat16": torch.bfloat16}
+        # NOTE: the hidden states and their gradients; each step also sends one 1-element
+        # integer (a control message, not data the planner sizes)
+        sent = sum(
+            math.prod(shape) * torch.empty(0, dtype=dtypes[dtype]).element_size()
+            for e in sends
+            for shape, dtype in zip(e.input_shapes, e.input_dtypes, strict=True)
+            if dtype in dtypes
+        )
+        found.append({"rank": rank, "params": params, "grads": grads, "optimizer": optimizer,
+                      "sent": sent})  # fmt: skip
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"rank": rank, "params": params, "grads": grads, "optimizer": optimizer}, f)
+        json.dump(found, f)
 
 
 @pytest.mark.slow
 def test_state_bytes_equal_a_real_4_rank_run():
-    planned = _dry_run(4, *UNEVEN)["per_rank"]
+    """The planner's per-rank state, and under pipeline stages its per-stage state and
+    point-to-point bytes, against one real step of each layout (one launch)."""
+    plain, staged = _dry_run(4, *UNEVEN), _dry_run(4, *STAGED)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "bytes")
-        run_distributed(_real_state_bytes, 4, UNEVEN, out)
+        run_distributed(_real_state_bytes, 4, [UNEVEN, STAGED], out)
         real = []
         for rank in range(4):
             with open(f"{out}.{rank}") as f:
                 real.append(json.load(f))
-    assert planned == real
+    state = lambda r: {k: r[k] for k in ("rank", "params", "grads", "optimizer")}  # noqa: E731
+    assert plain["per_rank"] == [state(r[0]) for r in real]
     # the padding is really exercised: the last rank's optimizer state is smaller
-    assert real[3]["optimizer"] < real[0]["optimizer"]
+    assert real[3][0]["optimizer"] < real[0][0]["optimizer"]
+    # pipeline stages: the first stage (embedding, layers 0-1) on ranks 0-1, the second
+    # (layers 2-3, norm, head) on ranks 2-3; each stage's shards as the planner has them
+    assert staged["per_rank"] == [state(r[1]) for r in real]
+    assert real[0][1]["params"] != real[2][1]["params"]
+    assert [r[0]["sent"] for r in real] == [0] * 4  # no pipeline, no sends
+    p2p = [q["p2p_bytes"] for q in staged["pipeline"]["pp_ranks"]]
+    assert [r[1]["sent"] for r in real] == [p2p[0], p2p[0], p2p[1], p2p[1]]
+    assert p2p[0] > 0
 
 
 @pytest.mark.slow

@@ -94,6 +94,14 @@ def test_search_ranks_by_the_step_time_its_printed_figures_give(tmp_path):
     rates = [r["tokens_per_s"] for r in ranked]
     assert rates == sorted(rates, reverse=True)
     assert all(r["peak"] <= 1 * 2**30 for r in ranked)
+    # Pipeline stages: the step is the schedule's span (tests/test_pipeline_cost.py) plus
+    # the FSDP traffic it leaves exposed; the bubble is idle time inside the span.
+    staged = [r for r in ranked if r["pp"] > 1]
+    assert staged and {r["pp_schedule"] for r in staged} >= {"1F1B", "ZBVZeroBubble"}
+    for r in staged:
+        assert r["step_s"] == pytest.approx(r["pipeline_span_s"] + r["exposed_background_s"])
+        assert 0 <= r["bubble_s"] < r["pipeline_span_s"]
+    ranked = [r for r in ranked if r["pp"] == 1]  # the closed form below
     for r in ranked:
         want = _expected(r, hw, tokens, world, plan["flops_per_token"])
         assert r["flops_per_rank"] == pytest.approx(want["flops"], rel=1e-12)
@@ -176,7 +184,12 @@ def _layout(r: dict, tokens: int) -> SimpleNamespace:
     cfg = SimpleNamespace(train=train, data=SimpleNamespace(seq_len=128),
                           parallel=SimpleNamespace(fsdp_gather="micro_batch"))  # fmt: skip
     return SimpleNamespace(
-        cfg=cfg, dims=dims, comm=r["comm_bytes"], experts=r["experts"], top_k=r["top_k"]
+        cfg=cfg,
+        dims=dims,
+        comm=r["comm_bytes"],
+        experts=r["experts"],
+        top_k=r["top_k"],
+        pipeline=None,
     )
 
 

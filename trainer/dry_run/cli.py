@@ -79,9 +79,10 @@ def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str
         {"rank": r, "params": s.params[r], "grads": s.grads[r], "optimizer": s.optimizer[r]}
         for r in range(world)
     ]
+    pc = layout.pipeline
     modes = {
         m: {
-            "activation_peak": t.activations,
+            "activation_peak": max(pc.activations[m]) if pc else t.activations,
             "saved_after_forward": t.saved_after_forward,
             "step_increase_rank0": step_bytes(layout, m),
             "peak_rank0": peak_bytes(layout, m),
@@ -107,6 +108,17 @@ def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str
         "per_step": layout.comm,
         "peak": peak_bytes(layout, cfg.train.activation_checkpoint),
     }
+    if pc is not None:
+        out["layout"].update(pp=dims.pp, pp_schedule=pc.schedule)
+        out["pipeline"] = {
+            "schedule": pc.schedule,
+            "micro_batches": pc.micro_batches,
+            "stage_flops_share": pc.flops_share,
+            "hidden_bytes": pc.hidden_bytes,
+            "pp_ranks": [{"stages": r.stages, "p2p_bytes": r.p2p, "step_buffers": r.step_buffers,
+                          "activations": {m: a[i] for m, a in pc.activations.items()}}
+                         for i, r in enumerate(pc.ranks)],
+        }  # fmt: skip
     c, ac = layout.comm, cfg.train.activation_checkpoint
     out["fsdp_gather"] = {
         "configured": cfg.parallel.fsdp_gather,
@@ -140,8 +152,10 @@ def format_report(r: dict) -> str:
     unit, name = (GIB, "GiB") if r["peak"] >= GIB else (2**20, "MiB")
     g = lambda n: f"{n / unit:8.2f}"  # noqa: E731
     lay = r["layout"]
+    pipe = r.get("pipeline")
+    staged = f"pp {lay['pp']} ({lay['pp_schedule']}), " if pipe else ""
     lines = [
-        f"{r['model']} on {r['world_size']} ranks: dp_replicate {lay['dp_replicate']}, "
+        f"{r['model']} on {r['world_size']} ranks: {staged}dp_replicate {lay['dp_replicate']}, "
         f"dp_shard {lay['dp_shard']}, cp {lay['cp']}, ep {lay['ep']}; micro-batch "
         f"{r['micro_batch'][0]} x {r['micro_batch'][1]} tokens, "
         f"{r['per_step']['micro_batches']} per step",
@@ -159,6 +173,14 @@ def format_report(r: dict) -> str:
     lines.append(f"(a rank peak is the higher of the forward/backward and the optimizer step, "
                  f"which adds {r['update_increase_rank0'] / unit:.2f} {name}: gradients and "
                  "its temporaries)")  # fmt: skip
+    if pipe:
+        lines.append("pp rank  stages     activations per mode (none/selective/full)   sends")
+        for i, q in enumerate(pipe["pp_ranks"]):
+            acts = "/".join(f"{a / unit:.2f}" for a in q["activations"].values())
+            lines.append(f"{i:<8} {','.join(map(str, q['stages'])):<10} {acts:<44} "
+                         f"{q['p2p_bytes'] / unit:.2f} {name}")  # fmt: skip
+        lines.append("(under pp, FSDP keeps a stage's units gathered and its gradients "
+                     "unsharded through the step, and gathers and reduces once per step)")  # fmt: skip
     c = r["per_step"]
     lines += [
         "",
@@ -277,11 +299,6 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.loop.setup import preflight
 
         dims = ParallelDims.of(p, world_size)
-        if dims.pp > 1:
-            raise ConfigError(
-                f"parallel.pp={p.pp}: the planner does not size pipeline stages yet (their "
-                "memory, bubble and point-to-point traffic); plan without parallel.pp"
-            )
         # the planned machines' nodes too (a planning process has no LOCAL_WORLD_SIZE)
         per_node = p.ranks_per_node or hw.ranks_per_node
         if per_node < world_size:

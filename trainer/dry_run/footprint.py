@@ -192,28 +192,38 @@ def sample_blocks(model: nn.Module, plan, keep: int = 2) -> list[tuple[list[nn.M
 
     NOTE: a structure's blocks save the same bytes and take the same gradients at the same
     local shapes, so a dropped block adds its kept twins' mean of each, at the time it
-    would hold them (`trace_step`). Only blocks held in a ModuleList are dropped; others
-    are traced as they are."""
+    would hold them (`trace_step`). Only blocks held in a ModuleList (or, in a pipeline
+    stage, a ModuleDict) are dropped; others are traced as they are."""
     groups: dict[tuple, list[tuple[str, nn.Module]]] = {}
     for fqn, block in match_modules(model, plan.blocks, "blocks"):
-        shape = tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
-        groups.setdefault((type(block).__name__, shape), []).append((fqn, block))
-    drop: dict[str, set[int]] = {}  # parent ModuleList fqn -> indices to drop
+        groups.setdefault(block_structure(block), []).append((fqn, block))
+    drop: dict[str, set[str]] = {}  # parent ModuleList/ModuleDict fqn -> names to drop
     out = []
     for members in groups.values():
         dropped = 0
         for fqn, _ in members[keep:]:
-            parent, _, index = fqn.rpartition(".")
+            parent, _, name = fqn.rpartition(".")
             container = model.get_submodule(parent) if parent else model
-            if isinstance(container, nn.ModuleList) and index.isdigit():
-                drop.setdefault(parent, set()).add(int(index))
+            # a pipeline stage's blocks sit in a ModuleDict under their model indices
+            if isinstance(container, nn.ModuleDict | nn.ModuleList) and name.isdigit():
+                drop.setdefault(parent, set()).add(name)
                 dropped += 1
         out.append(([b for _, b in members[:keep]], dropped))
-    for parent, indices in drop.items():
+    for parent, names in drop.items():
         container = model.get_submodule(parent)
-        kept = [m for i, m in enumerate(container) if i not in indices]
-        model.set_submodule(parent, nn.ModuleList(kept))
+        if isinstance(container, nn.ModuleDict):
+            for name in names:
+                del container[name]
+        else:
+            kept = [m for i, m in enumerate(container) if str(i) not in names]
+            model.set_submodule(parent, nn.ModuleList(kept))
     return out
+
+
+def block_structure(block: nn.Module) -> tuple:
+    """What makes two blocks twins: their class and their parameters' names and shapes."""
+    shape = tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
+    return (type(block).__name__, shape)
 
 
 @dataclass
@@ -228,6 +238,9 @@ class StepTrace:
     top_k: int = 0
     kv: int = 0  # bytes of K and V entering the attention cores (all layers)
     kv_fp32: int = 0  # the same elements in fp32 (the dK/dV sums the ring passes on)
+    # block_structure -> what one such block's forward leaves for its backward (the
+    # pipeline stages' activations are built from these: trainer.dry_run.pipeline_cost)
+    saved_by_structure: dict = field(default_factory=dict, repr=False, compare=False)
     # What `peak` was computed from, so another rank's gradient bytes re-price it
     # (`at_grad_bytes`) without tracing again: the storage spans, which of them are
     # gradients, the dropped blocks' windows, and the plain model's gradient bytes.
@@ -358,6 +371,11 @@ def trace_step(
         plain_grads += grad_mean * dropped
         end = min((t for t in backward_from.values() if t > turn), default=timeline.op)
         mirrored.append((turn, end, dropped, mean[0], grad_mean))
+    by_structure: dict[tuple, list[int]] = {}
+    for _, block in match_modules(model, plan.blocks, "blocks"):
+        if id(block) in per_block:
+            by_structure.setdefault(block_structure(block), []).append(per_block[id(block)][0])
+    trace.saved_by_structure = {k: sum(v) / len(v) for k, v in by_structure.items()}
     at = forward_end[0] if forward_end else 0
     trace.curve = (spans, grad_serials, mirrored, plain_grads)
     trace.activations = _highest(spans, grad_serials, mirrored, 0.0)

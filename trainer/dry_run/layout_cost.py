@@ -31,6 +31,9 @@ class Layout:
     fsdp_step_buffers: int = 0
     experts: int = 0  # a MoE layer's routed experts and the experts a token takes
     top_k: int = 0
+    # parallel.pp > 1: each pp rank's stages (trainer.dry_run.pipeline_cost); the state
+    # above is then every rank's, stage by stage, and `comm` the busiest pp rank's
+    pipeline: object = None
 
 
 def _param_dtype(cfg):
@@ -101,6 +104,17 @@ class Measured:
 
     shards: dict = field(default_factory=dict)
     traces: dict = field(default_factory=dict)
+    stages: dict = field(default_factory=dict)  # pipeline stages (pipeline_cost._stage_shard)
+    orders: dict = field(default_factory=dict)  # (schedule, pp, virtual, micro-batches) -> order
+    meshes: dict = field(default_factory=dict)  # repr(dims) -> parallelisms.mesh.Meshes
+
+    def meshes_of(self, dims):
+        from parallelisms.mesh import build_meshes
+
+        key = repr(dims)
+        if key not in self.meshes:
+            self.meshes[key] = build_meshes(dims, "cpu")
+        return self.meshes[key]
 
 
 def measure_layout(cfg, world_size: int, modes=MODES, reuse: Measured | None = None) -> Layout:
@@ -112,6 +126,8 @@ def measure_layout(cfg, world_size: int, modes=MODES, reuse: Measured | None = N
     reuse = reuse if reuse is not None else Measured()
     dims = ParallelDims.of(cfg.parallel, world_size)
     spec = get_model_spec(cfg.model.name)
+    if dims.pp > 1:
+        return _measure_stages(cfg, spec, dims, modes, reuse)
     # NOTE: the shards depend on dp_shard and cp only through their product, the FSDP group
     # (the fsdp mesh dim flattens them in rank order: parallelisms.mesh), so layouts that
     # trade one for the other share one measurement.
@@ -140,14 +156,52 @@ def measure_layout(cfg, world_size: int, modes=MODES, reuse: Measured | None = N
     )
 
 
+def _measure_stages(cfg, spec, dims, modes, reuse: Measured) -> Layout:
+    """measure_layout under pipeline stages: the whole model's traces (stages take their
+    blocks' part of them), each pp rank's stages sharded (trainer.dry_run.pipeline_cost)."""
+    from trainer.dry_run.footprint import ShardedState
+    from trainer.dry_run.pipeline_cost import measure_pipeline
+
+    traces = {}
+    for mode in modes:
+        at = (cfg.train.micro_batch_size, dims.cp, mode)
+        if at not in reuse.traces:
+            reuse.traces[at] = _trace(cfg, spec, dims, mode, 0)
+        traces[mode] = reuse.traces[at]
+    pc = measure_pipeline(cfg, spec, dims, traces, reuse)
+    state = ShardedState(
+        *([v for r in pc.ranks for v in getattr(r.state, f)] for f in ("params", "grads", "optimizer", "update"))
+    )  # fmt: skip
+    whole = _comm([], dims, pc.micro_batches, traces[modes[0]])  # all layers, no FSDP
+    busiest = max(sum(pc.moe_share[s] for s in r.stages) for r in pc.ranks)
+    ring = max(sum(pc.core_share[s] for s in r.stages) for r in pc.ranks)
+    gathered = max(r.gathered for r in pc.ranks)
+    reduced = max(r.reduced for r in pc.ranks)
+    comm = {
+        **whole,
+        # stages keep their units gathered and reduce once per step (pipeline_cost)
+        "fsdp_all_gather_once": gathered,
+        "fsdp_reduce_scatter_once": reduced,
+        "fsdp_all_gather": gathered,
+        "fsdp_reduce_scatter": reduced,
+        "hsdp_all_reduce": reduced // dims.fsdp_size if dims.dp_replicate > 1 else 0,
+        **{k: int(whole[k] * busiest) for k in ("ep_all_to_all", "ep_all_to_all_full_ac")},
+        **{k: int(whole[k] * ring) for k in ("cp_ring", "cp_ring_full_ac")},
+        "pp_p2p": max(r.p2p for r in pc.ranks),
+    }
+    any_trace = traces[modes[0]]
+    buffers = max(r.step_buffers for r in pc.ranks)
+    return Layout(cfg, dims, state, buffers, comm, traces, buffers, any_trace.experts,
+                  any_trace.top_k, pc)  # fmt: skip
+
+
 def _shard(cfg, spec, dims, world_size: int):
     """(sharded state, FSDP units) of the real plan applied to the meta model."""
     import torch
 
     from parallelisms.mesh import build_meshes
     from parallelisms.parallelize import parallelize
-    from trainer.dry_run.footprint import sample_blocks, sharded_state
-    from trainer.loop.optim import build_optimizer
+    from trainer.dry_run.footprint import sample_blocks
     from trainer.loop.peft import apply_lora
 
     meshes = build_meshes(dims, "cpu")
@@ -160,6 +214,16 @@ def _shard(cfg, spec, dims, world_size: int):
     # on 2,048 ranks); blocks of one structure shard alike, so two of each stand for all.
     sampled = sample_blocks(model, spec.plan)
     parallelize(model, spec.plan, meshes, param_dtype, cp_zigzag=True)
+    return sharded_model(model, spec.plan, cfg.train, param_dtype, sampled, world_size)
+
+
+def sharded_model(model, plan, train, param_dtype, sampled, world_size: int):
+    """(sharded state, FSDP units) of a parallelized meta `model` (or pipeline stage) whose
+    repeated blocks `sample_blocks` thinned to `sampled`: each kept block stands for its
+    dropped twins too. `world_size`: the ranks its meshes span."""
+    from trainer.dry_run.footprint import sharded_state
+    from trainer.loop.optim import build_optimizer
+
     module_weight = {
         id(m): (len(blocks) + dropped) / len(blocks)
         for blocks, dropped in sampled
@@ -170,8 +234,8 @@ def _shard(cfg, spec, dims, world_size: int):
         id(p): module_weight[id(b)] for blocks, _ in sampled for b in blocks for p in b.parameters()
     }
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    state = sharded_state(build_optimizer(model, cfg.train), world_size, param_weight, frozen)
-    return state, _units(model, spec.plan, param_dtype, module_weight)
+    state = sharded_state(build_optimizer(model, train), world_size, param_weight, frozen)
+    return state, _units(model, plan, param_dtype, module_weight)
 
 
 def _fsdp_buffers(units: list[FsdpUnit]) -> int:
@@ -283,6 +347,11 @@ def step_bytes(layout: Layout, mode: str, rank: int = 0, gather: str | None = No
     the config's); with `step`, every unit's gathered parameters and unsharded gradients
     instead."""
     trace = layout.activations[mode]
+    pc = layout.pipeline
+    if pc is not None:  # the rank's stages: their micro-batches in flight, all units gathered
+        stages = pc.rank(rank, layout.dims.stage_ranks)
+        pp_rank = rank // layout.dims.stage_ranks
+        return pc.activations[mode][pp_rank] + layout.state.grads[rank] + stages.step_buffers
     if (gather or layout.cfg.parallel.fsdp_gather) == "step":
         return trace.activations + layout.fsdp_step_buffers
     if layout.comm["micro_batches"] > 1:
@@ -298,8 +367,15 @@ def update_bytes(layout: Layout, rank: int = 0) -> int:
     return layout.state.grads[rank] + layout.state.update[rank]
 
 
-def peak_bytes(layout: Layout, mode: str, rank: int = 0, gather: str | None = None) -> int:
-    """The rank's peak: resting state plus the higher of the two phases of a step."""
+def peak_bytes(
+    layout: Layout, mode: str, rank: int | None = None, gather: str | None = None
+) -> int:
+    """The rank's peak: resting state plus the higher of the two phases of a step. `rank`
+    None: the highest (rank 0 holds the most, but under pipeline stages any first rank of
+    a stage group may)."""
+    if rank is None:
+        firsts = range(0, layout.dims.world_size, layout.dims.stage_ranks)
+        return max(peak_bytes(layout, mode, r, gather) for r in firsts)
     s = layout.state
     working = max(step_bytes(layout, mode, rank, gather), update_bytes(layout, rank))
     return s.params[rank] + s.optimizer[rank] + working

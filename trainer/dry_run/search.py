@@ -35,7 +35,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from math import comb
 
-from parallelisms.dims import ep_fits_nodes
+from parallelisms.dims import V_SCHEDULES, ep_fits_nodes
 
 GB = 1e9
 
@@ -161,19 +161,15 @@ def estimate(
         "cp_ring": comm["cp_ring_full_ac" if mode == "full" else "cp_ring"] / (_link(dims.cp, hw) * GB),
     }  # fmt: skip
     a2a = comm["ep_all_to_all_full_ac" if mode == "full" else "ep_all_to_all"]
-    share = 1.0
-    if dims.ep > hw.ranks_per_node:  # of the ep - 1 peers a row may go to, these are remote
-        remote = (dims.ep - hw.ranks_per_node) / (dims.ep - 1)
-        share = node_share(layout.experts, layout.top_k, dims.ep // hw.ranks_per_node)
-        across = a2a * remote * share  # two stages: each (token, remote node) row once
-        # NOTE: stage 2's split sizes come from stage 1's output (a host read), so the two
-        # stages run one after the other: their times add up.
-        seconds["ep_all_to_all"] = (a2a * (1 - remote) + across) / (hw.intra_gbps * GB) + across / (
-            hw.inter_gbps * GB
-        )
-    else:
-        seconds["ep_all_to_all"] = a2a / (hw.intra_gbps * GB)
+    seconds["ep_all_to_all"], share = a2a_seconds(a2a, layout, hw)
     background = seconds["fsdp"] + seconds["hsdp"] + seconds["cp_ring"]
+    if layout.pipeline is not None:
+        from trainer.dry_run.pipeline_cost import pipeline_step
+
+        step_s, extra = pipeline_step(layout, mode, compute_s, seconds, hw)
+        return {"flops_per_rank": flops, "compute_s": extra.pop("compute_s"), "comm_s": seconds,
+                "node_share": share, "experts": layout.experts, "top_k": layout.top_k,
+                "step_s": step_s, "tokens_per_s": tokens / step_s, **extra}  # fmt: skip
     step_s = compute_s + seconds["ep_all_to_all"] + max(0.0, background - compute_s)
     out = {
         "flops_per_rank": flops,
@@ -191,30 +187,63 @@ def estimate(
     return out
 
 
-def candidates(cfg, world_size: int, hw: Hardware) -> list[dict]:
-    """Layouts to try: HSDP across nodes or not, cp, ep, micro-batch (each a dict of
-    `parallel`/`train` values); the checkpointing modes come with each measurement, and a
-    layout the model cannot take (ep not dividing its experts) is dropped when measured."""
+def a2a_seconds(a2a: float, layout, hw: Hardware) -> tuple[float, float]:
+    """(seconds, the share of remote rows that cross nodes) of `a2a` all-to-all bytes."""
+    ep = layout.dims.ep
+    if ep <= hw.ranks_per_node:
+        return a2a / (hw.intra_gbps * GB), 1.0
+    remote = (ep - hw.ranks_per_node) / (ep - 1)  # of the ep - 1 peers a row may go to
+    share = node_share(layout.experts, layout.top_k, ep // hw.ranks_per_node)
+    across = a2a * remote * share  # two stages: each (token, remote node) row once
+    # NOTE: stage 2's split sizes come from stage 1's output (a host read), so the two
+    # stages run one after the other: their times add up.
+    inside = (a2a * (1 - remote) + across) / (hw.intra_gbps * GB)
+    return inside + across / (hw.inter_gbps * GB), share
+
+
+# Pipeline schedules the search tries for pp > 1, with their virtual stages per rank.
+SEARCH_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2))
+
+
+def candidates(cfg, world_size: int, hw: Hardware, blocks: int = 0) -> list[dict]:
+    """Layouts to try: pipeline stages (pp and schedule; `blocks`: the model's trunk
+    blocks, which each stage needs one of), HSDP across nodes or not, cp, ep, micro-batch
+    (each a dict of `parallel`/`train` values); the checkpointing modes come with each
+    measurement, and a layout the model cannot take (ep not dividing its experts) is
+    dropped when measured."""
+    from parallelisms.dims import pipeline_micro_batches_needed
+
     node = hw.ranks_per_node
-    replicas = {1} | (
-        {world_size // node} if world_size > node and world_size % node == 0 else set()
-    )
     out = []
-    for rep in sorted(replicas):
-        shard_world = world_size // rep
-        for cp in (1, 2, 4, 8):
-            if cp > min(node, shard_world) or shard_world % cp or cfg.data.seq_len % (2 * cp):
-                continue
-            dp = world_size // cp
-            for ep in (1, 2, 4, 8, 16, 32, 64):
-                if ep > shard_world or shard_world % ep or not ep_fits_nodes(ep, node):
+    for pp in (1, 2, 4, 8, 16):
+        stage_world = world_size // pp
+        if world_size % pp or (pp > 1 and blocks < pp):
+            continue
+        schedules = [(s, v) for s, v in SEARCH_SCHEDULES if blocks >= pp * v] if pp > 1 else [("1F1B", 1)]  # fmt: skip
+        # NOTE: with pipeline stages, plain FSDP inside each and no ring: the search stays
+        # within its time (each stage cut and degree is measured afresh), and both are
+        # there to cut memory, which stages already divide.
+        replicas = {1} | ({stage_world // node} if pp == 1 and stage_world > node and stage_world % node == 0 else set())  # fmt: skip
+        for rep in sorted(replicas):
+            shard_world = stage_world // rep
+            for cp in (1, 2, 4, 8) if pp == 1 else (1,):
+                if cp > min(node, shard_world) or shard_world % cp or cfg.data.seq_len % (2 * cp):
                     continue
-                for mb in (1, 2, 4):
-                    if cfg.train.global_batch_size % (dp * mb):
+                dp = stage_world // cp
+                for ep in (1, 2, 4, 8, 16, 32, 64):
+                    if ep > shard_world or shard_world % ep or not ep_fits_nodes(ep, node):
                         continue
-                    out.append({"parallel": {"dp_replicate": rep, "dp_shard": shard_world // cp,
-                                             "cp": cp, "ep": ep},
-                                "train": {"micro_batch_size": mb}})  # fmt: skip
+                    for mb in (1, 2, 4):
+                        if cfg.train.global_batch_size % (dp * mb):
+                            continue
+                        n = cfg.train.global_batch_size // (dp * mb)
+                        for schedule, v in schedules:
+                            if pp > 1 and pipeline_micro_batches_needed(schedule, pp, n):
+                                continue
+                            staged = {"pp": pp, "pp_schedule": schedule, "pp_virtual_stages": v}
+                            out.append({"parallel": {"dp_replicate": rep, "dp_shard": shard_world // cp,
+                                                     "cp": cp, "ep": ep, **staged},
+                                        "train": {"micro_batch_size": mb}})  # fmt: skip
     return out
 
 
@@ -229,7 +258,7 @@ def run_search(
     from trainer.dry_run.layout_cost import MODES, Measured, measure_layout, peak_bytes
 
     flops = flops_per_token(cfg)
-    ranked, tried = [], candidates(cfg, world_size, hw)
+    ranked, tried = [], candidates(cfg, world_size, hw, _trunk_blocks(cfg))
     # Candidates share shardings (all micro-batch sizes) and traces (every degree but cp):
     # each is measured once (layout_cost.Measured).
     reuse = Measured()
@@ -244,6 +273,12 @@ def run_search(
             log(f"  [{i}/{len(tried)}] {cand['parallel']} skipped: {err}")
             continue
         for mode in MODES:
+            if (
+                trial.parallel.pp > 1
+                and mode != "none"
+                and trial.parallel.pp_schedule in V_SCHEDULES
+            ):
+                continue  # their split backward cannot replay a checkpointed block (config)
             trial.train.activation_checkpoint = mode
             peak = peak_bytes(layout, mode)
             if peak > budget:
@@ -257,6 +292,18 @@ def run_search(
         )
     ranked.sort(key=lambda r: -r["tokens_per_s"])
     return ranked
+
+
+def _trunk_blocks(cfg) -> int:
+    """The blocks pipeline stages are cut from (parallelisms.pipeline_split)."""
+    import torch
+
+    from models import get_model_spec
+    from parallelisms.pipeline_split import trunk_blocks
+
+    spec = get_model_spec(cfg.model.name)
+    with torch.device("meta"):
+        return len(trunk_blocks(spec.build(cfg.model.args), spec.plan))
 
 
 def flops_per_token(cfg) -> float:
@@ -279,12 +326,23 @@ def format_ranked(
     lines = [f"fastest layouts that fit ({hw.name}: {efficiency}, "
              f"{hw.intra_gbps:g} GB/s in a node, {hw.inter_gbps:g} GB/s across, "
              f"{hw.ranks_per_node} per node):",
-             "      tok/s     step s   compute       a2a   exposed  layout"]  # fmt: skip
+             "      tok/s     step s   compute       a2a   exposed    bubble  layout"]  # fmt: skip
     for r in ranked[:top]:
         lines.append(
             f"  {r['tokens_per_s']:>9,.0f}  {r['step_s']:9.3g} {r['compute_s']:9.3g} "
-            f"{r['comm_s']['ep_all_to_all']:9.3g} {r['exposed_background_s']:9.3g}  "
-            f"--parallel.dp_replicate={r['dp_replicate']} --parallel.dp_shard={r['dp_shard']} "
+            f"{r['comm_s']['ep_all_to_all']:9.3g} {r['exposed_background_s']:9.3g} "
+            f"{r.get('bubble_s', 0.0):9.3g}  "
+            + (
+                f"--parallel.pp={r['pp']} --parallel.pp_schedule={r['pp_schedule']} "
+                + (
+                    f"--parallel.pp_virtual_stages={r['pp_virtual_stages']} "
+                    if r["pp_schedule"] == "Interleaved1F1B"
+                    else ""
+                )
+                if r.get("pp", 1) > 1
+                else ""
+            )
+            + f"--parallel.dp_replicate={r['dp_replicate']} --parallel.dp_shard={r['dp_shard']} "
             f"--parallel.cp={r['cp']} --parallel.ep={r['ep']} "
             f"--train.micro_batch_size={r['micro_batch_size']} "
             f"--train.activation_checkpoint={r['activation_checkpoint']}"

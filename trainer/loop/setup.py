@@ -124,7 +124,7 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
             apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
         check_layout(model, spec.plan, dims)
     if dims.pp > 1:
-        _cut(cfg, spec, model)  # refuses a bad cut
+        pipeline_cut(cfg, spec, model)  # refuses a bad cut
         check_pipeline(
             dims.pp,
             cfg.parallel.pp_schedule,
@@ -194,7 +194,7 @@ def build_model(
     if meshes.pp is None:
         return model, shard(model)
     # Pipeline stages: cut the whole (meta) model, keep this rank's stages, shard each.
-    cut = _cut(cfg, spec, model)
+    cut = pipeline_cut(cfg, spec, model)
     mtp_depth = spec.loss_terms(cfg.model.args).mtp_depth
     local = cut.local(meshes.pp.get_local_rank())
     parallel = Parallelized(
@@ -221,7 +221,7 @@ def build_model(
     return LocalStages(parallel.stages, shared), parallel
 
 
-def _cut(cfg: JobConfig, spec: ModelSpec, model: nn.Module) -> PipelineCut:
+def pipeline_cut(cfg: JobConfig, spec: ModelSpec, model: nn.Module) -> PipelineCut:
     """The pipeline cut of the whole (meta) `model` for the config."""
     attention = spec.flops_per_token(model, cfg.data.seq_len).by_kind["attention"]
     mtp_depth = spec.loss_terms(cfg.model.args).mtp_depth
