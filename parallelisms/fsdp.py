@@ -58,7 +58,7 @@ def apply_fsdp(
                 reshard_after_forward=reshard_after_forward,
             )  # fmt: skip
             expert_units[fqn] = experts
-    blocks = match_modules(model, plan.blocks, "blocks")
+    blocks = match_modules(model, plan.blocks, "blocks", required)
     for _, block in blocks:
         fully_shard(
             block, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=reshard_after_forward

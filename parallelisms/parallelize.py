@@ -57,8 +57,9 @@ def parallelize(
     cores for ring attention, expert parallelism shards and wraps the routed experts,
     activation checkpointing (none | full | selective) wraps the blocks' forwards (compiled
     first if `compile`), FSDP2 shards the rest (`fsdp_gather`: parallel.fsdp_gather).
-    `stage`: `model` is one pipeline stage, which may hold no expert or attention module
-    (the whole model's plan was checked by `check_layout`)."""
+    `stage`: `model` is one pipeline stage (or the planner's piece of one), which may hold
+    no expert, attention module or block (the whole model's plan was checked by
+    `check_layout`)."""
     out = Parallelized()
     required = not stage
     if meshes.cp > 1:
@@ -74,7 +75,7 @@ def parallelize(
             )
     # NOTE: before FSDP (as torchtitan does); FSDP's hooks on a block run around its
     # checkpointed forward, not inside the replay.
-    blocks = match_modules(model, plan.blocks, "blocks")
+    blocks = match_modules(model, plan.blocks, "blocks", required)
     if compile:  # NOTE: inside checkpointing, not around it (see parallelisms/compile.py)
         apply_compile(blocks)
     apply_activation_checkpointing(blocks, activation_checkpoint)

@@ -1,4 +1,4 @@
-"""The planner's pipeline model (`trainer.dry_run.pipeline_cost`): torch's own orders of
+"""The planner's pipeline model (`trainer.dry_run.pipeline_schedule`): torch's own orders of
 actions, replayed, against the closed forms of the schedules' papers."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from parallelisms.dims import stage_rank, stages_per_rank
-from trainer.dry_run.pipeline_cost import held_peak, schedule_order, simulate
+from trainer.dry_run.pipeline_schedule import held_peak, schedule_order, simulate
 
 
 @pytest.fixture

@@ -66,7 +66,8 @@ def _units(model, plan, param_dtype, module_weight: dict[int, float]) -> list[Fs
     from parallelisms.plan import match_modules
 
     fp32 = {id(m) for _, m in match_modules(model, plan.fp32_modules, "fp32", required=False)}
-    blocks = [m for _, m in match_modules(model, plan.blocks, "blocks")]
+    # (a pipeline stage's piece may hold no block: trainer.dry_run.pipeline_cost)
+    blocks = [m for _, m in match_modules(model, plan.blocks, "blocks", required=False)]
     owner_block = {}
     for i, block in enumerate(blocks):
         for m in block.modules():
@@ -107,6 +108,7 @@ class Measured:
     stages: dict = field(default_factory=dict)  # pipeline stages (pipeline_cost._stage_shard)
     orders: dict = field(default_factory=dict)  # (schedule, pp, virtual, micro-batches) -> order
     meshes: dict = field(default_factory=dict)  # repr(dims) -> parallelisms.mesh.Meshes
+    cuts: dict = field(default_factory=dict)  # pipeline cuts and the meta model they cut
 
     def meshes_of(self, dims):
         from parallelisms.mesh import build_meshes
@@ -133,14 +135,14 @@ def measure_layout(cfg, world_size: int, modes=MODES, reuse: Measured | None = N
     # trade one for the other share one measurement.
     key = repr(sorted({**asdict(cfg.parallel), "dp_shard": dims.fsdp_size, "cp": 0}.items()))
     if key not in reuse.shards:
-        reuse.shards[key] = _shard(cfg, spec, dims, world_size)
+        reuse.shards[key] = _shard(cfg, spec, dims, world_size, reuse.meshes_of(dims))
     state, units = reuse.shards[key]
     grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
     activations = {}
     for mode in modes:
         at = (cfg.train.micro_batch_size, dims.cp, mode)
         if at not in reuse.traces:
-            reuse.traces[at] = _trace(cfg, spec, dims, mode, state.grads[0])
+            reuse.traces[at] = _trace(cfg, spec, dims, mode, state.grads[0], reuse.meshes_of(dims))
         activations[mode] = reuse.traces[at].at_grad_bytes(state.grads[0])
     any_trace = activations[modes[0]]
     return Layout(
@@ -166,7 +168,7 @@ def _measure_stages(cfg, spec, dims, modes, reuse: Measured) -> Layout:
     for mode in modes:
         at = (cfg.train.micro_batch_size, dims.cp, mode)
         if at not in reuse.traces:
-            reuse.traces[at] = _trace(cfg, spec, dims, mode, 0)
+            reuse.traces[at] = _trace(cfg, spec, dims, mode, 0, reuse.meshes_of(dims))
         traces[mode] = reuse.traces[at]
     pc = measure_pipeline(cfg, spec, dims, traces, reuse)
     state = ShardedState(
@@ -195,16 +197,14 @@ def _measure_stages(cfg, spec, dims, modes, reuse: Measured) -> Layout:
                   any_trace.top_k, pc)  # fmt: skip
 
 
-def _shard(cfg, spec, dims, world_size: int):
+def _shard(cfg, spec, dims, world_size: int, meshes):
     """(sharded state, FSDP units) of the real plan applied to the meta model."""
     import torch
 
-    from parallelisms.mesh import build_meshes
     from parallelisms.parallelize import parallelize
     from trainer.dry_run.footprint import sample_blocks
     from trainer.loop.peft import apply_lora
 
-    meshes = build_meshes(dims, "cpu")
     param_dtype = _param_dtype(cfg)
     with torch.device("meta"):
         model = spec.build(cfg.model.args)
@@ -284,13 +284,12 @@ def _comm(units: list[FsdpUnit], dims, grad_accum: int, trace) -> dict:
     }
 
 
-def _trace(cfg, spec, dims, mode: str, sharded_grad_bytes: int):
+def _trace(cfg, spec, dims, mode: str, sharded_grad_bytes: int, meshes):
     """One micro-batch of the plain model at this rank's local shapes, with `mode`."""
     import torch
 
     from models.common.moe import MoEOptions
     from parallelisms.activation_checkpoint import apply_activation_checkpointing
-    from parallelisms.mesh import build_meshes
     from parallelisms.plan import match_modules
     from trainer.data.batch import Batch
     from trainer.dry_run.footprint import sample_blocks, trace_step
@@ -323,7 +322,7 @@ def _trace(cfg, spec, dims, mode: str, sharded_grad_bytes: int):
         batch = losses.with_mtp_targets(batch, terms.mtp_depth)
     grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
     step_loss = losses.StepLoss(
-        terms, losses.BalanceTerms.of(cfg.moe), dims, build_meshes(dims, "cpu").world.get_group("cp"),
+        terms, losses.BalanceTerms.of(cfg.moe), dims, meshes.world.get_group("cp"),
         cfg.train.global_batch_size, grad_accum, torch.device("meta"),
     )  # fmt: skip
 

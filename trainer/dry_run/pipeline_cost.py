@@ -2,10 +2,11 @@
 activations its schedule keeps in flight, the point-to-point bytes, and a step's time with
 its bubble (`trainer.dry_run.layout_cost` measures, `trainer.dry_run.search` estimates).
 
-- State: the trainer's own cut (`trainer.loop.setup.pipeline_cut`); each stage pruned from
-  the meta model and sharded by the real plan (`parallelize(..., stage=True)`) over the
-  fake process group. A pp rank holds the sum of its stages. Stages with the same blocks,
-  the same ends (embedding, head) and the same degrees are measured once.
+- State: the trainer's own cut (`trainer.loop.setup.pipeline_cut`); a stage's shards are
+  the sum of its pieces' (each trunk block, the embedding on the first stage, the head on
+  the last), each piece pruned from the meta model into a stage of its own and sharded by
+  the real plan (`parallelize(..., stage=True)`) over the fake process group, once per set
+  of degrees. A pp rank holds the sum of its stages.
 - FSDP inside a stage: torch's schedules run every backward but the last without gradient
   sync, and a stage keeps its units gathered (`stage=True`). So every unit's gathered
   parameters and unsharded fp32 gradients live through the step, and each unit is
@@ -13,13 +14,13 @@ its bubble (`trainer.dry_run.layout_cost` measures, `trainer.dry_run.search` est
 - Activations: a stage holds what its blocks save per micro-batch (the whole model's
   trace, per block structure; the last stage also what the head and the loss save), once
   per micro-batch it holds, counted along its rank's actions in torch's own order
-  (`schedule_order`): from the forward to the backward (split backward: to the weight
-  backward, which still reads the layers' inputs). On top, one micro-batch's backward
+  (`trainer.dry_run.pipeline_schedule`): from the forward to the backward (split
+  backward: to the weight backward, which still reads the layers' inputs). On top, one micro-batch's backward
   transient, the whole model's (an upper bound for stages without the head).
 - P2P: each stage boundary between two ranks carries every micro-batch's hidden states
   forward and their gradient back (one shape, in the compute dtype).
-- Time (`simulate`): every rank's actions replayed in order. An action starts when its
-  rank is free and its input is in: a forward after the previous stage's forward, a
+- Time (`pipeline_schedule.simulate`): every rank's actions replayed in order. An action
+  starts when its rank is free and its input is in: a forward after the previous stage's forward, a
   backward after the next stage's, plus a send's time between two ranks. A forward takes
   a third of the stage's training compute, the backward two thirds (the zero-bubble
   schedules split it evenly into input and weight backward; `full` checkpointing's replay
@@ -33,11 +34,6 @@ its bubble (`trainer.dry_run.layout_cost` measures, `trainer.dry_run.search` est
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-# An action: (kind, stage, micro-batch) with kind F (forward), B (full backward), I (input
-# backward), W (weight backward); or ("FB", (forward action, backward action)): DualPipeV
-# running a forward and a backward of two chunks as one.
-Action = tuple
 
 
 @dataclass
@@ -72,188 +68,98 @@ class PipelineCost:
         return self.ranks[global_rank // stage_ranks]
 
 
-def schedule_order(schedule: str, pp: int, virtual: int, micro_batches: int) -> dict:
-    """pp rank -> its compute actions, in the order torch's schedule runs them (built over
-    placeholder stages on a group of the fake process group: only the order is read)."""
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.pipelining import PipelineStage
+@dataclass
+class _Cut:
+    """What a layout's cut gives, whatever its micro-batch and degrees."""
 
-    from parallelisms.dims import stage_rank, stages_per_rank
-    from parallelisms.pipeline import SCHEDULE_CLASSES
-
-    if schedule == "1F1B":
-        return {r: _one_f_one_b(r, pp, micro_batches) for r in range(pp)}
-    num_stages = pp * stages_per_rank(schedule, virtual)
-    group = dist.new_group(list(range(pp)))
-    x = torch.empty(1, 1, device="meta")
-    stages = [
-        PipelineStage(nn.Identity(), s, num_stages, torch.device("cpu"), x, x, group=group)
-        for s in range(num_stages)
-        if stage_rank(s, pp, schedule) == 0
-    ]
-    built = SCHEDULE_CLASSES[schedule](stages, micro_batches, scale_grads=False)
-    computes = ("F", "B", "I", "W", "OVERLAP_F_B")
-    return {
-        r: [_plain(a) for a in acts if a is not None and a.computation_type.value in computes]
-        for r, acts in built.pipeline_order.items()
-    }
+    model: object  # the whole meta model
+    cut: object  # parallelisms.pipeline_build.PipelineCut
+    structures: list  # stage -> its trunk blocks' structures
+    flops: list  # stage -> its training FLOPs per token
+    moe: list  # stage -> its MoE layers
+    cores: list  # stage -> its attention cores
 
 
-def _one_f_one_b(rank: int, pp: int, n: int) -> list[Action]:
-    """Schedule1F1B's order as its runtime runs it (its `_get_pipeline_order`, a display
-    aid, numbers later ranks' micro-batches from 1): min(n, pp - rank) forwards, then a
-    backward and a forward in turn, then the backwards left."""
-    warmup = min(n, pp - rank)
-    out: list[Action] = [("F", rank, m) for m in range(warmup)]
-    for m in range(n):
-        out.append(("B", rank, m))
-        if warmup + m < n:
-            out.append(("F", rank, warmup + m))
-    return out
-
-
-def _plain(action) -> Action:
-    if action.sub_actions:
-        return ("FB", tuple(_plain(a) for a in action.sub_actions))
-    return (action.computation_type.value, action.stage_index, action.microbatch_index)
-
-
-def _steps(action: Action) -> tuple:
-    return action[1] if action[0] == "FB" else (action,)
-
-
-def held_peak(actions: list[Action], saved: list[float]) -> float:
-    """The most activation bytes a rank's actions hold at once: a micro-batch's stage
-    saves `saved[stage]` at its forward and frees it at its full or weight backward."""
-    held = peak = 0.0
-    for action in actions:
-        for kind, stage, _ in _steps(action):
-            if kind == "F":
-                held += saved[stage]
-                peak = max(peak, held)
-            elif kind in ("B", "W"):
-                held -= saved[stage]
-    return peak
-
-
-def simulate(
-    order: dict, rank_of: list[int], durations: dict[str, list[float]], p2p_s: float
-) -> tuple[float, list[float]]:
-    """(the step's span, each pp rank's busy time): every rank runs its actions in order,
-    each as soon as the rank is free and its input has arrived. `durations`: kind ->
-    stage -> seconds; `p2p_s`: one send between two ranks."""
-    last = len(rank_of) - 1
-    done: dict[tuple, float] = {}  # (kind, stage, mb) -> end; ("G", s, mb): input grad out
-
-    def hop(frm: int, to: int) -> float:
-        return p2p_s if rank_of[frm] != rank_of[to] else 0.0
-
-    def ready(kind: str, s: int, m: int) -> float | None:
-        if kind == "F":
-            if s == 0:
-                return 0.0
-            t = done.get(("F", s - 1, m))
-            return None if t is None else t + hop(s - 1, s)
-        if kind == "W":
-            return done.get(("I", s, m))
-        t = done.get(("F", s, m))  # B or I
-        if t is None or s == last:
-            return t
-        g = done.get(("G", s + 1, m))
-        return None if g is None else max(t, g + hop(s + 1, s))
-
-    ranks = sorted(order)
-    at, free, busy = dict.fromkeys(ranks, 0), dict.fromkeys(ranks, 0.0), dict.fromkeys(ranks, 0.0)
-    left = sum(len(a) for a in order.values())
-    while left:
-        moved = False
-        for r in ranks:
-            actions = order[r]
-            while at[r] < len(actions):
-                steps = _steps(actions[at[r]])
-                times = [ready(*s) for s in steps]
-                if any(t is None for t in times):
-                    break
-                took = sum(durations[kind][s] for kind, s, _ in steps)
-                end = max(free[r], *times) + took
-                for kind, s, m in steps:
-                    done[(kind, s, m)] = end
-                    if kind in ("B", "I"):
-                        done[("G", s, m)] = end
-                free[r], busy[r] = end, busy[r] + took
-                at[r] += 1
-                left -= 1
-                moved = True
-        if not moved:
-            raise RuntimeError("the pipeline order waits on itself (a torch schedule changed?)")
-    return max(free.values()), [busy[r] for r in ranks]
-
-
-def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
-    """The pipeline part of `layout_cost.measure_layout`; `traces`: mode -> the whole
-    model's StepTrace at this layout's local shapes; `reuse`: layout_cost.Measured."""
+def _cut_of(cfg, spec, reuse) -> _Cut:
+    """The cut of the config's model for its [parallel] section, once per search."""
     import torch
 
-    from parallelisms.dims import stage_rank
-    from parallelisms.pipeline_build import example_inputs
     from parallelisms.pipeline_split import stage_costs, trunk_blocks
     from parallelisms.plan import match_modules
     from trainer.dry_run.footprint import block_structure
-    from trainer.dry_run.layout_cost import _param_dtype
     from trainer.loop.peft import apply_lora
     from trainer.loop.setup import pipeline_cut
 
     p, plan = cfg.parallel, spec.plan
-    with torch.device("meta"):
-        model = spec.build(cfg.model.args)
-        if cfg.peft.method == "lora":
-            apply_lora(model, plan, cfg.peft, cfg.model.name)
+    key = (p.pp, p.pp_schedule, p.pp_virtual_stages, tuple(p.pp_layers or ()))
+    if key in reuse.cuts:
+        return reuse.cuts[key]
+    model = reuse.cuts.get("model")
+    if model is None:
+        with torch.device("meta"):
+            model = spec.build(cfg.model.args)
+            if cfg.peft.method == "lora":
+                apply_lora(model, plan, cfg.peft, cfg.model.name)
+        reuse.cuts["model"] = model
     cut = pipeline_cut(cfg, spec, model)
-    n = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
-    key = (p.pp_schedule, p.pp, p.pp_virtual_stages, n)
-    if key not in reuse.orders:
-        reuse.orders[key] = schedule_order(*key)
-    order = reuse.orders[key]
     S = cut.num_stages
-    rank_of = [stage_rank(s, p.pp, p.pp_schedule) for s in range(S)]
-
-    # per stage: FLOPs, MoE layers, attention cores, saved bytes
     trunk = dict(trunk_blocks(model, plan))
     heads = [f for f, _ in match_modules(model, plan.head, "head", required=False)]
 
-    def count(pattern, what: str, inside: list[str]) -> int:
+    def count(pattern, what: str, s: int) -> int:
+        inside = cut.blocks[s] + (heads if s == S - 1 else [])
         if pattern is None:
             return 0
         found = [f for f, _ in match_modules(model, pattern, what, required=False)]
         return sum(1 for f in found if any(f == i or f.startswith(i + ".") for i in inside))
-
-    def parts(s: int) -> list[str]:
-        return cut.blocks[s] + (heads if s == S - 1 else [])
 
     attention = spec.flops_per_token(model, cfg.data.seq_len).by_kind["attention"]
     costs = stage_costs(model, plan, attention)
     block_flops = dict(zip(trunk, costs.blocks, strict=True))
     flops = [sum(block_flops[f] for f in cut.blocks[s]) for s in range(S)]
     flops[-1] += costs.last
-    moe = [count(plan.routed_experts, "routed_experts", parts(s)) for s in range(S)]
-    cores = [count(plan.attention_core, "attention_core", parts(s)) for s in range(S)]
+    reuse.cuts[key] = _Cut(
+        model,
+        cut,
+        [[block_structure(trunk[f]) for f in cut.blocks[s]] for s in range(S)],
+        flops,
+        [count(plan.routed_experts, "routed_experts", s) for s in range(S)],
+        [count(plan.attention_core, "attention_core", s) for s in range(S)],
+    )
+    return reuse.cuts[key]
+
+
+def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
+    """The pipeline part of `layout_cost.measure_layout`; `traces`: mode -> the whole
+    model's StepTrace at this layout's local shapes; `reuse`: layout_cost.Measured."""
+    from parallelisms.dims import stage_rank
+    from parallelisms.pipeline_build import example_inputs
+    from trainer.dry_run.layout_cost import _param_dtype
+    from trainer.dry_run.pipeline_schedule import held_peak, schedule_order
+
+    p = cfg.parallel
+    c = _cut_of(cfg, spec, reuse)
+    cut, S = c.cut, c.cut.num_stages
+    n = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
+    key = (p.pp_schedule, p.pp, p.pp_virtual_stages, n)
+    if key not in reuse.orders:
+        reuse.orders[key] = schedule_order(*key)
+    order = reuse.orders[key]
+    rank_of = [stage_rank(s, p.pp, p.pp_schedule) for s in range(S)]
     saved, transient, activations = {}, {}, {}
     for mode, trace in traces.items():
-        per = [sum(trace.saved_by_structure.get(block_structure(trunk[f]), 0.0) for f in cut.blocks[s]) for s in range(S)]  # fmt: skip
+        per = [sum(trace.saved_by_structure.get(k, 0.0) for k in ks) for ks in c.structures]
         per[-1] += max(0.0, trace.saved_after_forward - sum(per))  # the head, MTP, loss
         saved[mode] = per
         transient[mode] = max(0, trace.activations - trace.saved_after_forward)
         activations[mode] = [int(held_peak(order[r], per)) + transient[mode] for r in range(p.pp)]
-
-    dtype = _param_dtype(cfg)
-    _, h, _ = example_inputs(model, cfg.train.micro_batch_size, cfg.data.seq_len // dims.cp, dtype)
+    seq = cfg.data.seq_len // dims.cp
+    _, h, _ = example_inputs(c.model, cfg.train.micro_batch_size, seq, _param_dtype(cfg))
     hidden = h.numel() * h.element_size()
     ranks = []
     for r in range(p.pp):
         local = cut.local(r)
-        parts_r = [_stage_shard(cfg, spec, model, cut, s, dims, reuse) for s in local]
+        parts_r = [_stage_shard(cfg, spec, c.model, cut, s, dims, reuse) for s in local]
         sends = sum((s < S - 1 and rank_of[s + 1] != r) + (s > 0 and rank_of[s - 1] != r) for s in local)  # fmt: skip
         ranks.append(
             RankStages(
@@ -268,8 +174,8 @@ def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
     total = lambda xs: max(sum(xs), 1)  # noqa: E731
     return PipelineCost(
         p.pp_schedule, p.pp, n, rank_of,
-        [f / total(flops) for f in flops], [m / total(moe) for m in moe],
-        [c / total(cores) for c in cores], saved, transient, activations, hidden, ranks, order,
+        [f / total(c.flops) for f in c.flops], [m / total(c.moe) for m in c.moe],
+        [x / total(c.cores) for x in c.cores], saved, transient, activations, hidden, ranks, order,
     )  # fmt: skip
 
 
@@ -285,35 +191,71 @@ def _sum_states(states: list):
 
 
 def _stage_shard(cfg, spec, model, cut, index: int, dims, reuse) -> tuple:
-    """(sharded state, step buffers, gathered, reduced bytes) of stage `index`, measured
-    once per (degrees, blocks, ends)."""
+    """(sharded state, step buffers, gathered, reduced bytes) of stage `index`: the sum of
+    its pieces, each trunk block and its ends (the embedding on the first stage, the head
+    on the last), each piece measured once per degrees.
+
+    NOTE: FSDP2 shards and pads every parameter on its own and the optimizer keeps state
+    per parameter, so a stage's shards are exactly the sum of its pieces' (the update's
+    temporaries are summed too: an estimate). Pieces repeat across stages, cuts and
+    schedules: a search measures a block structure once per set of degrees."""
+    from collections import Counter
+
+    from parallelisms.pipeline_build import PipelineCut
+    from trainer.dry_run.footprint import block_structure
+
+    key = ("stage", repr(dims), tuple(cut.blocks[index]), index, cut.num_stages, cut.embedding_on_last)  # fmt: skip
+    if key in reuse.stages:
+        return reuse.stages[key]
+    structures = Counter(block_structure(model.get_submodule(f)) for f in cut.blocks[index])
+    first_of = {}
+    for f in cut.blocks[index]:
+        first_of.setdefault(block_structure(model.get_submodule(f)), f)
+    pieces = [
+        (PipelineCut([[], [first_of[k]], []], cut.schedule, cut.pp), 1, ("block", k), n)
+        for k, n in structures.items()
+    ]
+    ends = PipelineCut([[], []], cut.schedule, cut.pp, cut.embedding_on_last)
+    if index == 0:
+        pieces.append((ends, 0, ("first",), 1))
+    if index == cut.num_stages - 1:
+        pieces.append((ends, 1, ("last", cut.embedding_on_last), 1))
+    measured = [(_piece(cfg, spec, model, c, i, what, dims, reuse), n) for c, i, what, n in pieces]
+    state = _sum_states([_scaled(m[0], n) for m, n in measured])
+    gathered = sum(m[1] * n for m, n in measured)
+    reduced = sum(m[2] * n for m, n in measured)
+    reuse.stages[key] = (state, gathered + reduced, gathered, reduced)
+    return reuse.stages[key]
+
+
+def _piece(cfg, spec, model, cut, index: int, what: tuple, dims, reuse) -> tuple:
+    """(sharded state, gathered, reduced bytes) of stage `index` of a cut made to hold one
+    piece (`what` names it in the cache)."""
     from dataclasses import asdict
 
     from parallelisms.parallelize import parallelize
     from parallelisms.pipeline_build import stage_module
-    from trainer.dry_run.footprint import block_structure, sample_blocks
     from trainer.dry_run.layout_cost import _param_dtype, sharded_model
 
-    S = cut.num_stages
-    first, last = index == 0, index == S - 1
     pipeline_keys = ("pp", "pp_schedule", "pp_virtual_stages", "pp_layers")
     degrees = {k: v for k, v in asdict(cfg.parallel).items() if k not in pipeline_keys}
     degrees.update(dp_shard=dims.fsdp_size, cp=0, stage_ranks=dims.stage_ranks)
-    structure = tuple(block_structure(model.get_submodule(f)) for f in cut.blocks[index])
-    key = repr((sorted(degrees.items()), structure, first, last, last and cut.embedding_on_last))
-    if key in reuse.stages:
-        return reuse.stages[key]
-    param_dtype = _param_dtype(cfg)
-    stage = stage_module(model, spec.plan, cut, index)
-    sampled = sample_blocks(stage, spec.plan)
-    parallelize(stage, spec.plan, reuse.meshes_of(dims), param_dtype, cp_zigzag=True, stage=True)
-    state, units = sharded_model(
-        stage, spec.plan, cfg.train, param_dtype, sampled, dims.stage_ranks
-    )
-    gathered = int(sum(u.gathered * u.weight for u in units))
-    reduced = int(sum(u.grads * u.weight for u in units))
-    reuse.stages[key] = (state, gathered + reduced, gathered, reduced)
+    key = repr((sorted(degrees.items()), what))
+    if key not in reuse.stages:
+        param_dtype = _param_dtype(cfg)
+        stage = stage_module(model, spec.plan, cut, index)
+        parallelize(stage, spec.plan, reuse.meshes_of(dims), param_dtype, stage=True)
+        state, units = sharded_model(stage, spec.plan, cfg.train, param_dtype, [], dims.stage_ranks)  # fmt: skip
+        gathered = int(sum(u.gathered * u.weight for u in units))
+        reduced = int(sum(u.grads * u.weight for u in units))
+        reuse.stages[key] = (state, gathered, reduced)
     return reuse.stages[key]
+
+
+def _scaled(state, n: int):
+    from trainer.dry_run.footprint import ShardedState
+
+    return ShardedState(*([v * n for v in getattr(state, f)] for f in ("params", "grads", "optimizer", "update")))  # fmt: skip
 
 
 def pipeline_step(layout, mode: str, compute_s: float, seconds: dict, hw) -> tuple[float, dict]:
@@ -321,6 +263,7 @@ def pipeline_step(layout, mode: str, compute_s: float, seconds: dict, hw) -> tup
     `compute_s`: the training compute of a rank's share of the step as if the ranks were
     one stage group each (search.estimate's, replay included); `seconds`: its collective
     times (FSDP's are once per step here)."""
+    from trainer.dry_run.pipeline_schedule import simulate
     from trainer.dry_run.search import GB, _link, a2a_seconds
 
     pc, dims = layout.pipeline, layout.dims
