@@ -180,7 +180,8 @@ def format_report(r: dict) -> str:
             lines.append(f"{i:<8} {','.join(map(str, q['stages'])):<10} {acts:<44} "
                          f"{q['p2p_bytes'] / unit:.2f} {name}")  # fmt: skip
         lines.append("(under pp, FSDP keeps a stage's units gathered and its gradients "
-                     "unsharded through the step, and gathers and reduces once per step)")  # fmt: skip
+                     "unsharded through the step, and gathers and reduces once per step: "
+                     "parallel.fsdp_gather does not apply)")  # fmt: skip
     c = r["per_step"]
     lines += [
         "",
@@ -192,7 +193,7 @@ def format_report(r: dict) -> str:
         f"{c['cp_ring'] / unit:.2f}",
     ]
     f = r["fsdp_gather"]
-    for mode, label in (("micro_batch", "per micro-batch"), ("step", "once per step")):
+    for mode, label in () if pipe else (("micro_batch", "per micro-batch"), ("step", "once per step")):  # fmt: skip
         o = f[mode]
         mark = "  <- configured" if mode == f["configured"] else ""
         mark += "  <- pick" if f.get("pick") == mode else ""
