@@ -130,20 +130,12 @@ def measure_layout(cfg, world_size: int, modes=MODES, reuse: Measured | None = N
     spec = get_model_spec(cfg.model.name)
     if dims.pp > 1:
         return _measure_stages(cfg, spec, dims, modes, reuse)
-    # NOTE: the shards depend on dp_shard and cp only through their product, the FSDP group
-    # (the fsdp mesh dim flattens them in rank order: parallelisms.mesh), so layouts that
-    # trade one for the other share one measurement.
-    key = repr(sorted({**asdict(cfg.parallel), "dp_shard": dims.fsdp_size, "cp": 0}.items()))
+    key = repr(shard_key(cfg, dims))
     if key not in reuse.shards:
         reuse.shards[key] = _shard(cfg, spec, dims, world_size, reuse.meshes_of(dims))
     state, units = reuse.shards[key]
     grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
-    activations = {}
-    for mode in modes:
-        at = (cfg.train.micro_batch_size, dims.cp, mode)
-        if at not in reuse.traces:
-            reuse.traces[at] = _trace(cfg, spec, dims, mode, state.grads[0], reuse.meshes_of(dims))
-        activations[mode] = reuse.traces[at].at_grad_bytes(state.grads[0])
+    activations = {m: t.at_grad_bytes(state.grads[0]) for m, t in _traces(cfg, spec, dims, modes, reuse).items()}  # fmt: skip
     any_trace = activations[modes[0]]
     return Layout(
         cfg,
@@ -158,18 +150,38 @@ def measure_layout(cfg, world_size: int, modes=MODES, reuse: Measured | None = N
     )
 
 
+def _traces(cfg, spec, dims, modes, reuse: Measured) -> dict:
+    """mode -> the trace of one micro-batch at this layout's local shapes, each traced once
+    per (micro-batch, cp, mode); priced at no gradient bytes (`at_grad_bytes` re-prices)."""
+    out = {}
+    for mode in modes:
+        at = (cfg.train.micro_batch_size, dims.cp, mode)
+        if at not in reuse.traces:
+            reuse.traces[at] = _trace(cfg, spec, dims, mode, 0, reuse.meshes_of(dims))
+        out[mode] = reuse.traces[at]
+    return out
+
+
+def shard_key(cfg, dims) -> list:
+    """What a model's (or a stage piece's) shards depend on: the [parallel] degrees.
+
+    NOTE: they depend on dp_shard and cp only through their product, the FSDP group (the
+    fsdp mesh dim flattens them in rank order: parallelisms.mesh), so layouts that trade
+    one for the other share one measurement; and not on the pipeline's schedule or cut
+    (its ranks per stage stand for `pp`)."""
+    staged = ("pp", "pp_schedule", "pp_virtual_stages", "pp_layers")
+    degrees = {k: v for k, v in asdict(cfg.parallel).items() if k not in staged}
+    degrees.update(dp_shard=dims.fsdp_size, cp=0, stage_ranks=dims.stage_ranks)
+    return sorted(degrees.items())
+
+
 def _measure_stages(cfg, spec, dims, modes, reuse: Measured) -> Layout:
     """measure_layout under pipeline stages: the whole model's traces (stages take their
     blocks' part of them), each pp rank's stages sharded (trainer.dry_run.pipeline_cost)."""
     from trainer.dry_run.footprint import ShardedState
     from trainer.dry_run.pipeline_cost import measure_pipeline
 
-    traces = {}
-    for mode in modes:
-        at = (cfg.train.micro_batch_size, dims.cp, mode)
-        if at not in reuse.traces:
-            reuse.traces[at] = _trace(cfg, spec, dims, mode, 0, reuse.meshes_of(dims))
-        traces[mode] = reuse.traces[at]
+    traces = _traces(cfg, spec, dims, modes, reuse)
     pc = measure_pipeline(cfg, spec, dims, traces, reuse)
     state = ShardedState(
         *([v for r in pc.ranks for v in getattr(r.state, f)] for f in ("params", "grads", "optimizer", "update"))
@@ -348,9 +360,9 @@ def step_bytes(layout: Layout, mode: str, rank: int = 0, gather: str | None = No
     trace = layout.activations[mode]
     pc = layout.pipeline
     if pc is not None:  # the rank's stages: their micro-batches in flight, all units gathered
-        stages = pc.rank(rank, layout.dims.stage_ranks)
         pp_rank = rank // layout.dims.stage_ranks
-        return pc.activations[mode][pp_rank] + layout.state.grads[rank] + stages.step_buffers
+        held = pc.ranks[pp_rank].step_buffers
+        return pc.activations[mode][pp_rank] + layout.state.grads[rank] + held
     if (gather or layout.cfg.parallel.fsdp_gather) == "step":
         return trace.activations + layout.fsdp_step_buffers
     if layout.comm["micro_batches"] > 1:

@@ -64,9 +64,6 @@ class PipelineCost:
     ranks: list[RankStages]
     order: dict  # pp rank -> its actions
 
-    def rank(self, global_rank: int, stage_ranks: int) -> RankStages:
-        return self.ranks[global_rank // stage_ranks]
-
 
 @dataclass
 class _Cut:
@@ -159,12 +156,12 @@ def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
     ranks = []
     for r in range(p.pp):
         local = cut.local(r)
-        parts_r = [_stage_shard(cfg, spec, c.model, cut, s, dims, reuse) for s in local]
+        parts_r = [_stage_shard(cfg, spec, c, s, dims, reuse) for s in local]
         sends = sum((s < S - 1 and rank_of[s + 1] != r) + (s > 0 and rank_of[s - 1] != r) for s in local)  # fmt: skip
         ranks.append(
             RankStages(
                 local,
-                _sum_states([q[0] for q in parts_r]),
+                _sum_states([(q[0], 1) for q in parts_r]),
                 sum(q[1] for q in parts_r),
                 sum(q[2] for q in parts_r),
                 sum(q[3] for q in parts_r),
@@ -179,21 +176,24 @@ def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
     )  # fmt: skip
 
 
-def _sum_states(states: list):
+def _sum_states(parts: list) -> object:
+    """The elementwise sum of (footprint.ShardedState, how many times it counts) pairs."""
+    from dataclasses import fields
+
     from trainer.dry_run.footprint import ShardedState
 
     return ShardedState(
         *(
-            [sum(col) for col in zip(*(getattr(s, f) for s in states), strict=True)]
-            for f in ("params", "grads", "optimizer", "update")
+            [sum(col) for col in zip(*([v * n for v in getattr(s, f.name)] for s, n in parts), strict=True)]
+            for f in fields(ShardedState)
         )
-    )
+    )  # fmt: skip
 
 
-def _stage_shard(cfg, spec, model, cut, index: int, dims, reuse) -> tuple:
-    """(sharded state, step buffers, gathered, reduced bytes) of stage `index`: the sum of
-    its pieces, each trunk block and its ends (the embedding on the first stage, the head
-    on the last), each piece measured once per degrees.
+def _stage_shard(cfg, spec, c: _Cut, index: int, dims, reuse) -> tuple:
+    """(sharded state, step buffers, gathered, reduced bytes) of stage `index` of cut `c`:
+    the sum of its pieces, each trunk block and its ends (the embedding on the first
+    stage, the head on the last), each piece measured once per degrees.
 
     NOTE: FSDP2 shards and pads every parameter on its own and the optimizer keeps state
     per parameter, so a stage's shards are exactly the sum of its pieces' (the update's
@@ -202,26 +202,28 @@ def _stage_shard(cfg, spec, model, cut, index: int, dims, reuse) -> tuple:
     from collections import Counter
 
     from parallelisms.pipeline_build import PipelineCut
-    from trainer.dry_run.footprint import block_structure
 
+    cut = c.cut
     key = ("stage", repr(dims), tuple(cut.blocks[index]), index, cut.num_stages, cut.embedding_on_last)  # fmt: skip
     if key in reuse.stages:
         return reuse.stages[key]
-    structures = Counter(block_structure(model.get_submodule(f)) for f in cut.blocks[index])
-    first_of = {}
-    for f in cut.blocks[index]:
-        first_of.setdefault(block_structure(model.get_submodule(f)), f)
+    counts = Counter(c.structures[index])
+    first_of = {}  # structure -> the stage's first block of it, the one measured
+    for fqn, structure in zip(cut.blocks[index], c.structures[index], strict=True):
+        first_of.setdefault(structure, fqn)
     pieces = [
         (PipelineCut([[], [first_of[k]], []], cut.schedule, cut.pp), 1, ("block", k), n)
-        for k, n in structures.items()
+        for k, n in counts.items()
     ]
     ends = PipelineCut([[], []], cut.schedule, cut.pp, cut.embedding_on_last)
     if index == 0:
         pieces.append((ends, 0, ("first",), 1))
     if index == cut.num_stages - 1:
         pieces.append((ends, 1, ("last", cut.embedding_on_last), 1))
-    measured = [(_piece(cfg, spec, model, c, i, what, dims, reuse), n) for c, i, what, n in pieces]
-    state = _sum_states([_scaled(m[0], n) for m, n in measured])
+    measured = [
+        (_piece(cfg, spec, c.model, p, i, what, dims, reuse), n) for p, i, what, n in pieces
+    ]
+    state = _sum_states([(m[0], n) for m, n in measured])
     gathered = sum(m[1] * n for m, n in measured)
     reduced = sum(m[2] * n for m, n in measured)
     reuse.stages[key] = (state, gathered + reduced, gathered, reduced)
@@ -231,16 +233,11 @@ def _stage_shard(cfg, spec, model, cut, index: int, dims, reuse) -> tuple:
 def _piece(cfg, spec, model, cut, index: int, what: tuple, dims, reuse) -> tuple:
     """(sharded state, gathered, reduced bytes) of stage `index` of a cut made to hold one
     piece (`what` names it in the cache)."""
-    from dataclasses import asdict
-
     from parallelisms.parallelize import parallelize
     from parallelisms.pipeline_build import stage_module
-    from trainer.dry_run.layout_cost import _param_dtype, sharded_model
+    from trainer.dry_run.layout_cost import _param_dtype, shard_key, sharded_model
 
-    pipeline_keys = ("pp", "pp_schedule", "pp_virtual_stages", "pp_layers")
-    degrees = {k: v for k, v in asdict(cfg.parallel).items() if k not in pipeline_keys}
-    degrees.update(dp_shard=dims.fsdp_size, cp=0, stage_ranks=dims.stage_ranks)
-    key = repr((sorted(degrees.items()), what))
+    key = repr((shard_key(cfg, dims), what))
     if key not in reuse.stages:
         param_dtype = _param_dtype(cfg)
         stage = stage_module(model, spec.plan, cut, index)
@@ -250,12 +247,6 @@ def _piece(cfg, spec, model, cut, index: int, what: tuple, dims, reuse) -> tuple
         reduced = int(sum(u.grads * u.weight for u in units))
         reuse.stages[key] = (state, gathered, reduced)
     return reuse.stages[key]
-
-
-def _scaled(state, n: int):
-    from trainer.dry_run.footprint import ShardedState
-
-    return ShardedState(*([v * n for v in getattr(state, f)] for f in ("params", "grads", "optimizer", "update")))  # fmt: skip
 
 
 def pipeline_step(layout, mode: str, compute_s: float, seconds: dict, hw) -> tuple[float, dict]:
