@@ -145,6 +145,12 @@ def test_refusals_of_a_real_launch_apply():
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert run.returncode == 2 and "--world-size" in run.stderr
+    run = subprocess.run(
+        [sys.executable, "-m", "trainer.dry_run", "--world-size=4", "--config", CONFIG,
+         "--search", "--workers=some"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 2 and "--workers 'some'" in run.stderr, run.stderr
     # an ep group of 4 ranks straddling the planned nodes of 6 (12 ranks in all)
     run = subprocess.run(
         [sys.executable, "-m", "trainer.dry_run", "--world-size=12", "--config", CONFIG,

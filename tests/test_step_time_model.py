@@ -247,13 +247,14 @@ def _reuse_worker(_rank: int, _world_size: int, out: str) -> None:
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     hw = dataclasses.replace(PRESETS["h100"], ranks_per_node=2)
-    reuse, figures = Measured(), []
+    reuse, figures, trials = Measured(), [], []
     tried = candidates(cfg, 4, hw)
     for cand in tried:
         trial = copy.deepcopy(cfg)
         for section, values in cand.items():
             for key, value in values.items():
                 setattr(getattr(trial, section), key, value)
+        trials.append(trial)
         before = len(reuse.shards)
         shared = measure_layout(trial, 4, reuse=reuse)
         # Measured afresh anyway, or a plain reuse (cp 1): the cp splits are the riskiest.
@@ -267,7 +268,31 @@ def _reuse_worker(_rank: int, _world_size: int, out: str) -> None:
         ])  # fmt: skip
     with open(out, "w") as f:
         json.dump({"figures": figures, "candidates": len(tried), "shards": len(reuse.shards),
-                   "traces": len(reuse.traces)}, f)  # fmt: skip
+                   "traces": len(reuse.traces), "pooled": _pooled(trials, reuse)}, f)  # fmt: skip
+
+
+def _pooled(trials: list, reuse) -> dict:
+    """The search's traces and whole-model shardings measured again, part in a worker
+    process and part taken back into this one (trainer.dry_run.workers): whether each
+    equals this process's own, and where they ran."""
+    from trainer.dry_run.layout_cost import Measured
+    from trainer.dry_run.workers import SearchPool, resolved, search_jobs
+
+    pooled = Measured()
+    jobs = search_jobs(trials, 4, pooled)
+    pool = SearchPool(4, 1)
+    try:
+        pool.submit(jobs)
+        resolved(pooled.traces[jobs[0][1]])  # the worker has run one at least
+        taken = pool.take_back(pooled)
+        # vars(): every field, the trace's curve too (its == skips it)
+        same = [vars(resolved(pooled.traces[k])) == vars(t) for k, t in reuse.traces.items()]
+        same += [
+            resolved(pooled.shards[k]) == s for k, s in reuse.shards.items() if k in pooled.shards
+        ]
+    finally:
+        pool.close()
+    return {"jobs": len(jobs), "taken_back": taken, "same": same}
 
 
 @pytest.mark.slow
@@ -284,3 +309,8 @@ def test_the_search_measures_each_sharding_and_trace_once_with_the_same_figures(
     # and every degree but cp shares a trace.
     assert got["shards"] < got["candidates"]
     assert got["traces"] < 3 * got["candidates"]
+    # In worker processes or taken back into this one, every trace and sharding is the same.
+    pooled = got["pooled"]
+    assert pooled["same"] and all(pooled["same"])
+    assert len(pooled["same"]) == got["traces"] + got["shards"]
+    assert 0 < pooled["taken_back"] < pooled["jobs"]

@@ -3,7 +3,7 @@
     python -m trainer.dry_run --world-size N --config X.toml [--section.key=value ...]
         [--json FILE] [--gpu-memory GiB] [--search] [--hardware h100|h200|h800]
         [--gpu-tflops F] [--efficiency E] [--intra-gbps B] [--inter-gbps B] [--ranks-per-node R]
-        [--gemm-rates FILE]
+        [--gemm-rates FILE] [--workers N]
 
 The real mesh is built over PyTorch's fake process group (one process plays rank 0 of N;
 collectives do nothing), the model on the meta device, the real plan applied. What it
@@ -15,7 +15,9 @@ launch applies (`trainer.loop.setup.preflight`, exit 2). With --gpu-memory it sa
 layout fits and, if not, which knob brings it in; last, the estimated step time on the
 `--hardware` (and with --search the layouts that fit, fastest first:
 `trainer.dry_run.search`), its compute at the efficiency --gemm-rates FILE measured per
-kind of kernel (`benchmarks/gemm_rates.py`'s JSON) where given, else at --efficiency. How
+kind of kernel (`benchmarks/gemm_rates.py`'s JSON) where given, else at --efficiency;
+--workers N: processes the search traces in (default: from the cores and the traces to
+run, `trainer.dry_run.traces.auto_workers`; 0: all in this one). How
 each figure is measured: `trainer.dry_run.footprint` and docs/architecture.md ("Will it
 fit?").
 """
@@ -30,6 +32,7 @@ import time
 from trainer.dry_run.layout_cost import (
     MODES,
     Layout,
+    Measured,
     measure_layout,
     peak_bytes,
     step_bytes,
@@ -212,10 +215,12 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def suggest(layout: Layout, world_size: int, budget: float) -> list[tuple[str, int]]:
+def suggest(
+    layout: Layout, world_size: int, budget: float, reuse: Measured | None = None
+) -> list[tuple[str, int]]:
     """Single knobs that bring the rank's peak under `budget` bytes, cheapest first:
     checkpointing, then a smaller micro-batch, then more expert parallelism, then more
-    FSDP sharding (fewer replicas)."""
+    FSDP sharding (fewer replicas). `reuse`: what earlier measurements of this model hold."""
     cfg = layout.cfg
     if peak_bytes(layout, cfg.train.activation_checkpoint) <= budget:
         return []
@@ -227,7 +232,7 @@ def suggest(layout: Layout, world_size: int, budget: float) -> list[tuple[str, i
     mb = cfg.train.micro_batch_size // 2
     while mb >= 1 and not found[1:]:
         trial = _variant(cfg, train={"micro_batch_size": mb})
-        measured = measure_layout(trial, world_size, (cfg.train.activation_checkpoint,))
+        measured = measure_layout(trial, world_size, (cfg.train.activation_checkpoint,), reuse)
         peak = peak_bytes(measured, cfg.train.activation_checkpoint)
         if peak <= budget:
             found.append((f"--train.micro_batch_size={mb}", peak))
@@ -235,7 +240,7 @@ def suggest(layout: Layout, world_size: int, budget: float) -> list[tuple[str, i
     for key, value in _layout_knobs(layout):
         trial = _variant(cfg, parallel={key: value})
         try:
-            measured = measure_layout(trial, world_size, (cfg.train.activation_checkpoint,))
+            measured = measure_layout(trial, world_size, (cfg.train.activation_checkpoint,), reuse)
         except ValueError:  # a layout this model or batch cannot take
             continue
         peak = peak_bytes(measured, cfg.train.activation_checkpoint)
@@ -266,7 +271,7 @@ def _variant(cfg, **sections):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = {"--world-size": None, "--json": None, "--gpu-memory": None, "--hardware": "h100",
-             "--gemm-rates": None, **dict.fromkeys(HW_FLAGS)}  # fmt: skip
+             "--gemm-rates": None, "--workers": None, **dict.fromkeys(HW_FLAGS)}  # fmt: skip
     search_flag = "--search" in argv
     argv = [a for a in argv if a != "--search"]
     rest = []
@@ -285,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("give the launch's size: --world-size N (all ranks of all nodes)")
         world_size = int(flags["--world-size"])
         gpu_memory = float(flags["--gpu-memory"]) if flags["--gpu-memory"] else None
+        workers = flags["--workers"]
+        if workers is not None and not workers.isdigit():
+            raise ConfigError(f"--workers {workers!r}: give a count of processes, 0 or more")
+        workers = None if workers is None else int(workers)
         if flags["--hardware"] not in PRESETS:
             raise ConfigError(
                 f"--hardware {flags['--hardware']!r}: use one of {', '.join(PRESETS)}"
@@ -322,14 +331,19 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        layout = measure_layout(cfg, world_size)
-        suggestions = suggest(layout, world_size, gpu_memory * GIB) if gpu_memory else []
-        mode = cfg.train.activation_checkpoint
-        configured = estimate(layout, mode, flops, hw, by_kind)
+        # One cache for the search, the configured layout and the suggestions: they share
+        # shardings and traces (layout_cost.Measured). The search goes first: its worker
+        # processes trace while this one shards, and the others are mostly among its
+        # candidates.
+        reuse = Measured()
         if search_flag:
             budget = (gpu_memory or hw.memory_gib) * GIB
             log = lambda m: print(m, file=sys.stderr)  # noqa: E731
-            ranked = run_search(cfg, world_size, hw, budget, log=log, by_kind=by_kind)
+            ranked = run_search(cfg, world_size, hw, budget, log, by_kind, reuse, workers)
+        layout = measure_layout(cfg, world_size, reuse=reuse)
+        suggestions = suggest(layout, world_size, gpu_memory * GIB, reuse) if gpu_memory else []
+        mode = cfg.train.activation_checkpoint
+        configured = estimate(layout, mode, flops, hw, by_kind)
     finally:
         dist.destroy_process_group()
     result = report(layout, gpu_memory, suggestions)

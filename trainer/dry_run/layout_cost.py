@@ -122,18 +122,14 @@ class Measured:
 def measure_layout(cfg, world_size: int, modes=MODES, reuse: Measured | None = None) -> Layout:
     """The full measurement of one layout (the process group must be the fake one);
     `reuse`: what earlier layouts of the same model measured (filled in as it goes)."""
-    from models import get_model_spec
-    from parallelisms.dims import ParallelDims
-
     reuse = reuse if reuse is not None else Measured()
-    dims = ParallelDims.of(cfg.parallel, world_size)
-    spec = get_model_spec(cfg.model.name)
+    dims, spec = measure_state(cfg, world_size, reuse)
     if dims.pp > 1:
         return _measure_stages(cfg, spec, dims, modes, reuse)
+    from trainer.dry_run.workers import resolved
+
     key = repr(shard_key(cfg, dims))
-    if key not in reuse.shards:
-        reuse.shards[key] = _shard(cfg, spec, dims, world_size, reuse.meshes_of(dims))
-    state, units = reuse.shards[key]
+    state, units = reuse.shards[key] = resolved(reuse.shards[key])  # a worker's (search)
     grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
     activations = {m: t.at_grad_bytes(state.grads[0]) for m, t in _traces(cfg, spec, dims, modes, reuse).items()}  # fmt: skip
     any_trace = activations[modes[0]]
@@ -150,15 +146,36 @@ def measure_layout(cfg, world_size: int, modes=MODES, reuse: Measured | None = N
     )
 
 
+def measure_state(cfg, world_size: int, reuse: Measured) -> tuple:
+    """What `measure_layout` measures besides its traces, into `reuse`: the sharding of
+    the whole model, or of each pipeline stage's pieces. Returns (dims, model spec)."""
+    from models import get_model_spec
+    from parallelisms.dims import ParallelDims
+    from trainer.dry_run.pipeline_cost import stage_states
+
+    dims = ParallelDims.of(cfg.parallel, world_size)
+    spec = get_model_spec(cfg.model.name)
+    if dims.pp > 1:
+        stage_states(cfg, spec, dims, reuse)
+        return dims, spec
+    key = repr(shard_key(cfg, dims))
+    if key not in reuse.shards:
+        reuse.shards[key] = _shard(cfg, spec, dims, world_size, reuse.meshes_of(dims))
+    return dims, spec
+
+
 def _traces(cfg, spec, dims, modes, reuse: Measured) -> dict:
     """mode -> the trace of one micro-batch at this layout's local shapes, each traced once
     per (micro-batch, cp, mode); priced at no gradient bytes (`at_grad_bytes` re-prices)."""
+    from trainer.dry_run.traces import trace_key, trace_layout
+    from trainer.dry_run.workers import resolved
+
     out = {}
     for mode in modes:
-        at = (cfg.train.micro_batch_size, dims.cp, mode)
+        at = trace_key(cfg, dims, mode)
         if at not in reuse.traces:
-            reuse.traces[at] = _trace(cfg, spec, dims, mode, 0, reuse.meshes_of(dims))
-        out[mode] = reuse.traces[at]
+            reuse.traces[at] = trace_layout(cfg, spec, dims, mode, 0, reuse.meshes_of(dims))
+        out[mode] = reuse.traces[at] = resolved(reuse.traces[at])  # a worker's (search)
     return out
 
 
@@ -294,61 +311,6 @@ def _comm(units: list[FsdpUnit], dims, grad_accum: int, trace) -> dict:
         "cp_ring_full_ac": int((ring + (trace.kv * (cp - 1) if cp > 1 else 0)) * grad_accum),
         "micro_batches": grad_accum,
     }
-
-
-def _trace(cfg, spec, dims, mode: str, sharded_grad_bytes: int, meshes):
-    """One micro-batch of the plain model at this rank's local shapes, with `mode`."""
-    import torch
-
-    from models.common.moe import MoEOptions
-    from parallelisms.activation_checkpoint import apply_activation_checkpointing
-    from parallelisms.plan import match_modules
-    from trainer.data.batch import Batch
-    from trainer.dry_run.footprint import sample_blocks, trace_step
-    from trainer.dry_run.meta_trace import use_fused_attention
-    from trainer.loop import losses
-    from trainer.loop.peft import apply_lora
-
-    param_dtype = _param_dtype(cfg)
-    with torch.device("meta"):
-        # NOTE: the grouped GEMM (not the per-expert loop, which reads sizes on the host)
-        # and no capacity drops: what meta tensors can run; under balanced routing the
-        # same rows reach the experts.
-        options = MoEOptions(gemm="grouped_mm", z_loss=cfg.moe.z_loss_coef > 0)
-        model = spec.build(cfg.model.args, options)
-        if cfg.peft.method == "lora":
-            apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
-    model.to(param_dtype)
-    for _, m in match_modules(model, spec.plan.fp32_modules, "fp32", required=False):
-        m.float()
-    model.train()
-    sampled = sample_blocks(model, spec.plan)
-    use_fused_attention(model, spec.plan)  # before checkpointing: the replay runs it too
-    apply_activation_checkpointing(match_modules(model, spec.plan.blocks, "blocks"), mode)
-    terms = spec.loss_terms(cfg.model.args)
-    B, S = cfg.train.micro_batch_size, cfg.data.seq_len // dims.cp
-    ids = torch.zeros(B, S, dtype=torch.long, device="meta")
-    positions = torch.arange(S, device="meta")[None].expand(B, S)
-    batch = Batch(ids, ids, positions, ids)
-    if terms.mtp_depth:
-        batch = losses.with_mtp_targets(batch, terms.mtp_depth)
-    grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
-    step_loss = losses.StepLoss(
-        terms, losses.BalanceTerms.of(cfg.moe), dims, meshes.world.get_group("cp"),
-        cfg.train.global_batch_size, grad_accum, torch.device("meta"),
-    )  # fmt: skip
-
-    def run_step(mark_forward_end) -> None:
-        step_loss.start(losses.GlobalCounts(B * S, B * S, 0, [B * S] * terms.mtp_depth))
-        inputs = losses.model_inputs(batch, terms, cfg.data.document_mask)
-        # NOTE: `out` held through the backward, as `Trainer.forward_backward` holds it:
-        # its logits ([B, S, vocab] in the compute dtype) outlive the loss's use of them
-        out = model(batch.input_ids, batch.position_ids, **inputs)
-        loss = step_loss(out, batch)
-        mark_forward_end()
-        loss.backward()
-
-    return trace_step(model, spec.plan, run_step, sharded_grad_bytes, sampled)
 
 
 def step_bytes(layout: Layout, mode: str, rank: int = 0, gather: str | None = None) -> int:

@@ -33,7 +33,7 @@ its bubble (`trainer.dry_run.layout_cost` measures, `trainer.dry_run.search` est
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -88,7 +88,7 @@ def _cut_of(cfg, spec, reuse) -> _Cut:
     from trainer.loop.setup import pipeline_cut
 
     p, plan = cfg.parallel, spec.plan
-    key = (p.pp, p.pp_schedule, p.pp_virtual_stages, tuple(p.pp_layers or ()))
+    key = _cut_key(p)
     if key in reuse.cuts:
         return reuse.cuts[key]
     model = reuse.cuts.get("model")
@@ -103,12 +103,13 @@ def _cut_of(cfg, spec, reuse) -> _Cut:
     trunk = dict(trunk_blocks(model, plan))
     heads = [f for f, _ in match_modules(model, plan.head, "head", required=False)]
 
-    def count(pattern, what: str, s: int) -> int:
-        inside = cut.blocks[s] + (heads if s == S - 1 else [])
+    def counts(pattern, what: str) -> list[int]:  # stage -> its modules matching `pattern`
         if pattern is None:
-            return 0
+            return [0] * S
         found = [f for f, _ in match_modules(model, pattern, what, required=False)]
-        return sum(1 for f in found if any(f == i or f.startswith(i + ".") for i in inside))
+        inside = [cut.blocks[s] + (heads if s == S - 1 else []) for s in range(S)]
+        within = lambda f, ins: any(f == i or f.startswith(i + ".") for i in ins)  # noqa: E731
+        return [sum(within(f, ins) for f in found) for ins in inside]
 
     attention = spec.flops_per_token(model, cfg.data.seq_len).by_kind["attention"]
     costs = stage_costs(model, plan, attention)
@@ -120,10 +121,15 @@ def _cut_of(cfg, spec, reuse) -> _Cut:
         cut,
         [[block_structure(trunk[f]) for f in cut.blocks[s]] for s in range(S)],
         flops,
-        [count(plan.routed_experts, "routed_experts", s) for s in range(S)],
-        [count(plan.attention_core, "attention_core", s) for s in range(S)],
+        counts(plan.routed_experts, "routed_experts"),
+        counts(plan.attention_core, "attention_core"),
     )
     return reuse.cuts[key]
+
+
+def _cut_key(p) -> tuple:
+    """What a cut depends on: the [parallel] section's pipeline values."""
+    return (p.pp, p.pp_schedule, p.pp_virtual_stages, tuple(p.pp_layers or ()))
 
 
 def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
@@ -132,16 +138,14 @@ def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
     from parallelisms.dims import stage_rank
     from parallelisms.pipeline_build import example_inputs
     from trainer.dry_run.layout_cost import _param_dtype
-    from trainer.dry_run.pipeline_schedule import held_peak, schedule_order
 
     p = cfg.parallel
+    stage_states(cfg, spec, dims, reuse)
     c = _cut_of(cfg, spec, reuse)
     cut, S = c.cut, c.cut.num_stages
     n = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
-    key = (p.pp_schedule, p.pp, p.pp_virtual_stages, n)
-    if key not in reuse.orders:
-        reuse.orders[key] = schedule_order(*key)
-    order = reuse.orders[key]
+    order_key = (p.pp_schedule, p.pp, p.pp_virtual_stages, n)
+    order = reuse.orders[order_key]
     rank_of = [stage_rank(s, p.pp, p.pp_schedule) for s in range(S)]
     saved, transient, activations = {}, {}, {}
     for mode, trace in traces.items():
@@ -149,31 +153,54 @@ def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
         per[-1] += max(0.0, trace.saved_after_forward - sum(per))  # the head, MTP, loss
         saved[mode] = per
         transient[mode] = max(0, trace.activations - trace.saved_after_forward)
-        activations[mode] = [int(held_peak(order[r], per)) + transient[mode] for r in range(p.pp)]
+        activations[mode] = [int(_held(reuse, order_key, r, per, cut)) + transient[mode] for r in range(p.pp)]  # fmt: skip
     seq = cfg.data.seq_len // dims.cp
     _, h, _ = example_inputs(c.model, cfg.train.micro_batch_size, seq, _param_dtype(cfg))
     hidden = h.numel() * h.element_size()
     ranks = []
     for r in range(p.pp):
         local = cut.local(r)
-        parts_r = [_stage_shard(cfg, spec, c, s, dims, reuse) for s in local]
-        sends = sum((s < S - 1 and rank_of[s + 1] != r) + (s > 0 and rank_of[s - 1] != r) for s in local)  # fmt: skip
-        ranks.append(
-            RankStages(
-                local,
+        key = ("rank", repr(dims), _cut_key(p), r)  # its stages' shards, summed once
+        if key not in reuse.stages:
+            parts_r = [_stage_shard(cfg, spec, c, s, dims, reuse) for s in local]
+            reuse.stages[key] = (
                 _sum_states([(q[0], 1) for q in parts_r]),
-                sum(q[1] for q in parts_r),
-                sum(q[2] for q in parts_r),
-                sum(q[3] for q in parts_r),
-                sends * n * hidden,
+                *(sum(q[i] for q in parts_r) for i in (1, 2, 3)),
             )
-        )
+        sends = sum((s < S - 1 and rank_of[s + 1] != r) + (s > 0 and rank_of[s - 1] != r) for s in local)  # fmt: skip
+        ranks.append(RankStages(local, *reuse.stages[key], sends * n * hidden))
     total = lambda xs: max(sum(xs), 1)  # noqa: E731
     return PipelineCost(
         p.pp_schedule, p.pp, n, rank_of,
         [f / total(c.flops) for f in c.flops], [m / total(c.moe) for m in c.moe],
         [x / total(c.cores) for x in c.cores], saved, transient, activations, hidden, ranks, order,
     )  # fmt: skip
+
+
+def _held(reuse, order_key: tuple, r: int, per: list[float], cut) -> float:
+    """`pipeline_schedule.held_peak` of pp rank `r`, once per schedule order and saved
+    bytes of its stages (layouts that differ in ep alone share both)."""
+    from trainer.dry_run.pipeline_schedule import held_peak
+
+    key = ("held", order_key, r, tuple(per[s] for s in cut.local(r)))
+    if key not in reuse.stages:
+        reuse.stages[key] = held_peak(reuse.orders[order_key][r], per)
+    return reuse.stages[key]
+
+
+def stage_states(cfg, spec, dims, reuse) -> None:
+    """The parts of `measure_pipeline` that do not read a trace, into `reuse`: the cut,
+    the schedule's order and every stage's shards (`layout_cost.measure_state`)."""
+    from trainer.dry_run.pipeline_schedule import schedule_order
+
+    p = cfg.parallel
+    c = _cut_of(cfg, spec, reuse)
+    n = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
+    key = (p.pp_schedule, p.pp, p.pp_virtual_stages, n)
+    if key not in reuse.orders:
+        reuse.orders[key] = schedule_order(*key)
+    for s in range(c.cut.num_stages):
+        _stage_shard(cfg, spec, c, s, dims, reuse)
 
 
 def _sum_states(parts: list) -> object:
@@ -241,7 +268,11 @@ def _piece(cfg, spec, model, cut, index: int, what: tuple, dims, reuse) -> tuple
     if key not in reuse.stages:
         param_dtype = _param_dtype(cfg)
         stage = stage_module(model, spec.plan, cut, index)
-        parallelize(stage, spec.plan, reuse.meshes_of(dims), param_dtype, stage=True)
+        # NOTE: pp is outermost, so stage 0's ranks are ranks 0..stage_ranks-1 and its
+        # groups are those of the same degrees without pp over just those ranks: meshes
+        # with 1/pp of the subgroups to create (each size-1 dim makes one per rank).
+        own = replace(dims, pp=1, world_size=dims.stage_ranks)
+        parallelize(stage, spec.plan, reuse.meshes_of(own), param_dtype, stage=True)
         state, units = sharded_model(stage, spec.plan, cfg.train, param_dtype, [], dims.stage_ranks)  # fmt: skip
         gathered = int(sum(u.gathered * u.weight for u in units))
         reduced = int(sum(u.grads * u.weight for u in units))

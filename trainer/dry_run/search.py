@@ -248,25 +248,64 @@ def candidates(cfg, world_size: int, hw: Hardware, blocks: int = 0) -> list[dict
 
 
 def run_search(
-    cfg, world_size: int, hw: Hardware, budget: float, log=print, by_kind: dict | None = None
+    cfg,
+    world_size: int,
+    hw: Hardware,
+    budget: float,
+    log=print,
+    by_kind: dict | None = None,
+    reuse=None,
+    workers: int | None = None,
 ) -> list[dict]:
     """Every candidate x checkpointing mode that fits `budget` bytes, fastest first (`by_kind`:
-    measured efficiencies, as `estimate` takes them)."""
+    measured efficiencies, as `estimate` takes them; `reuse`: a `layout_cost.Measured` to
+    share with earlier measurements of this model; `workers`: processes that trace
+    meanwhile, None: `traces.auto_workers`, 0: none)."""
     import copy
 
     from trainer.config import ConfigError
-    from trainer.dry_run.layout_cost import MODES, Measured, measure_layout, peak_bytes
+    from trainer.dry_run.layout_cost import Measured, measure_state
+    from trainer.dry_run.workers import SearchPool, auto_workers, search_jobs
 
     flops = flops_per_token(cfg)
-    ranked, tried = [], candidates(cfg, world_size, hw, _trunk_blocks(cfg))
-    # Candidates share shardings (all micro-batch sizes) and traces (every degree but cp):
-    # each is measured once (layout_cost.Measured).
-    reuse = Measured()
-    for i, cand in enumerate(tried, start=1):
+    tried = candidates(cfg, world_size, hw, _trunk_blocks(cfg))
+    trials = []
+    for cand in tried:
         trial = copy.deepcopy(cfg)
         for section, values in cand.items():
             for key, value in values.items():
                 setattr(getattr(trial, section), key, value)
+        trials.append(trial)
+    # Candidates share shardings (all micro-batch sizes) and traces (every degree but cp):
+    # each is measured once (layout_cost.Measured), most in worker processes while this
+    # one shards the pipeline stages (trainer.dry_run.workers).
+    reuse = reuse if reuse is not None else Measured()
+    jobs = search_jobs(trials, world_size, reuse)
+    workers = auto_workers(len(jobs)) if workers is None else workers
+    pool = SearchPool(world_size, workers) if workers > 0 and jobs else None
+    try:
+        if pool is not None:
+            pool.submit(jobs)
+            log(f"  {len(jobs)} traces and shardings on {workers} worker process(es) and this one")
+            for trial in trials:
+                try:
+                    if trial.parallel.pp > 1:
+                        measure_state(trial, world_size, reuse)
+                except (ValueError, ConfigError):
+                    pass  # measured again below, which reports it
+            pool.take_back(reuse)
+        return _rank(tried, trials, world_size, hw, budget, log, by_kind, reuse, flops)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _rank(tried, trials, world_size, hw, budget, log, by_kind, reuse, flops) -> list[dict]:
+    from trainer.config import ConfigError
+    from trainer.dry_run.layout_cost import MODES, measure_layout, peak_bytes
+
+    ranked = []
+    for i, (cand, trial) in enumerate(zip(tried, trials, strict=True), start=1):
         try:
             layout = measure_layout(trial, world_size, reuse=reuse)
         except (ValueError, ConfigError) as err:  # e.g. ep not dividing the experts

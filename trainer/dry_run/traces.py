@@ -1,0 +1,68 @@
+"""A layout's trace: one micro-batch of the plain model run on the meta device at a rank's
+local shapes, under a checkpointing mode (`trace_layout`); what it depends on within one
+search (`trace_key`). A search runs most of them in worker processes
+(`trainer.dry_run.workers`).
+"""
+
+from __future__ import annotations
+
+
+def trace_key(cfg, dims, mode: str) -> tuple:
+    """What a trace depends on within one search: the rank's local shapes and the mode."""
+    return (cfg.train.micro_batch_size, dims.cp, mode)
+
+
+def trace_layout(cfg, spec, dims, mode: str, sharded_grad_bytes: int, meshes):
+    """One micro-batch of the plain model at this rank's local shapes, with `mode`."""
+    import torch
+
+    from models.common.moe import MoEOptions
+    from parallelisms.activation_checkpoint import apply_activation_checkpointing
+    from parallelisms.plan import match_modules
+    from trainer.data.batch import Batch
+    from trainer.dry_run.footprint import sample_blocks, trace_step
+    from trainer.dry_run.layout_cost import _param_dtype
+    from trainer.dry_run.meta_trace import use_fused_attention
+    from trainer.loop import losses
+    from trainer.loop.peft import apply_lora
+
+    param_dtype = _param_dtype(cfg)
+    with torch.device("meta"):
+        # NOTE: the grouped GEMM (not the per-expert loop, which reads sizes on the host)
+        # and no capacity drops: what meta tensors can run; under balanced routing the
+        # same rows reach the experts.
+        options = MoEOptions(gemm="grouped_mm", z_loss=cfg.moe.z_loss_coef > 0)
+        model = spec.build(cfg.model.args, options)
+        if cfg.peft.method == "lora":
+            apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
+    model.to(param_dtype)
+    for _, m in match_modules(model, spec.plan.fp32_modules, "fp32", required=False):
+        m.float()
+    model.train()
+    sampled = sample_blocks(model, spec.plan)
+    use_fused_attention(model, spec.plan)  # before checkpointing: the replay runs it too
+    apply_activation_checkpointing(match_modules(model, spec.plan.blocks, "blocks"), mode)
+    terms = spec.loss_terms(cfg.model.args)
+    B, S = cfg.train.micro_batch_size, cfg.data.seq_len // dims.cp
+    ids = torch.zeros(B, S, dtype=torch.long, device="meta")
+    positions = torch.arange(S, device="meta")[None].expand(B, S)
+    batch = Batch(ids, ids, positions, ids)
+    if terms.mtp_depth:
+        batch = losses.with_mtp_targets(batch, terms.mtp_depth)
+    grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
+    step_loss = losses.StepLoss(
+        terms, losses.BalanceTerms.of(cfg.moe), dims, meshes.world.get_group("cp"),
+        cfg.train.global_batch_size, grad_accum, torch.device("meta"),
+    )  # fmt: skip
+
+    def run_step(mark_forward_end) -> None:
+        step_loss.start(losses.GlobalCounts(B * S, B * S, 0, [B * S] * terms.mtp_depth))
+        inputs = losses.model_inputs(batch, terms, cfg.data.document_mask)
+        # NOTE: `out` held through the backward, as `Trainer.forward_backward` holds it:
+        # its logits ([B, S, vocab] in the compute dtype) outlive the loss's use of them
+        out = model(batch.input_ids, batch.position_ids, **inputs)
+        loss = step_loss(out, batch)
+        mark_forward_end()
+        loss.backward()
+
+    return trace_step(model, spec.plan, run_step, sharded_grad_bytes, sampled)
