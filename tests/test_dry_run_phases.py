@@ -70,32 +70,49 @@ def test_planned_update_is_what_the_real_update_allocates():
 
 def _traces(_rank: int, _world_size: int, args: list[str], out: str) -> None:
     """The planner's traces of one config, with two blocks of each structure kept (as it
-    plans) and with every block kept."""
+    plans) and with every block kept; and with two kept but every element-wise op run by
+    its own meta kernel, not `meta_trace.elementwise`'s shortcut (which the first run
+    checks op by op against that kernel)."""
     import functools
 
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from trainer.config import load_config
-    from trainer.dry_run import footprint
+    from trainer.dry_run import footprint, meta_trace
     from trainer.dry_run.layout_cost import measure_layout
 
     cfg = load_config(args)
     if dist.is_initialized():  # the harness's gloo group: the planner plays on a fake one
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    shortcut, checked, wrong = meta_trace.meta_op, {}, []
+
+    def checking(func, args, kwargs):
+        got = shortcut(func, args, kwargs)
+        if func in meta_trace.ELEMENTWISE and meta_trace.elementwise(args, kwargs) is not None:
+            ref = func(*args, **kwargs)  # the op's own meta kernel
+            checked[str(func)] = checked.get(str(func), 0) + 1
+            if (ref.shape, ref.dtype, ref.stride()) != (got.shape, got.dtype, got.stride()):
+                wrong.append(f"{func}: {ref.shape} {ref.dtype} {ref.stride()}")
+        return got
+
+    def kernels(func, args, kwargs):
+        return func(*args, **kwargs) if func in meta_trace.ELEMENTWISE else shortcut(func, args, kwargs)  # fmt: skip
+
     figures = {}
     sample = footprint.sample_blocks
-    for kept, keep in (("sampled", 2), ("every", 1000)):
+    for kept, keep, op in (("sampled", 2, checking), ("every", 1000, shortcut), ("kernels", 2, kernels)):  # fmt: skip
         footprint.sample_blocks = functools.partial(sample, keep=keep)
+        meta_trace.meta_op = op
         layout = measure_layout(cfg, 1)
         figures[kept] = {
             mode: [t.peak, t.activations, t.saved_after_forward]
             for mode, t in layout.activations.items()
         }
-    footprint.sample_blocks = sample
+    footprint.sample_blocks, meta_trace.meta_op = sample, shortcut
     with open(out, "w") as f:
-        json.dump(figures, f)
+        json.dump({**figures, "checked": checked, "wrong": wrong}, f)
 
 
 @pytest.mark.slow
@@ -121,6 +138,11 @@ def test_sampled_blocks_trace_like_every_block():
             for mode, sampled in figures["sampled"].items():
                 for got, full in zip(sampled, figures["every"][mode], strict=True):
                     assert abs(got / full - 1) < 0.005, (args, mode, sampled, figures["every"])
+            # The element-wise shortcut gives what each op's meta kernel gives, op by op
+            # (shape, dtype, strides) and so over whole traces.
+            assert not figures["wrong"], figures["wrong"]
+            assert len(figures["checked"]) >= 5 and sum(figures["checked"].values()) > 100
+            assert figures["kernels"] == figures["sampled"]
 
 
 def test_proxy_peak_within_5_percent_of_its_h100_measurement():

@@ -283,7 +283,8 @@ def _pooled(trials: list, reuse) -> dict:
     pool = SearchPool(4, 1)
     try:
         pool.submit(jobs)
-        resolved(pooled.traces[jobs[0][1]])  # the worker has run one at least
+        cache, key, _, _ = jobs[0]
+        resolved(cache[key])  # the worker has run one at least
         taken = pool.take_back(pooled)
         # vars(): every field, the trace's curve too (its == skips it)
         same = [vars(resolved(pooled.traces[k])) == vars(t) for k, t in reuse.traces.items()]

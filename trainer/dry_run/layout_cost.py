@@ -109,6 +109,17 @@ class Measured:
     orders: dict = field(default_factory=dict)  # (schedule, pp, virtual, micro-batches) -> order
     meshes: dict = field(default_factory=dict)  # repr(dims) -> parallelisms.mesh.Meshes
     cuts: dict = field(default_factory=dict)  # pipeline cuts and the meta model they cut
+    # sampled meta models, built once and copied for each use (`copy_of`)
+    models: dict = field(default_factory=dict)
+
+    def copy_of(self, key: tuple, build):
+        """A copy of what `build()` returns (a meta model and what refers into it), built
+        once per `key`: a copy of a sampled model costs a tenth of building the whole."""
+        import copy
+
+        if key not in self.models:
+            self.models[key] = build()
+        return copy.deepcopy(self.models[key])
 
     def meshes_of(self, dims):
         from parallelisms.mesh import build_meshes
@@ -160,7 +171,7 @@ def measure_state(cfg, world_size: int, reuse: Measured) -> tuple:
         return dims, spec
     key = repr(shard_key(cfg, dims))
     if key not in reuse.shards:
-        reuse.shards[key] = _shard(cfg, spec, dims, world_size, reuse.meshes_of(dims))
+        reuse.shards[key] = _shard(cfg, spec, dims, world_size, reuse.meshes_of(dims), reuse)
     return dims, spec
 
 
@@ -174,7 +185,7 @@ def _traces(cfg, spec, dims, modes, reuse: Measured) -> dict:
     for mode in modes:
         at = trace_key(cfg, dims, mode)
         if at not in reuse.traces:
-            reuse.traces[at] = trace_layout(cfg, spec, dims, mode, 0, reuse.meshes_of(dims))
+            reuse.traces[at] = trace_layout(cfg, spec, dims, mode, 0, reuse.meshes_of(dims), reuse)
         out[mode] = reuse.traces[at] = resolved(reuse.traces[at])  # a worker's (search)
     return out
 
@@ -226,8 +237,9 @@ def _measure_stages(cfg, spec, dims, modes, reuse: Measured) -> Layout:
                   any_trace.top_k, pc)  # fmt: skip
 
 
-def _shard(cfg, spec, dims, world_size: int, meshes):
-    """(sharded state, FSDP units) of the real plan applied to the meta model."""
+def _shard(cfg, spec, dims, world_size: int, meshes, models: Measured | None = None):
+    """(sharded state, FSDP units) of the real plan applied to the meta model (`models`:
+    where its sampled meta model is kept between calls)."""
     import torch
 
     from parallelisms.parallelize import parallelize
@@ -235,13 +247,19 @@ def _shard(cfg, spec, dims, world_size: int, meshes):
     from trainer.loop.peft import apply_lora
 
     param_dtype = _param_dtype(cfg)
-    with torch.device("meta"):
-        model = spec.build(cfg.model.args)
-        if cfg.peft.method == "lora":  # frozen base: state and gradients of the adapters
-            apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
-    # NOTE: FSDP2's set-up costs time per parameter and rank (about 20 s for DeepSeek-V3
-    # on 2,048 ranks); blocks of one structure shard alike, so two of each stand for all.
-    sampled = sample_blocks(model, spec.plan)
+
+    def build():
+        with torch.device("meta"):
+            model = spec.build(cfg.model.args)
+            if cfg.peft.method == "lora":  # frozen base: state and gradients of the adapters
+                apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
+        # NOTE: FSDP2's set-up costs time per parameter and rank (about 20 s for
+        # DeepSeek-V3 on 2,048 ranks); blocks of one structure shard alike, so two of
+        # each stand for all.
+        return model, sample_blocks(model, spec.plan)
+
+    key = ("shard", cfg.model.name, repr(cfg.model.args), repr(cfg.peft))
+    model, sampled = (models or Measured()).copy_of(key, build)
     parallelize(model, spec.plan, meshes, param_dtype, cp_zigzag=True)
     return sharded_model(model, spec.plan, cfg.train, param_dtype, sampled, world_size)
 

@@ -87,11 +87,15 @@ def live_curve(spans, grad_serials, grad_scale) -> list[float]:
 
 
 def meta_op(func, args, kwargs):
-    """`func` run on meta tensors, where its meta kernel needs help.
+    """`func` run on meta tensors, where its meta kernel needs help or is slow.
 
     NOTE: the grouped GEMM's meta kernel takes bf16 only; the shapes do not depend on the
     dtype, so an fp32 product is shaped by its bf16 twin. Not `moetrain::grouped_mm` (the
     compile path): the trace runs the op a real run runs, the one `selective` keeps."""
+    if func in ELEMENTWISE:
+        out = elementwise(args, kwargs)
+        if out is not None:
+            return out
     if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
         low = [
             a.bfloat16() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
@@ -99,6 +103,35 @@ def meta_op(func, args, kwargs):
         ]
         return torch.empty_like(func(*low, **kwargs), dtype=args[0].dtype)
     return func(*args, **kwargs)
+
+
+_aten = torch.ops.aten
+# Element-wise ops whose meta kernels are Python references: a few hundred microseconds
+# each, a quarter of a trace (`elementwise` gives their output in a few).
+ELEMENTWISE = frozenset({
+    _aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor,
+    _aten.mul.Scalar, _aten.div.Scalar, _aten.pow.Tensor_Scalar, _aten.neg.default,
+    _aten.rsqrt.default,
+})  # fmt: skip
+
+
+def elementwise(args, kwargs) -> torch.Tensor | None:
+    """The output of an out-of-place `ELEMENTWISE` op on meta tensors, or None where the
+    shortcut's rule may not hold: with floating-point tensors only, and every operand of
+    the output's (broadcast) shape contiguous, the kernel allocates a contiguous tensor of
+    that shape in the promoted dtype. `tests/test_dry_run_phases.py` checks it against the
+    ops' own meta kernels over whole traces."""
+    if any(k != "alpha" for k in kwargs):
+        return None
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors or any(t.device.type != "meta" or not t.is_floating_point() for t in tensors):
+        return None
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    full = [t for t in tensors if t.shape == shape]
+    if not full or not all(t.is_contiguous() for t in full):
+        return None
+    dtype = torch.result_type(args[0], args[1]) if len(args) > 1 else tensors[0].dtype
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 class FusedAttention(TorchFunctionMode):

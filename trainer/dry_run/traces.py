@@ -12,8 +12,9 @@ def trace_key(cfg, dims, mode: str) -> tuple:
     return (cfg.train.micro_batch_size, dims.cp, mode)
 
 
-def trace_layout(cfg, spec, dims, mode: str, sharded_grad_bytes: int, meshes):
-    """One micro-batch of the plain model at this rank's local shapes, with `mode`."""
+def trace_layout(cfg, spec, dims, mode: str, sharded_grad_bytes: int, meshes, models=None):
+    """One micro-batch of the plain model at this rank's local shapes, with `mode`
+    (`models`: a `layout_cost.Measured` that keeps the sampled meta model between calls)."""
     import torch
 
     from models.common.moe import MoEOptions
@@ -21,25 +22,30 @@ def trace_layout(cfg, spec, dims, mode: str, sharded_grad_bytes: int, meshes):
     from parallelisms.plan import match_modules
     from trainer.data.batch import Batch
     from trainer.dry_run.footprint import sample_blocks, trace_step
-    from trainer.dry_run.layout_cost import _param_dtype
+    from trainer.dry_run.layout_cost import Measured, _param_dtype
     from trainer.dry_run.meta_trace import use_fused_attention
     from trainer.loop import losses
     from trainer.loop.peft import apply_lora
 
     param_dtype = _param_dtype(cfg)
-    with torch.device("meta"):
-        # NOTE: the grouped GEMM (not the per-expert loop, which reads sizes on the host)
-        # and no capacity drops: what meta tensors can run; under balanced routing the
-        # same rows reach the experts.
-        options = MoEOptions(gemm="grouped_mm", z_loss=cfg.moe.z_loss_coef > 0)
-        model = spec.build(cfg.model.args, options)
-        if cfg.peft.method == "lora":
-            apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
-    model.to(param_dtype)
-    for _, m in match_modules(model, spec.plan.fp32_modules, "fp32", required=False):
-        m.float()
-    model.train()
-    sampled = sample_blocks(model, spec.plan)
+
+    def build():
+        with torch.device("meta"):
+            # NOTE: the grouped GEMM (not the per-expert loop, which reads sizes on the
+            # host) and no capacity drops: what meta tensors can run; under balanced
+            # routing the same rows reach the experts.
+            options = MoEOptions(gemm="grouped_mm", z_loss=cfg.moe.z_loss_coef > 0)
+            model = spec.build(cfg.model.args, options)
+            if cfg.peft.method == "lora":
+                apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
+        model.to(param_dtype)
+        for _, m in match_modules(model, spec.plan.fp32_modules, "fp32", required=False):
+            m.float()
+        model.train()
+        return model, sample_blocks(model, spec.plan)
+
+    key = ("trace", cfg.model.name, repr(cfg.model.args), repr(cfg.peft), cfg.moe.z_loss_coef > 0, param_dtype)  # fmt: skip
+    model, sampled = (models or Measured()).copy_of(key, build)
     use_fused_attention(model, spec.plan)  # before checkpointing: the replay runs it too
     apply_activation_checkpointing(match_modules(model, spec.plan.blocks, "blocks"), mode)
     terms = spec.loss_terms(cfg.model.args)

@@ -17,7 +17,7 @@ import multiprocessing as mp
 import os
 from concurrent.futures import Future, ProcessPoolExecutor
 
-# A worker process's own cache (its meshes): set by `_start`, gone with the process.
+# A worker process's own cache (its meshes and models): set by `_start`, gone with it.
 _WORKER_CACHE = None
 
 # NOTE: a worker costs a few seconds to start (torch and the models imported) and a job of
@@ -50,8 +50,9 @@ def trace_job(cfg, world_size: int, mode: str, measured=None):
     from trainer.dry_run.traces import trace_layout
 
     dims = ParallelDims.of(cfg.parallel, world_size)
-    meshes = (measured or _WORKER_CACHE).meshes_of(dims)
-    return trace_layout(cfg, get_model_spec(cfg.model.name), dims, mode, 0, meshes)
+    measured = measured or _WORKER_CACHE
+    spec = get_model_spec(cfg.model.name)
+    return trace_layout(cfg, spec, dims, mode, 0, measured.meshes_of(dims), measured)
 
 
 def shard_job(cfg, world_size: int, measured=None):
@@ -61,14 +62,16 @@ def shard_job(cfg, world_size: int, measured=None):
     from trainer.dry_run.layout_cost import _shard
 
     dims = ParallelDims.of(cfg.parallel, world_size)
-    meshes = (measured or _WORKER_CACHE).meshes_of(dims)
-    return _shard(cfg, get_model_spec(cfg.model.name), dims, world_size, meshes)
+    measured = measured or _WORKER_CACHE
+    spec = get_model_spec(cfg.model.name)
+    return _shard(cfg, spec, dims, world_size, measured.meshes_of(dims), measured)
 
 
 def search_jobs(trials: list, world_size: int, reuse) -> list[tuple]:
     """(cache, key, job, args) for every trace and whole-model sharding `trials` (configs)
-    need that `reuse` (`layout_cost.Measured`) lacks, traces first, each in the trials'
-    order. A trial whose degrees do not resolve is left to its own measurement, which
+    need that `reuse` (`layout_cost.Measured`) lacks, each in the trials' order: the
+    shardings first, so that what a worker still runs when this process has taken back
+    the rest is a short trace. A trial whose degrees do not resolve is left to its own measurement, which
     reports it; pipeline stages are sharded in pieces (`pipeline_cost`), not here."""
     from parallelisms.dims import ParallelDims
     from trainer.config import ConfigError
@@ -88,7 +91,7 @@ def search_jobs(trials: list, world_size: int, reuse) -> list[tuple]:
         key = repr(shard_key(cfg, dims))
         if dims.pp == 1 and key not in reuse.shards and key not in shards:
             shards[key] = (reuse.shards, key, shard_job, (cfg, world_size))
-    return [*traces.values(), *shards.values()]
+    return [*shards.values(), *traces.values()]
 
 
 class SearchPool:
