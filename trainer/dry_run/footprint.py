@@ -29,6 +29,7 @@ from models.common.replay import is_replay
 from parallelisms.plan import match_modules
 from trainer.dry_run.meta_trace import (
     FusedAttention,
+    MetaShortcuts,
     StorageTimeline,
     live_curve,
     local_tensor,
@@ -106,7 +107,8 @@ def sharded_state(
     opt = type(optimizer)(groups)
     for q in local.values():
         q.grad = torch.zeros_like(q)
-    opt.step()  # meta tensors: initialises the state, computes nothing
+    with MetaShortcuts():
+        opt.step()  # meta tensors: initialises the state, computes nothing
     per_rank = torch.zeros(world_size, dtype=torch.float64)
     for p in params:
         q, w = local[id(p)], weight.get(id(p), 1.0)
@@ -169,7 +171,8 @@ def update_transient(optimizer: torch.optim.Optimizer, weight: dict[int, float])
     params = [q for g in opt.param_groups for q in g["params"]]
     for q in params:
         q.grad = torch.zeros_like(q)
-    opt.step()  # creates the state, which rests from then on like params and gradients
+    with MetaShortcuts():
+        opt.step()  # creates the state, which rests from then on like params and gradients
     resting = [*params, *(q.grad for q in params), *tree_leaves(list(opt.state.values()))]
     timeline = StorageTimeline(
         {t.untyped_storage()._cdata for t in resting if isinstance(t, torch.Tensor)}

@@ -71,6 +71,14 @@ class StorageTimeline(TorchDispatchMode):
         return None if entry is None else entry[1]
 
 
+class MetaShortcuts(TorchDispatchMode):
+    """Ops through `meta_op` (its shortcuts), nothing recorded: for a step whose own
+    allocations are not measured (the optimizer's first, which creates its state)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return meta_op(func, args, kwargs or {})
+
+
 def live_curve(spans, grad_serials, grad_scale) -> list[float]:
     """Live bytes after each op: activations + gradients scaled by `grad_scale`."""
     ops = 1 + max((max(b, d) for _, b, d in spans), default=0)
@@ -96,6 +104,12 @@ def meta_op(func, args, kwargs):
         out = elementwise(args, kwargs)
         if out is not None:
             return out
+    if func in FOREACH_IN_PLACE and all(t.device.type == "meta" for t in args[0]):
+        return None  # an in-place foreach op allocates nothing and returns nothing
+    if func is _aten._foreach_sqrt.default:
+        outs = [elementwise((t,), {}) for t in args[0]]
+        if all(o is not None for o in outs):
+            return outs
     if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
         low = [
             a.bfloat16() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
@@ -112,6 +126,15 @@ ELEMENTWISE = frozenset({
     _aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor,
     _aten.mul.Scalar, _aten.div.Scalar, _aten.pow.Tensor_Scalar, _aten.neg.default,
     _aten.rsqrt.default,
+})  # fmt: skip
+
+
+# In-place foreach ops of the optimizer's step, whose meta kernels loop in Python too.
+FOREACH_IN_PLACE = frozenset({
+    _aten._foreach_addcmul_.Scalar, _aten._foreach_addcdiv_.ScalarList,
+    _aten._foreach_lerp_.Scalar, _aten._foreach_div_.ScalarList, _aten._foreach_add_.Tensor,
+    _aten._foreach_add_.Scalar, _aten._foreach_add_.List, _aten._foreach_mul_.Scalar,
+    _aten._foreach_mul_.Tensor, _aten._foreach_mul_.List,
 })  # fmt: skip
 
 
