@@ -6,7 +6,8 @@ Runs the search once per case in a fresh process (`benchmarks/dry_run.py`'s `run
 wall time, peak RSS, the exact command) and records how many layouts it ranked and the
 fastest. `--root DIR` runs the planner of another checkout of this repository (an older
 commit, for a before/after). Prints one JSON object, then a one-line summary. The goal
-(issue "Pipeline parallelism"): the search for DeepSeek-V3 on 2,048 ranks under 60 s.
+(issue "Pipeline parallelism"): the search for DeepSeek-V3 on 2,048 ranks under 60 s (by
+default it measures in worker processes too: `--workers`; the `_one_process` case without).
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ CASES = {
                                     "configs/deepseek_v3_671b.toml",
                                     "--train.global_batch_size=16384", "--hardware=h800",
                                     "--gpu-memory=80", "--search"],
+    # the same in this process alone (no worker processes): what the pool adds
+    "deepseek_v3_671b_2048_ranks_one_process": [
+        "--world-size=2048", "--config", "configs/deepseek_v3_671b.toml",
+        "--train.global_batch_size=16384", "--hardware=h800", "--gpu-memory=80", "--search",
+        "--workers=0"],
 }  # fmt: skip
 
 
