@@ -145,12 +145,6 @@ def test_refusals_of_a_real_launch_apply():
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert run.returncode == 2 and "--world-size" in run.stderr
-    run = subprocess.run(
-        [sys.executable, "-m", "trainer.dry_run", "--world-size=4", "--config", CONFIG,
-         "--search", "--workers=some"],
-        cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
-    assert run.returncode == 2 and "--workers 'some'" in run.stderr, run.stderr
     # an ep group of 4 ranks straddling the planned nodes of 6 (12 ranks in all)
     run = subprocess.run(
         [sys.executable, "-m", "trainer.dry_run", "--world-size=12", "--config", CONFIG,
@@ -159,6 +153,15 @@ def test_refusals_of_a_real_launch_apply():
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert run.returncode == 2 and "with 6 ranks per node" in run.stderr, run.stderr
+
+
+def test_a_worker_count_is_a_count_and_belongs_to_a_search(capsys):
+    from trainer.dry_run.cli import main
+
+    assert main(["--world-size=4", "--config", CONFIG, "--search", "--workers=some"]) == 2
+    assert "--workers 'some'" in capsys.readouterr().err
+    assert main(["--world-size=4", "--config", CONFIG, "--workers=2"]) == 2
+    assert "add --search" in capsys.readouterr().err
 
 
 @pytest.mark.slow

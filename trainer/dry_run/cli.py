@@ -294,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         if workers is not None and not workers.isdigit():
             raise ConfigError(f"--workers {workers!r}: give a count of processes, 0 or more")
         workers = None if workers is None else int(workers)
+        if workers is not None and not search_flag:
+            raise ConfigError("--workers sets the processes of a --search: add --search")
         if flags["--hardware"] not in PRESETS:
             raise ConfigError(
                 f"--hardware {flags['--hardware']!r}: use one of {', '.join(PRESETS)}"
