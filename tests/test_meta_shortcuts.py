@@ -2,10 +2,13 @@
 foreach ops whose meta kernels are Python loops are shaped directly. Each shortcut must
 give what the op's own meta kernel gives, and the update the planner measures with them
 (`footprint.update_transient`: norm, clip, AdamW's foreach step) must be the same bytes.
+And the search's worker pool loses no measurement when a worker dies.
 The traces' element-wise ops are checked the same way over whole traces in
 tests/test_dry_run_phases.py."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -59,3 +62,25 @@ def test_each_shortcut_gives_what_the_meta_kernel_gives(monkeypatch):
 
     monkeypatch.setattr(meta_trace, "meta_op", kernels)
     assert footprint.update_transient(_optimizer(model), {}) == with_shortcuts > 0
+
+
+def _dies_in_a_worker(value: int, measured=None) -> int:
+    """A search job that kills the worker process running it (`measured` is None there)."""
+    if measured is None:
+        os._exit(1)
+    return value
+
+
+def test_the_search_runs_here_what_a_dead_worker_left():
+    """`workers.SearchPool`: jobs no worker started, and jobs a worker held when it died,
+    run in the planner's own process; every result arrives."""
+    from trainer.dry_run.layout_cost import Measured
+    from trainer.dry_run.workers import SearchPool, resolved
+
+    pool, cache = SearchPool(1, 1), {}
+    try:
+        pool.submit([(cache, i, _dies_in_a_worker, (i,)) for i in range(4)])
+        assert pool.take_back(Measured()) == 4
+        assert [resolved(cache[i]) for i in range(4)] == [0, 1, 2, 3]
+    finally:
+        pool.close()

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 
 # A worker process's own cache (its meshes and models): set by `_start`, gone with it.
 _WORKER_CACHE = None
@@ -115,18 +116,28 @@ class SearchPool:
 
     def take_back(self, measured) -> int:
         """Run here, last first, the jobs no worker has started (`measured`: this process's
-        `layout_cost.Measured`, for its meshes); returns how many. A job that fails is left
-        out of the cache, for its layout to run again and report."""
+        `layout_cost.Measured`, for its meshes), then wait for the rest, running here too
+        any a worker left when it died (killed for memory, say); returns how many ran
+        here. A job that fails here is left out of the cache, for its layout to run again
+        and report."""
         taken = 0
         for cache, key, job, args in reversed(self.jobs):
-            if not cache[key].cancel():
-                continue  # running or done
-            taken += 1
-            try:
-                cache[key] = job(*args, measured)
-            except Exception:  # noqa: BLE001 (the layout's own measurement reports it)
-                del cache[key]
+            if cache[key].cancel():
+                taken += self._here(cache, key, job, args, measured)
+        wait([f for f in (c.get(k) for c, k, _, _ in self.jobs) if isinstance(f, Future)])
+        for cache, key, job, args in self.jobs:
+            f = cache.get(key)
+            if isinstance(f, Future) and isinstance(f.exception(), BrokenProcessPool):
+                taken += self._here(cache, key, job, args, measured)
         return taken
+
+    @staticmethod
+    def _here(cache: dict, key, job, args: tuple, measured) -> int:
+        try:
+            cache[key] = job(*args, measured)
+        except Exception:  # noqa: BLE001 (the layout's own measurement reports it)
+            del cache[key]
+        return 1
 
     def close(self) -> None:
         self.pool.shutdown(cancel_futures=True)
