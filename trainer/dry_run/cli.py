@@ -16,8 +16,8 @@ layout fits and, if not, which knob brings it in; last, the estimated step time 
 `--hardware` (and with --search the layouts that fit, fastest first:
 `trainer.dry_run.search`), its compute at the efficiency --gemm-rates FILE measured per
 kind of kernel (`benchmarks/gemm_rates.py`'s JSON) where given, else at --efficiency;
---workers N: processes the search traces in (default: from the cores and the traces to
-run, `trainer.dry_run.traces.auto_workers`; 0: all in this one). How
+--workers N: processes the search measures in (default: from the cores and the jobs to
+run, `trainer.dry_run.workers.auto_workers`; 0: all in this one). How
 each figure is measured: `trainer.dry_run.footprint` and docs/architecture.md ("Will it
 fit?").
 """

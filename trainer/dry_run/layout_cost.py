@@ -185,7 +185,7 @@ def _traces(cfg, spec, dims, modes, reuse: Measured) -> dict:
     for mode in modes:
         at = trace_key(cfg, dims, mode)
         if at not in reuse.traces:
-            reuse.traces[at] = trace_layout(cfg, spec, dims, mode, 0, reuse.meshes_of(dims), reuse)
+            reuse.traces[at] = trace_layout(cfg, spec, dims, mode, reuse.meshes_of(dims), reuse)
         out[mode] = reuse.traces[at] = resolved(reuse.traces[at])  # a worker's (search)
     return out
 
@@ -259,7 +259,7 @@ def _shard(cfg, spec, dims, world_size: int, meshes, models: Measured | None = N
         return model, sample_blocks(model, spec.plan)
 
     key = ("shard", cfg.model.name, repr(cfg.model.args), repr(cfg.peft))
-    model, sampled = (models or Measured()).copy_of(key, build)
+    model, sampled = models.copy_of(key, build) if models is not None else build()
     parallelize(model, spec.plan, meshes, param_dtype, cp_zigzag=True)
     return sharded_model(model, spec.plan, cfg.train, param_dtype, sampled, world_size)
 

@@ -142,8 +142,8 @@ def elementwise(args, kwargs) -> torch.Tensor | None:
     """The output of an out-of-place `ELEMENTWISE` op on meta tensors, or None where the
     shortcut's rule may not hold: with floating-point tensors only, and every operand of
     the output's (broadcast) shape contiguous, the kernel allocates a contiguous tensor of
-    that shape in the promoted dtype. `tests/test_dry_run_phases.py` checks it against the
-    ops' own meta kernels over whole traces."""
+    that shape in the promoted dtype. `tests/test_dry_run_phases.py` and
+    `tests/test_meta_shortcuts.py` check it against the ops' own meta kernels."""
     if any(k != "alpha" for k in kwargs):
         return None
     tensors = [a for a in args if isinstance(a, torch.Tensor)]

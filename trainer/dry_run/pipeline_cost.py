@@ -140,11 +140,8 @@ def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
     from trainer.dry_run.layout_cost import _param_dtype
 
     p = cfg.parallel
-    stage_states(cfg, spec, dims, reuse)
-    c = _cut_of(cfg, spec, reuse)
-    cut, S = c.cut, c.cut.num_stages
-    n = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
-    order_key = (p.pp_schedule, p.pp, p.pp_virtual_stages, n)
+    c, order_key = stage_states(cfg, spec, dims, reuse)
+    cut, S, n = c.cut, c.cut.num_stages, order_key[-1]
     order = reuse.orders[order_key]
     rank_of = [stage_rank(s, p.pp, p.pp_schedule) for s in range(S)]
     saved, transient, activations = {}, {}, {}
@@ -188,9 +185,10 @@ def _held(reuse, order_key: tuple, r: int, per: list[float], cut) -> float:
     return reuse.stages[key]
 
 
-def stage_states(cfg, spec, dims, reuse) -> None:
+def stage_states(cfg, spec, dims, reuse) -> tuple[_Cut, tuple]:
     """The parts of `measure_pipeline` that do not read a trace, into `reuse`: the cut,
-    the schedule's order and every stage's shards (`layout_cost.measure_state`)."""
+    the schedule's order and every stage's shards (`layout_cost.measure_state`). Returns
+    (the cut, the key of the order in `reuse.orders`)."""
     from trainer.dry_run.pipeline_schedule import schedule_order
 
     p = cfg.parallel
@@ -201,6 +199,7 @@ def stage_states(cfg, spec, dims, reuse) -> None:
         reuse.orders[key] = schedule_order(*key)
     for s in range(c.cut.num_stages):
         _stage_shard(cfg, spec, c, s, dims, reuse)
+    return c, key
 
 
 def _sum_states(parts: list) -> object:

@@ -259,8 +259,8 @@ def run_search(
 ) -> list[dict]:
     """Every candidate x checkpointing mode that fits `budget` bytes, fastest first (`by_kind`:
     measured efficiencies, as `estimate` takes them; `reuse`: a `layout_cost.Measured` to
-    share with earlier measurements of this model; `workers`: processes that trace
-    meanwhile, None: `traces.auto_workers`, 0: none)."""
+    share with earlier measurements of this model; `workers`: processes that measure
+    meanwhile, None: `workers.auto_workers`, 0: none)."""
     import copy
 
     from trainer.config import ConfigError

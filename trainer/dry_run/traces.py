@@ -12,9 +12,10 @@ def trace_key(cfg, dims, mode: str) -> tuple:
     return (cfg.train.micro_batch_size, dims.cp, mode)
 
 
-def trace_layout(cfg, spec, dims, mode: str, sharded_grad_bytes: int, meshes, models=None):
-    """One micro-batch of the plain model at this rank's local shapes, with `mode`
-    (`models`: a `layout_cost.Measured` that keeps the sampled meta model between calls)."""
+def trace_layout(cfg, spec, dims, mode: str, meshes, models=None):
+    """One micro-batch of the plain model at this rank's local shapes, with `mode`, priced
+    at no gradient bytes (`StepTrace.at_grad_bytes` prices a layout's); `models`: a
+    `layout_cost.Measured` that keeps the sampled meta model between calls."""
     import torch
 
     from models.common.moe import MoEOptions
@@ -22,7 +23,7 @@ def trace_layout(cfg, spec, dims, mode: str, sharded_grad_bytes: int, meshes, mo
     from parallelisms.plan import match_modules
     from trainer.data.batch import Batch
     from trainer.dry_run.footprint import sample_blocks, trace_step
-    from trainer.dry_run.layout_cost import Measured, _param_dtype
+    from trainer.dry_run.layout_cost import _param_dtype
     from trainer.dry_run.meta_trace import use_fused_attention
     from trainer.loop import losses
     from trainer.loop.peft import apply_lora
@@ -45,7 +46,7 @@ def trace_layout(cfg, spec, dims, mode: str, sharded_grad_bytes: int, meshes, mo
         return model, sample_blocks(model, spec.plan)
 
     key = ("trace", cfg.model.name, repr(cfg.model.args), repr(cfg.peft), cfg.moe.z_loss_coef > 0, param_dtype)  # fmt: skip
-    model, sampled = (models or Measured()).copy_of(key, build)
+    model, sampled = models.copy_of(key, build) if models is not None else build()
     use_fused_attention(model, spec.plan)  # before checkpointing: the replay runs it too
     apply_activation_checkpointing(match_modules(model, spec.plan.blocks, "blocks"), mode)
     terms = spec.loss_terms(cfg.model.args)
@@ -71,4 +72,4 @@ def trace_layout(cfg, spec, dims, mode: str, sharded_grad_bytes: int, meshes, mo
         mark_forward_end()
         loss.backward()
 
-    return trace_step(model, spec.plan, run_step, sharded_grad_bytes, sampled)
+    return trace_step(model, spec.plan, run_step, 0, sampled)

@@ -53,7 +53,7 @@ def trace_job(cfg, world_size: int, mode: str, measured=None):
     dims = ParallelDims.of(cfg.parallel, world_size)
     measured = measured or _WORKER_CACHE
     spec = get_model_spec(cfg.model.name)
-    return trace_layout(cfg, spec, dims, mode, 0, measured.meshes_of(dims), measured)
+    return trace_layout(cfg, spec, dims, mode, measured.meshes_of(dims), measured)
 
 
 def shard_job(cfg, world_size: int, measured=None):
