@@ -96,7 +96,9 @@ def main() -> None:
 
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
         layer = build(args, "auto", device, dtype)
-        dispatcher = apply_expert_parallel(layer.experts, mesh, ranks_per_node=world)
+        dispatcher = apply_expert_parallel(
+            layer.experts, layer.unpermute, mesh, ranks_per_node=world
+        )
         result["ep"] = world
         result["ep_fwd_bwd_s"] = time_fwd_bwd(layer, x, args.iters)
         dispatcher.reset_traffic()
@@ -112,7 +114,8 @@ def main() -> None:
         for _ in range(args.iters):
             _sync(device)
             start = time.perf_counter()
-            dispatcher.combine(dispatcher.dispatch(xs, tokens_per_expert, token_of, weights)[0])
+            x_local = dispatcher.dispatch(xs, tokens_per_expert, token_of, weights)[0]
+            dispatcher.landed(dispatcher.combine(x_local, wait=True), token_of, args.tokens)
             _sync(device)
             times.append(time.perf_counter() - start)
         result["dispatch_combine_s"] = statistics.median(times)

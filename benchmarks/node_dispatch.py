@@ -97,7 +97,9 @@ def _measure_worker(rank: int, world: int, args, out_path: str) -> None:
         layer = MoE(MEASURE_HIDDEN, 32, router)
         for param in layer.parameters():
             torch.nn.init.normal_(param, std=0.05)
-        dispatcher = apply_expert_parallel(layer.experts, ep_mesh, per_node, meshes)
+        dispatcher = apply_expert_parallel(
+            layer.experts, layer.unpermute, ep_mesh, per_node, meshes
+        )
         with torch.no_grad():
             top = layer.gate(x[0]).top_experts  # [T, k] the routing the layer will use
         y, _ = layer(x.clone().requires_grad_())  # activations carry gradients

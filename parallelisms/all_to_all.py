@@ -43,6 +43,11 @@ class Dispatcher:
         # per in-flight forward (or its replay under activation checkpointing), pushed by
         # dispatch, popped by combine
         self._pending: list[tuple] = []
+        # the transfer the last `all_to_all(..., wait=False)` left running (None: its body
+        # did not run, as in a selective-checkpoint replay, which gets the kept output)
+        self.started: dist.Work | None = None
+        # combines started and not yet waited for: (output, its transfer, what to keep)
+        self._in_flight: list[tuple] = []
         self.handle = next(_handles)
         _DISPATCHERS[self.handle] = self
 
@@ -56,10 +61,32 @@ class Dispatcher:
         else:
             self._internode_routing += crossing
 
+    def start(self, keep, x, out_splits, in_splits, stage, count, wait) -> torch.Tensor:
+        """`all_to_all` of x over a stage; its output, which `wait_for` hands `keep` back
+        for once the transfer has landed (`wait=False`: maybe still running)."""
+        self.started = None
+        out = all_to_all(x, out_splits, in_splits, self.handle, stage, count, wait)
+        self._in_flight.append((out, self.started, keep))
+        return out
+
+    def wait_for(self, out: torch.Tensor):
+        """Wait for the transfer `start` returned `out` of; what it was given to keep."""
+        for i, (started, work, keep) in enumerate(self._in_flight):
+            if started is out:
+                del self._in_flight[i]
+                if work is not None:
+                    with named_range("ep.combine.wait"):
+                        work.wait()
+                return keep
+        raise RuntimeError("routed rows that no combine of this dispatcher returned")
+
     def reset_traffic(self) -> Traffic:
         """The traffic since the last reset (the trainer logs it per step); resets."""
-        if self._pending:  # called between steps: every dispatch has been combined
-            raise RuntimeError(f"{len(self._pending)} dispatches were never combined")
+        if self._pending or self._in_flight:  # between steps: every dispatch has landed
+            raise RuntimeError(
+                f"{len(self._pending)} dispatches were never combined, "
+                f"{len(self._in_flight)} combines never waited for"
+            )
         traffic = Traffic(self._sent, self._internode, self._internode_routing)
         self._sent = self._internode = self._internode_routing = 0
         return traffic
@@ -78,28 +105,35 @@ def all_to_all(
     dispatcher: int,
     stage: int,
     count: int,
+    wait: bool = True,
 ) -> torch.Tensor:
     """all_to_all_single over one of a dispatcher's groups with variable splits (rows of x).
 
     One op, not a Python function: selective activation checkpointing keeps its output and
     hands it back to the replayed forward, so the body below (the transfer and its bytes)
     runs only when data really moves. Its gradient is the reverse op, counted alike.
+    `wait=False` returns while the transfer still runs (on gloo's own threads, or NCCL's
+    stream): the output must not be read before the dispatcher's `started` is waited for.
     """
     owner = _DISPATCHERS[dispatcher]
     if count != NOTHING:
         owner.count(stage, count, in_splits, x)
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=owner.groups[stage])
+    group = owner.groups[stage]
+    work = dist.all_to_all_single(
+        out, x.contiguous(), out_splits, in_splits, group=group, async_op=not wait
+    )
+    owner.started = None if wait else work
     return out
 
 
 @all_to_all.register_fake
-def _(x, out_splits, in_splits, dispatcher, stage, count):
+def _(x, out_splits, in_splits, dispatcher, stage, count, wait=True):
     return x.new_empty((sum(out_splits), *x.shape[1:]))
 
 
 def _all_to_all_setup(ctx, inputs, output) -> None:
-    _, out_splits, in_splits, dispatcher, stage, count = inputs
+    _, out_splits, in_splits, dispatcher, stage, count, _wait = inputs
     ctx.args = (out_splits, in_splits, dispatcher, stage, count)
 
 
@@ -107,7 +141,7 @@ def _all_to_all_backward(ctx, grad):
     out_splits, in_splits, dispatcher, stage, count = ctx.args
     with named_range("ep.all_to_all.backward"):  # dispatch's backward combines, and back
         grad_in = all_to_all(grad, in_splits, out_splits, dispatcher, stage, count)
-    return grad_in, None, None, None, None, None
+    return grad_in, None, None, None, None, None, None
 
 
 all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)

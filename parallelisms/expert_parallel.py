@@ -1,11 +1,19 @@
 """Expert parallelism: routed experts sharded on dim 0 over `ep`, tokens moved by all-to-all.
 
 The model's experts module is called on the tokens with the routing of each assignment
-(`models.common.moe.RoutedExperts`). EP wraps it from outside with two hooks:
+(`models.common.moe.RoutedExperts`), and its output rows are summed per token by a second
+module (`models.common.moe.Unpermute`). EP wraps both from outside with hooks:
 
-    pre-forward:  (x [T, H], counts [E], token_of [N], weights [N]) -> dispatch
-                  -> (x_local [R, H], counts [E/ep], token_of_local, weights_local)
-    post-forward: y_local [R, H] -> combine -> y [T, H] (each token's weighted sum)
+    experts, pre-forward:   (x [T, H], counts [E], token_of [N], weights [N]) -> dispatch
+                            -> (x_local [R, H], counts [E/ep], token_of_local, weights_local)
+    experts, post-forward:  y_local [N_local, H] -> combine, started -> rows (in flight)
+    unpermute, pre-forward: (rows, token_of [N], T) -> wait for the combine -> the rows the
+                            sum takes ([N, H] weighted, or [P, H] already summed per pair)
+
+NOTE: between the two, the layer runs what does not need the routed output (its shared
+experts; `parallel.ep_overlap=shared`) while the combine's transfer runs on the process
+group's own threads (gloo) or stream (NCCL). The arithmetic is the same either way: only
+when the transfer is waited for moves.
 
 Two dispatchers sit behind the same calls. `AllToAllDispatcher` (an `ep` group inside one
 node) sends every (token, expert) assignment whose expert lives on another rank, drop-less,
@@ -42,7 +50,17 @@ class TokenDispatcher(Protocol):
         weights: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]: ...
 
-    def combine(self, y_local: torch.Tensor) -> torch.Tensor: ...
+    def combine(self, y_local: torch.Tensor, wait: bool) -> torch.Tensor:
+        """The experts' rows [N_local, H] back to their tokens' ranks; `wait=False` returns
+        while the last transfer runs (see `landed`)."""
+        ...
+
+    def landed(
+        self, rows: torch.Tensor, token_of: torch.Tensor, tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Wait for the combine that returned `rows`; the sum's arguments (rows, token of
+        each row, tokens) for this dispatcher's rows."""
+        ...
 
     def reset_traffic(self) -> Traffic:
         """The bytes sent since the last reset (the trainer logs them per step); resets."""
@@ -87,23 +105,27 @@ class AllToAllDispatcher(Dispatcher):
         recv_splits = recv_counts.sum(1).tolist()
         x_recv = all_to_all(x[token_of], recv_splits, send_splits, self.handle, 0, ROWS)
         perm = _source_major_to_expert_major(recv_counts)
-        self._pending.append((perm, send_splits, recv_splits, token_of, weights, x.shape[0]))
+        self._pending.append((perm, send_splits, recv_splits, weights))
         return x_recv[perm], recv_counts.sum(0), None, None
 
-    def combine(self, y_local: torch.Tensor) -> torch.Tensor:
-        perm, send_splits, recv_splits, token_of, weights, tokens = self._pending.pop()
+    def combine(self, y_local: torch.Tensor, wait: bool) -> torch.Tensor:
+        perm, send_splits, recv_splits, weights = self._pending.pop()
         y_recv = torch.empty_like(y_local).index_copy(0, perm, y_local)  # back to arrival order
-        y_sorted = all_to_all(y_recv, send_splits, recv_splits, self.handle, 0, ROWS)
-        y_sorted = y_sorted * weights[:, None].to(y_sorted.dtype)
-        y = y_sorted.new_zeros(tokens, y_sorted.shape[1])
-        return y.index_add_(0, token_of, y_sorted)  # un-permute, sum over the token's experts
+        # [N, H] unweighted, in the source's expert-major order
+        return self.start(weights, y_recv, send_splits, recv_splits, 0, ROWS, wait)
+
+    def landed(self, rows, token_of, tokens):
+        weights = self.wait_for(rows)
+        return rows * weights[:, None].to(rows.dtype), token_of, tokens
 
 
 def apply_expert_parallel(
     experts: nn.Module,
+    routed_sum: nn.Module,
     ep_mesh: DeviceMesh,
     ranks_per_node: int,
     node_meshes: tuple[DeviceMesh, DeviceMesh] | None = None,
+    overlap: str = "shared",
 ) -> TokenDispatcher:
     """Shard the stacked expert weights on dim 0 over `ep_mesh` and route tokens to them.
 
@@ -111,6 +133,8 @@ def apply_expert_parallel(
     the truth); FSDP later adds `Shard(1)` on `efsdp` on top. `node_meshes`: the `ep`
     group's (across nodes, inside a node) split when it spans whole nodes (two-stage
     dispatch); else one all-to-all, whose inter-node bytes `ranks_per_node` tells apart.
+    `routed_sum`: the layer's `Unpermute`, where the combine is waited for unless
+    `overlap` is "none" (parallel.ep_overlap).
     """
     num_experts = None
     for name, param in list(experts.named_parameters(recurse=False)):
@@ -140,8 +164,13 @@ def apply_expert_parallel(
     @torch.compiler.disable
     def post_hook(_module, _args, y_local):
         with named_range("ep.combine"):
-            return dispatcher.combine(y_local)
+            return dispatcher.combine(y_local, wait=overlap == "none")
+
+    @torch.compiler.disable
+    def sum_hook(_module, args):
+        return dispatcher.landed(*args)
 
     experts.register_forward_pre_hook(pre_hook)
     experts.register_forward_hook(post_hook)
+    routed_sum.register_forward_pre_hook(sum_hook)
     return dispatcher

@@ -11,7 +11,8 @@ the same local index on the other nodes.
                       ranks of its node that own the token's experts
     experts:          each rank computes its rows' weighted sums over their local experts
     combine:          stage 2 reversed, summed per (token, node) on the relay, then stage 1
-                      reversed (one row per (token, node) crosses back), summed per token
+                      reversed (one row per (token, node) crosses back, left in flight),
+                      summed per token where the layer's `Unpermute` waits for it
 
 A token's inter-node traffic is one row per remote node holding any of its experts, however
 many of its experts sit there. With a router that limits each token to a few expert groups,
@@ -110,13 +111,21 @@ class NodeDispatcher(Dispatcher):
         # On the expert's rank: its assignments expert-major over the rows it received.
         by_expert = torch.argsort(expert2, stable=True)
         counts = _counts(expert2, self.local_experts)
-        self._pending.append((splits1, pair_token, tokens, splits2, key_row, received))
-        return rows2, counts, row2[by_expert], weights2[by_expert]
+        row_of = row2[by_expert]
+        self._pending.append((splits1, pair_token, splits2, key_row, received, row_of, len(rows2)))
+        return rows2, counts, row_of, weights2[by_expert]
 
-    def combine(self, y_local: torch.Tensor) -> torch.Tensor:
-        (send1, recv1), pair_token, tokens, (send2, recv2), key_row, received = self._pending.pop()
+    def combine(self, y_local: torch.Tensor, wait: bool) -> torch.Tensor:
+        (send1, recv1), pair_token, (send2, recv2), key_row, received, row_of, rows = (
+            self._pending.pop()
+        )
+        # The expert's rank sums its weighted assignments per row it received: [rows2, H].
+        y_local = y_local.new_zeros(rows, y_local.shape[1]).index_add_(0, row_of, y_local)
         y_keys = all_to_all(y_local, send2, recv2, self.handle, NODE, ROWS)  # [keys, H]
         # Sum inside the node: one row per (token, node) goes back across.
         y_rows = y_keys.new_zeros(received, y_keys.shape[1]).index_add_(0, key_row, y_keys)
-        y_pairs = all_to_all(y_rows, send1, recv1, self.handle, RAIL, ROWS)  # [pairs, H]
-        return y_pairs.new_zeros(tokens, y_pairs.shape[1]).index_add_(0, pair_token, y_pairs)
+        # [pairs, H], in flight
+        return self.start(pair_token, y_rows, send1, recv1, RAIL, ROWS, wait)
+
+    def landed(self, rows, token_of, tokens):
+        return rows, self.wait_for(rows), tokens  # summed per (token, node): per token next

@@ -16,7 +16,7 @@ from parallelisms.dims import LayoutError, ParallelDims
 from parallelisms.expert_parallel import TokenDispatcher, apply_expert_parallel
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.mesh import Meshes
-from parallelisms.plan import match_modules
+from parallelisms.plan import PlanError, match_modules
 
 
 @dataclass
@@ -51,12 +51,14 @@ def parallelize(
     activation_checkpoint: str = "none",
     compile: bool = False,
     fsdp_gather: str = "micro_batch",
+    ep_overlap: str = "shared",
     stage: bool = False,
 ) -> Parallelized:
     """Shard `model` (on the meta device) in place: context parallelism swaps the attention
     cores for ring attention, expert parallelism shards and wraps the routed experts,
     activation checkpointing (none | full | selective) wraps the blocks' forwards (compiled
-    first if `compile`), FSDP2 shards the rest (`fsdp_gather`: parallel.fsdp_gather).
+    first if `compile`), FSDP2 shards the rest (`fsdp_gather`: parallel.fsdp_gather;
+    `ep_overlap`: parallel.ep_overlap).
     `stage`: `model` is one pipeline stage (or the planner's piece of one), which may hold
     no expert, attention module or block (the whole model's plan was checked by
     `check_layout`)."""
@@ -68,10 +70,12 @@ def parallelize(
             model, cores, meshes.world, cp_zigzag, cp_kernel
         )
     if meshes.ep is not None:
-        for _, experts in match_modules(model, plan.routed_experts, "routed_experts", required):
-            nodes = (meshes.ep_rail, meshes.ep_node) if meshes.ep_rail is not None else None
+        nodes = (meshes.ep_rail, meshes.ep_node) if meshes.ep_rail is not None else None
+        for experts, routed_sum in expert_layers(model, plan, required):
             out.dispatchers.append(
-                apply_expert_parallel(experts, meshes.ep, meshes.ranks_per_node, nodes)
+                apply_expert_parallel(
+                    experts, routed_sum, meshes.ep, meshes.ranks_per_node, nodes, ep_overlap
+                )
             )
     # NOTE: before FSDP (as torchtitan does); FSDP's hooks on a block run around its
     # checkpointed forward, not inside the replay.
@@ -91,6 +95,20 @@ def parallelize(
     return out
 
 
+def expert_layers(
+    model: nn.Module, plan: ParallelPlan, required: bool = True
+) -> list[tuple[nn.Module, nn.Module]]:
+    """Each MoE layer's (routed experts, routed sum), paired by the plan's order."""
+    experts = match_modules(model, plan.routed_experts, "routed_experts", required)
+    sums = match_modules(model, plan.routed_sum or (), "routed_sum", required=False)
+    if len(sums) != len(experts):
+        raise PlanError(
+            f"parallel plan: {len(experts)} routed_experts modules but {len(sums)} routed_sum "
+            "modules; name each MoE layer's Unpermute in the model's PLAN (routed_sum)"
+        )
+    return [(e, s) for (_, e), (_, s) in zip(experts, sums, strict=True)]
+
+
 def check_layout(model: nn.Module, plan: ParallelPlan, dims: ParallelDims) -> None:
     """Refuse a layout this model cannot take, from a meta-device instance (no memory, no
     process group): every plan pattern must match, and the expert shards must be even."""
@@ -105,6 +123,7 @@ def check_layout(model: nn.Module, plan: ParallelPlan, dims: ParallelDims) -> No
         return
     if plan.routed_experts is None:
         raise LayoutError(f"parallel.ep={dims.ep}, but this model's plan names no routed experts")
+    expert_layers(model, plan)
     for fqn, experts in match_modules(model, plan.routed_experts, "routed_experts"):
         for name, param in experts.named_parameters():
             if param.shape[0] % dims.ep:

@@ -44,7 +44,9 @@ def _moe_layer_worker(rank: int, world: int, kind: str, out_path: str) -> None:
     sharded.load_state_dict(reference.state_dict())
     sharded.gate.register_forward_hook(_route(kind))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    dispatcher = apply_expert_parallel(sharded.experts, mesh, ranks_per_node=world)
+    dispatcher = apply_expert_parallel(
+        sharded.experts, sharded.unpermute, mesh, ranks_per_node=world
+    )
 
     x = torch.randn(world, TOKENS, HIDDEN)[rank : rank + 1]  # this rank's tokens [1, T, H]
     y, _ = sharded(x.clone().requires_grad_())

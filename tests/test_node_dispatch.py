@@ -68,7 +68,9 @@ def _worker(rank: int, world: int, out_path: str) -> None:
         for kind in ("flat", "two_stage"):
             layer = _layer()
             meshes = (split["rail"], split["node"]) if kind == "two_stage" else None
-            dispatcher = apply_expert_parallel(layer.experts, ep_mesh, per_node, meshes)
+            dispatcher = apply_expert_parallel(
+                layer.experts, layer.unpermute, ep_mesh, per_node, meshes
+            )
             x_local = x.clone().requires_grad_()
             y, _ = layer(x_local)
             forward = dispatcher.reset_traffic()
@@ -101,7 +103,9 @@ def _worker(rank: int, world: int, out_path: str) -> None:
         m.gate.register_forward_hook(_skew)
     want = _grads(reference, x_all)
     split = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rail", "node"))
-    apply_expert_parallel(layer.experts, ep_mesh, 2, (split["rail"], split["node"]))
+    apply_expert_parallel(
+        layer.experts, layer.unpermute, ep_mesh, 2, (split["rail"], split["node"])
+    )
     got = _grads(layer, x)
     mine = {k: want[k][rank : rank + 1] for k in ("y", "x")}
     experts = ("experts.gate_up_proj", "experts.down_proj")  # full tensors: every rank's tokens

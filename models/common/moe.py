@@ -2,10 +2,11 @@
 
 The routed experts are one module holding stacked `[E, ...]` weights (`RoutedExperts`). It
 takes the tokens, each (token, expert) assignment's token and routing weight in expert-major
-order, and the count per expert, and returns each token's weighted sum over its experts.
-That call is the seam expert parallelism hooks into: a plan wraps `experts` so that the
-tokens travel to the ranks owning their experts (all-to-all) and back, while this file stays
-mesh-agnostic.
+order, and the count per expert, and returns each assignment's weighted output row; a second
+module (`Unpermute`) sums them per token. Those two calls are the seams expert parallelism
+hooks into: a plan wraps `experts` so that the tokens travel to the ranks owning their
+experts (all-to-all) and back, and `unpermute` so that the way back may still be in flight
+while the shared experts run, while this file stays mesh-agnostic.
 """
 
 from __future__ import annotations
@@ -197,15 +198,22 @@ class RoutedExperts(nn.Module, abc.ABC):
     ) -> torch.Tensor:
         """x [R, dim] rows; the N assignments in expert-major order: token_of [N] (the row of
         each; None: row i is assignment i, N = R), weights [N] (None: 1) and
-        tokens_per_expert [E_local] -> [R, dim], each row's weighted sum over its assignments.
-        """
+        tokens_per_expert [E_local] -> [N, dim], each assignment's weighted output."""
         rows = x if token_of is None else x[token_of]  # [N, dim] expert-major
         y = self.ffn(rows, tokens_per_expert)
         if weights is not None:
             y = y * weights[:, None].to(y.dtype)
-        if token_of is None:
-            return y
-        return torch.zeros_like(x).index_add_(0, token_of, y)  # un-permute, sum over experts
+        return y
+
+
+class Unpermute(nn.Module):
+    """Each token's sum over its assignments' rows: rows [N, dim], token_of [N] -> [T, dim].
+
+    A module of its own (no parameters) so that expert parallelism can hook the point where
+    the routed output is first needed: it waits there for the combine in flight."""
+
+    def forward(self, rows: torch.Tensor, token_of: torch.Tensor, tokens: int) -> torch.Tensor:
+        return rows.new_zeros(tokens, rows.shape[1]).index_add_(0, token_of, rows)
 
 
 class GroupedExperts(RoutedExperts):
@@ -260,6 +268,7 @@ class MoE(nn.Module):
         self.gate = router
         self.experts = experts or GroupedExperts(self.num_experts, dim, hidden_dim, options.gemm)
         self.shared_experts = SwiGLU(dim, shared_hidden_dim) if shared_hidden_dim else None
+        self.unpermute = Unpermute()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         """x [B, S, dim] -> (y [B, S, dim], per-sequence routing statistics)."""
@@ -282,10 +291,12 @@ class MoE(nn.Module):
         token_of = order // self.top_k  # source token of each sorted assignment
 
         weights = top_weights.reshape(-1)[order]  # [assignments], expert-major
-        y = self.experts(x_flat, tokens_per_expert, token_of, weights).view(B, S, dim)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y, stats
+        rows = self.experts(x_flat, tokens_per_expert, token_of, weights)  # [N, dim]
+        # NOTE: the shared experts run before the routed rows are summed: under expert
+        # parallelism the rows' way back (the combine) is still in flight until `unpermute`.
+        shared = None if self.shared_experts is None else self.shared_experts(x)
+        y = self.unpermute(rows, token_of, B * S).view(B, S, dim)
+        return (y if shared is None else y + shared), stats
 
     def _drop_over_capacity(
         self, order: torch.Tensor, tokens_per_expert: torch.Tensor

@@ -25,6 +25,13 @@ class ParallelSection:
         ge=0,
         note="0 = LOCAL_WORLD_SIZE",
     )
+    ep_overlap: str = arg(
+        "shared",
+        "what runs while a MoE layer's combine (the experts' output on its way back) is in "
+        "flight: shared (the layer's shared experts; the sum of the routed output waits for "
+        "the transfer after them) | none (each combine is waited for at once)",
+        choices=("none", "shared"),
+    )
     cp_layout: str = arg(
         "zigzag",
         "how the sequence is split over cp ranks: zigzag (rank r holds chunks r and 2cp-1-r: "

@@ -185,6 +185,7 @@ def build_model(
             activation_checkpoint=cfg.train.activation_checkpoint,
             compile=cfg.train.compile,
             fsdp_gather=cfg.parallel.fsdp_gather,
+            ep_overlap=cfg.parallel.ep_overlap,
             stage=stage,
         )
         module.to_empty(device=device)
