@@ -101,7 +101,7 @@ def test_the_combine_runs_under_the_shared_experts_and_changes_no_bit(tmp_path):
     out = str(tmp_path / "out.pt")
     run_distributed(_worker, 4, out)
     for rank in range(4):
-        results = torch.load(f"{out}.{rank}", weights_only=False)
+        results = torch.load(f"{out}.{rank}")
         for name in CASES:
             overlapped, waited = results[name, "shared"], results[name, "none"]
             assert overlapped[0]["loss"] > 0 and overlapped[-1]["params"]
