@@ -97,7 +97,7 @@ def main() -> None:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
         layer = build(args, "auto", device, dtype)
         dispatcher = apply_expert_parallel(
-            layer.experts, layer.unpermute, mesh, ranks_per_node=world
+            (layer.permute, layer.experts, layer.unpermute), mesh, ranks_per_node=world
         )
         result["ep"] = world
         result["ep_fwd_bwd_s"] = time_fwd_bwd(layer, x, args.iters)
@@ -114,7 +114,8 @@ def main() -> None:
         for _ in range(args.iters):
             _sync(device)
             start = time.perf_counter()
-            x_local = dispatcher.dispatch(xs, tokens_per_expert, token_of, weights)[0]
+            sent = dispatcher.send(xs, tokens_per_expert, token_of, weights, wait=True)
+            x_local = dispatcher.arrive(sent)[0]
             dispatcher.landed(dispatcher.combine(x_local, wait=True), token_of, args.tokens)
             _sync(device)
             times.append(time.perf_counter() - start)

@@ -98,7 +98,7 @@ def _measure_worker(rank: int, world: int, args, out_path: str) -> None:
         for param in layer.parameters():
             torch.nn.init.normal_(param, std=0.05)
         dispatcher = apply_expert_parallel(
-            layer.experts, layer.unpermute, ep_mesh, per_node, meshes
+            (layer.permute, layer.experts, layer.unpermute), ep_mesh, per_node, meshes
         )
         with torch.no_grad():
             top = layer.gate(x[0]).top_experts  # [T, k] the routing the layer will use

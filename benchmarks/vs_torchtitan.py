@@ -31,7 +31,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.report import write_result  # noqa: E402
 from models import get_model_spec  # noqa: E402
-from models.common.moe import load_balancing_loss  # noqa: E402
+from models.common.balance_losses import load_balancing_loss  # noqa: E402
 from parallelisms.clip import clip_grads_, grad_norm  # noqa: E402
 from parallelisms.dims import ParallelDims  # noqa: E402
 from parallelisms.init import init_weights_global  # noqa: E402

@@ -31,8 +31,19 @@ class Traffic(NamedTuple):
     internode_routing: int  # routing metadata to ranks on other nodes
 
 
+class InFlight(NamedTuple):
+    """An all-to-all `Dispatcher.start` issued: its output, and what its wait needs."""
+
+    out: torch.Tensor
+    work: dist.Work | None  # None: already landed (waited for, or its body did not run)
+    keep: object  # what the caller handed `start` to get back once it lands
+    reverse: tuple[list[int], list[int], int, int]  # (out, in) splits, stage, count: backward
+    name: str  # the profiler range of its issue; its wait is "{name}.wait"
+
+
 class Dispatcher:
-    """Registers itself for the op below and holds the traffic counters."""
+    """Registers itself for the op below, holds the traffic counters and the transfers in
+    flight."""
 
     def __init__(self, groups: dict[int, dist.ProcessGroup], remote: dict[int, list[bool]]):
         """groups: stage -> process group; remote: stage -> per peer (group rank order),
@@ -40,14 +51,16 @@ class Dispatcher:
         self.groups, self.remote = groups, remote
         self.ranks = {stage: dist.get_rank(group) for stage, group in groups.items()}
         self._sent = self._internode = self._internode_routing = 0
-        # per in-flight forward (or its replay under activation checkpointing), pushed by
-        # dispatch, popped by combine
-        self._pending: list[tuple] = []
+        # First in, first out (a layer's chunks are sent, computed and combined in order;
+        # an activation-checkpoint replay of the layer runs its own sequence whole):
+        self._sending: list[tuple] = []  # (output, extra state): pushed by send, for arrive
+        self._pending: list[tuple] = []  # pushed by arrive, popped by combine
         # the transfer the last `all_to_all(..., wait=False)` left running (None: its body
         # did not run, as in a selective-checkpoint replay, which gets the kept output)
         self.started: dist.Work | None = None
-        # combines started and not yet waited for: (output, its transfer, what to keep)
-        self._in_flight: list[tuple] = []
+        self._in_flight: list[InFlight] = []
+        # gradients on their way back, started by `_Landed`: (gradient sent, its transfer)
+        self._returning: list[tuple[torch.Tensor, InFlight]] = []
         self.handle = next(_handles)
         _DISPATCHERS[self.handle] = self
 
@@ -61,31 +74,75 @@ class Dispatcher:
         else:
             self._internode_routing += crossing
 
-    def start(self, keep, x, out_splits, in_splits, stage, count, wait) -> torch.Tensor:
-        """`all_to_all` of x over a stage; its output, which `wait_for` hands `keep` back
-        for once the transfer has landed (`wait=False`: maybe still running)."""
+    def start(self, name, keep, x, out_splits, in_splits, stage, count, wait) -> torch.Tensor:
+        """`all_to_all` of x over a stage, issued under the profiler range `name`; its
+        output, which `wait_for` lands (`wait=False`: the transfer may still be running)."""
         self.started = None
-        out = all_to_all(x, out_splits, in_splits, self.handle, stage, count, wait)
-        self._in_flight.append((out, self.started, keep))
+        with named_range(name):
+            out = all_to_all(x, out_splits, in_splits, self.handle, stage, count, wait)
+        reverse = (in_splits, out_splits, stage, count)
+        self._in_flight.append(InFlight(out, self.started, keep, reverse, name))
         return out
 
-    def wait_for(self, out: torch.Tensor):
-        """Wait for the transfer `start` returned `out` of; what it was given to keep."""
-        for i, (started, work, keep) in enumerate(self._in_flight):
-            if started is out:
-                del self._in_flight[i]
-                if work is not None:
-                    with named_range("ep.combine.wait"):
-                        work.wait()
-                return keep
-        raise RuntimeError("routed rows that no combine of this dispatcher returned")
+    def _take(self, out: torch.Tensor) -> InFlight:
+        for i, flight in enumerate(self._in_flight):
+            if flight.out is out:
+                return self._in_flight.pop(i)
+        raise RuntimeError("a tensor that no all-to-all of this dispatcher left in flight")
+
+    def wait_for(
+        self, out: torch.Tensor, flowing: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, object]:
+        """Wait for the transfer `start` returned `out` of (under "{name}.wait"); the landed
+        output and what `start` was given to keep. `flowing`: what the caller was handed in
+        place of `out` (a view of it: FSDP2 wraps the inputs of its units), which lands
+        instead, so that the gradient takes the way autograd knows.
+
+        A transfer started without waiting lands through `_Landed`, so that its gradient's
+        way back is started as early in the backward as this wait came late in the forward.
+        """
+        flight = self._take(out)
+        landed = out if flowing is None else flowing
+        if flight.work is None:  # waited for at once, or a replay's kept output
+            return landed, flight.keep
+        with named_range(f"{flight.name}.wait"):
+            flight.work.wait()
+        return _Landed.apply(landed, self.handle, flight.reverse, flight.name), flight.keep
+
+    def arrived(self, sent: torch.Tensor) -> tuple[torch.Tensor, object, object]:
+        """`wait_for` the oldest `send` (whose output and extra state it queued on
+        `_sending`), landing `sent`; also returns that extra state.
+
+        NOTE: found by order, not by identity: `sent` may be a view of the send's output
+        (see `wait_for`). A layer's chunks arrive in the order they were sent."""
+        out, extra = self._sending.pop(0)
+        landed, keep = self.wait_for(out, sent)
+        return landed, keep, extra
+
+    def start_back(self, name: str, grad: torch.Tensor, reverse: tuple) -> None:
+        """Start the transfer of an output's gradient back (`reverse`: the output's
+        `InFlight.reverse`), for `land_back(grad)`."""
+        out_splits, in_splits, stage, count = reverse
+        back = self.start(name, None, grad, out_splits, in_splits, stage, count, False)
+        self._returning.append((grad, self._take(back)))
+
+    def land_back(self, grad: torch.Tensor) -> torch.Tensor:
+        """Wait for the transfer `start_back` started of `grad`; what arrived."""
+        for i, (sent, flight) in enumerate(self._returning):
+            if sent is grad:
+                del self._returning[i]
+                with named_range(f"{flight.name}.wait"):
+                    flight.work.wait()
+                return flight.out
+        raise RuntimeError("a gradient whose way back no `_Landed` started")
 
     def reset_traffic(self) -> Traffic:
         """The traffic since the last reset (the trainer logs it per step); resets."""
-        if self._pending or self._in_flight:  # between steps: every dispatch has landed
+        if self._sending or self._pending or self._in_flight or self._returning:  # all landed
             raise RuntimeError(
-                f"{len(self._pending)} dispatches were never combined, "
-                f"{len(self._in_flight)} combines never waited for"
+                f"{len(self._sending)} dispatches never arrived, {len(self._pending)} were "
+                f"never combined, {len(self._in_flight) + len(self._returning)} transfers "
+                "never waited for"
             )
         traffic = Traffic(self._sent, self._internode, self._internode_routing)
         self._sent = self._internode = self._internode_routing = 0
@@ -133,18 +190,43 @@ def _(x, out_splits, in_splits, dispatcher, stage, count, wait=True):
 
 
 def _all_to_all_setup(ctx, inputs, output) -> None:
-    _, out_splits, in_splits, dispatcher, stage, count, _wait = inputs
-    ctx.args = (out_splits, in_splits, dispatcher, stage, count)
+    _, out_splits, in_splits, dispatcher, stage, count, wait = inputs
+    ctx.args = (out_splits, in_splits, dispatcher, stage, count, wait)
 
 
 def _all_to_all_backward(ctx, grad):
-    out_splits, in_splits, dispatcher, stage, count = ctx.args
-    with named_range("ep.all_to_all.backward"):  # dispatch's backward combines, and back
-        grad_in = all_to_all(grad, in_splits, out_splits, dispatcher, stage, count)
+    out_splits, in_splits, dispatcher, stage, count, wait = ctx.args
+    if not wait:  # `_Landed` started the way back where the output landed; it ends here
+        grad_in = _DISPATCHERS[dispatcher].land_back(grad)
+    else:
+        with named_range("ep.all_to_all.backward"):  # dispatch's backward combines, and back
+            grad_in = all_to_all(grad, in_splits, out_splits, dispatcher, stage, count)
     return grad_in, None, None, None, None, None, None
 
 
 all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
+
+
+class _Landed(torch.autograd.Function):
+    """Where the output of an all-to-all started without waiting landed: nothing forward;
+    backward, it starts its gradient's transfer back and leaves it in flight, and the
+    all-to-all's own backward waits for it.
+
+    NOTE: autograd runs ready nodes in reverse order of their creation. This node was made
+    where the forward waited, so the nodes made between the issue and the wait (the compute
+    the transfer hid under) run between its backward and the all-to-all's: they hide the
+    transfer of the gradient too (under the name "{issue}.backward").
+    """
+
+    @staticmethod
+    def forward(ctx, out, dispatcher, reverse, name):
+        ctx.dispatcher, ctx.reverse, ctx.name = dispatcher, reverse, name
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _DISPATCHERS[ctx.dispatcher].start_back(f"{ctx.name}.backward", grad, ctx.reverse)
+        return grad, None, None, None
 
 
 def exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:

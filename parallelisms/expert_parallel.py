@@ -1,19 +1,26 @@
 """Expert parallelism: routed experts sharded on dim 0 over `ep`, tokens moved by all-to-all.
 
-The model's experts module is called on the tokens with the routing of each assignment
-(`models.common.moe.RoutedExperts`), and its output rows are summed per token by a second
-module (`models.common.moe.Unpermute`). EP wraps both from outside with hooks:
+A MoE layer hands its routed tokens to a `models.common.moe.Permute`, calls its experts
+module on what that returns (`models.common.moe.RoutedExperts`), and sums the output rows
+per token with an `Unpermute`. EP wraps the three from outside with hooks:
 
-    experts, pre-forward:   (x [T, H], counts [E], token_of [N], weights [N]) -> dispatch
-                            -> (x_local [R, H], counts [E/ep], token_of_local, weights_local)
+    permute, post-forward:  (x [T, H], counts [E], token_of [N], weights [N]) -> send:
+                            the dispatch, started -> rows (maybe in flight)
+    experts, pre-forward:   rows -> arrive: wait for them
+                            -> (x_local [R, H], counts [E/ep], row_of_local, weights_local)
     experts, post-forward:  y_local [N_local, H] -> combine, started -> rows (in flight)
     unpermute, pre-forward: (rows, token_of [N], T) -> wait for the combine -> the rows the
                             sum takes ([N, H] weighted, or [P, H] already summed per pair)
 
-NOTE: between the two, the layer runs what does not need the routed output (its shared
-experts; `parallel.ep_overlap=shared`) while the combine's transfer runs on the process
-group's own threads (gloo) or stream (NCCL). The arithmetic is the same either way: only
-when the transfer is waited for moves.
+NOTE: a transfer started without waiting runs on the process group's own threads (gloo) or
+stream (NCCL) while the layer computes what does not need it (`parallel.ep_overlap`):
+- shared: the combine is in flight while the layer's shared experts run;
+- chunks: the layer splits its tokens in two and sends both chunks before the experts
+  run, so chunk B's dispatch is in flight while chunk A's experts compute, and chunk A's
+  combine while chunk B's do.
+The backward mirrors it: each transfer's gradient is started where the forward waited
+and waited for where the forward started it (`parallelisms.all_to_all._Landed`). Only when
+a transfer is waited for moves; with one chunk the arithmetic is that of `none`.
 
 Two dispatchers sit behind the same calls. `AllToAllDispatcher` (an `ep` group inside one
 node) sends every (token, expert) assignment whose expert lives on another rank, drop-less,
@@ -33,7 +40,6 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from parallelisms.all_to_all import NOTHING, ROWS, Dispatcher, Traffic, all_to_all
 from parallelisms.node_dispatch import NodeDispatcher
-from parallelisms.trace import named_range
 
 
 class TokenDispatcher(Protocol):
@@ -42,13 +48,25 @@ class TokenDispatcher(Protocol):
     A DeepEP implementation would plug in behind the same calls.
     """
 
-    def dispatch(
+    def send(
         self,
         x: torch.Tensor,
         tokens_per_expert: torch.Tensor,
         token_of: torch.Tensor,
         weights: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]: ...
+        wait: bool,
+    ) -> torch.Tensor:
+        """Start moving the routed tokens (x [T, H], counts [E], token_of [N], weights [N])
+        to their experts' ranks; `wait=False` returns while the last transfer runs. Returns
+        what `arrive` takes."""
+        ...
+
+    def arrive(
+        self, sent: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Wait for a `send`; the experts' arguments: rows [R, H], counts [E/ep], the row
+        of each local assignment (None: row i) and its weight (None: applied at home)."""
+        ...
 
     def combine(self, y_local: torch.Tensor, wait: bool) -> torch.Tensor:
         """The experts' rows [N_local, H] back to their tokens' ranks; `wait=False` returns
@@ -95,7 +113,7 @@ class AllToAllDispatcher(Dispatcher):
         self.ep = ep_mesh.size()
         self.local_experts = num_experts // self.ep
 
-    def dispatch(self, x, tokens_per_expert, token_of, weights):
+    def send(self, x, tokens_per_expert, token_of, weights, wait=True):
         send_counts = tokens_per_expert.view(self.ep, self.local_experts)  # [dest rank, expert]
         ones = [1] * self.ep  # one row of counts [local experts] to each rank
         recv_counts = all_to_all(send_counts, ones, ones, self.handle, 0, NOTHING)  # [src, e]
@@ -103,39 +121,47 @@ class AllToAllDispatcher(Dispatcher):
         # implicit prefetch (see parallelisms/fsdp.py).
         send_splits = send_counts.sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
-        x_recv = all_to_all(x[token_of], recv_splits, send_splits, self.handle, 0, ROWS)
+        keep = (recv_counts, send_splits, recv_splits, weights)
+        out = self.start("ep.dispatch", keep, x[token_of], recv_splits, send_splits, 0, ROWS, wait)
+        self._sending.append((out, None))
+        return out
+
+    def arrive(self, sent):
+        x_recv, (recv_counts, send_splits, recv_splits, weights), _ = self.arrived(sent)
         perm = _source_major_to_expert_major(recv_counts)
         self._pending.append((perm, send_splits, recv_splits, weights))
         return x_recv[perm], recv_counts.sum(0), None, None
 
     def combine(self, y_local: torch.Tensor, wait: bool) -> torch.Tensor:
-        perm, send_splits, recv_splits, weights = self._pending.pop()
+        perm, send_splits, recv_splits, weights = self._pending.pop(0)
         y_recv = torch.empty_like(y_local).index_copy(0, perm, y_local)  # back to arrival order
         # [N, H] unweighted, in the source's expert-major order
-        return self.start(weights, y_recv, send_splits, recv_splits, 0, ROWS, wait)
+        return self.start("ep.combine", weights, y_recv, send_splits, recv_splits, 0, ROWS, wait)
 
     def landed(self, rows, token_of, tokens):
-        weights = self.wait_for(rows)
+        rows, weights = self.wait_for(rows)
         return rows * weights[:, None].to(rows.dtype), token_of, tokens
 
 
 def apply_expert_parallel(
-    experts: nn.Module,
-    routed_sum: nn.Module,
+    layer: tuple[nn.Module, nn.Module, nn.Module],
     ep_mesh: DeviceMesh,
     ranks_per_node: int,
     node_meshes: tuple[DeviceMesh, DeviceMesh] | None = None,
     overlap: str = "shared",
 ) -> TokenDispatcher:
-    """Shard the stacked expert weights on dim 0 over `ep_mesh` and route tokens to them.
+    """Shard a MoE layer's stacked expert weights on dim 0 over `ep_mesh` and route tokens
+    to them. `layer`: its (Permute, routed experts, Unpermute) modules.
 
     Parameters become DTensors `Shard(0)` (global shapes kept: checkpoints and clipping see
     the truth); FSDP later adds `Shard(1)` on `efsdp` on top. `node_meshes`: the `ep`
     group's (across nodes, inside a node) split when it spans whole nodes (two-stage
     dispatch); else one all-to-all, whose inter-node bytes `ranks_per_node` tells apart.
-    `routed_sum`: the layer's `Unpermute`, where the combine is waited for unless
-    `overlap` is "none" (parallel.ep_overlap).
+    `overlap` (parallel.ep_overlap): "none" waits for each transfer at once; "shared" leaves
+    the combine in flight until `Unpermute`; "chunks" also leaves each dispatch in flight
+    until its experts run (the layer calls Permute for every chunk before the experts).
     """
+    permute, experts, routed_sum = layer
     num_experts = None
     for name, param in list(experts.named_parameters(recurse=False)):
         num_experts = param.shape[0]
@@ -157,20 +183,23 @@ def apply_expert_parallel(
     # experts): the dispatch reads split sizes on the host, and traced code would bake each
     # dispatcher's handle and each step's token counts in, one recompile per layer and step.
     @torch.compiler.disable
-    def pre_hook(_module, args):
-        with named_range("ep.dispatch"):
-            return dispatcher.dispatch(*args)
+    def send_hook(_module, _args, routed):
+        return (dispatcher.send(*routed, wait=overlap != "chunks"),)
 
     @torch.compiler.disable
-    def post_hook(_module, _args, y_local):
-        with named_range("ep.combine"):
-            return dispatcher.combine(y_local, wait=overlap == "none")
+    def arrive_hook(_module, args):
+        return dispatcher.arrive(*args)
+
+    @torch.compiler.disable
+    def combine_hook(_module, _args, y_local):
+        return dispatcher.combine(y_local, wait=overlap == "none")
 
     @torch.compiler.disable
     def sum_hook(_module, args):
         return dispatcher.landed(*args)
 
-    experts.register_forward_pre_hook(pre_hook)
-    experts.register_forward_hook(post_hook)
+    permute.register_forward_hook(send_hook)
+    experts.register_forward_pre_hook(arrive_hook)
+    experts.register_forward_hook(combine_hook)
     routed_sum.register_forward_pre_hook(sum_hook)
     return dispatcher

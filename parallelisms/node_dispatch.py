@@ -6,7 +6,9 @@ The `ep` group is nodes x ranks_per_node ranks, in that order, so node n holds t
 the same local index on the other nodes.
 
     stage 1 (rail):   each (token, destination node) row once, with the routing of the
-                      token's assignments on that node (expert inside the node, weight)
+                      token's assignments on that node (expert inside the node, weight);
+                      the rows are left in flight under `parallel.ep_overlap=chunks`
+                      (the send; the rest is the arrive, when the chunk's experts run)
     stage 2 (node):   the relay that received it forwards one row per (token, rank) to the
                       ranks of its node that own the token's experts
     experts:          each rank computes its rows' weighted sums over their local experts
@@ -49,11 +51,12 @@ class NodeDispatcher(Dispatcher):
         self.local_experts = num_experts // (self.nodes * self.per_node)
         self.node_experts = self.local_experts * self.per_node
 
-    def _exchange(self, stage, rows, row_counts, routing, weights, assign_counts):
+    def _exchange(self, stage, rows, row_counts, routing, weights, assign_counts, wait=True):
         """Send rows [sum(row_counts), H] and their assignments' routing [A, 2] (row inside
         the sender's chunk, expert) and weights [A] to the stage's peers (chunks in peer
-        order). -> received rows, routing with rows indexing the received rows, weights,
-        and the (send, receive) row splits for the way back."""
+        order). -> the received rows, for `wait_for` (`wait=False`: still in flight), which
+        hands back the rest: the routing with rows indexing the received rows, weights, and
+        the (send, receive) row splits for the way back."""
         counts = torch.stack([row_counts, assign_counts], 1)  # [peers, 2]
         ones = [1] * len(row_counts)
         recv = all_to_all(counts, ones, ones, self.handle, stage, NOTHING)  # [peers, 2]
@@ -62,16 +65,18 @@ class NodeDispatcher(Dispatcher):
         (send_rows, send_assign), (recv_rows, recv_assign) = torch.stack(
             [counts.t(), recv.t()]
         ).tolist()
-        rows_in = all_to_all(rows, recv_rows, send_rows, self.handle, stage, ROWS)
+        # The small routing first: on one NCCL stream it would queue behind the rows.
         routing_in = all_to_all(routing, recv_assign, send_assign, self.handle, stage, ROUTING)
         weights_in = all_to_all(weights, recv_assign, send_assign, self.handle, stage, ROUTING)
         sender = torch.repeat_interleave(
             torch.arange(len(ones), device=rows.device), recv[:, 1], output_size=len(routing_in)
         )
         row_in = routing_in[:, 0].long() + starts_of(recv[:, 0])[sender]
-        return rows_in, row_in, routing_in[:, 1].long(), weights_in, (send_rows, recv_rows)
+        keep = (row_in, routing_in[:, 1].long(), weights_in, (send_rows, recv_rows))
+        name = "ep.dispatch" if stage == RAIL else "ep.dispatch.node"
+        return self.start(name, keep, rows, recv_rows, send_rows, stage, ROWS, wait)
 
-    def dispatch(self, x, tokens_per_expert, token_of, weights):
+    def send(self, x, tokens_per_expert, token_of, weights, wait=True):
         tokens, device = x.shape[0], x.device
         experts = torch.arange(len(tokens_per_expert), device=device)
         expert = torch.repeat_interleave(experts, tokens_per_expert, output_size=len(token_of))
@@ -85,9 +90,14 @@ class NodeDispatcher(Dispatcher):
             [pair_of - starts_of(pair_counts)[node], expert - node * self.node_experts], 1
         )
         assign_counts = tokens_per_expert.view(self.nodes, -1).sum(1)
-        rows1, row1, expert1, weights1, splits1 = self._exchange(
-            RAIL, x[pair_token], pair_counts, routing.int(), weights, assign_counts
+        out = self._exchange(
+            RAIL, x[pair_token], pair_counts, routing.int(), weights, assign_counts, wait
         )
+        self._sending.append((out, pair_token))
+        return out
+
+    def arrive(self, sent):
+        rows1, (row1, expert1, weights1, splits1), pair_token = self.arrived(sent)
 
         # Stage 2 (on the relay): one row per (destination rank in this node, row received).
         dest = expert1 // self.local_experts  # [A1] local rank owning each assignment
@@ -99,13 +109,16 @@ class NodeDispatcher(Dispatcher):
         routing = torch.stack(
             [key_of - starts_of(key_counts)[dest], expert1 % self.local_experts], 1
         )[by_dest]
-        rows2, row2, expert2, weights2, splits2 = self._exchange(
-            NODE,
-            rows1[key_row],
-            key_counts,
-            routing.int(),
-            weights1[by_dest],
-            _counts(dest, self.per_node),
+        # NOTE: waited for at once: the experts need these rows next.
+        rows2, (row2, expert2, weights2, splits2) = self.wait_for(
+            self._exchange(
+                NODE,
+                rows1[key_row],
+                key_counts,
+                routing.int(),
+                weights1[by_dest],
+                _counts(dest, self.per_node),
+            )
         )
 
         # On the expert's rank: its assignments expert-major over the rows it received.
@@ -117,7 +130,7 @@ class NodeDispatcher(Dispatcher):
 
     def combine(self, y_local: torch.Tensor, wait: bool) -> torch.Tensor:
         (send1, recv1), pair_token, (send2, recv2), key_row, received, row_of, rows = (
-            self._pending.pop()
+            self._pending.pop(0)
         )
         # The expert's rank sums its weighted assignments per row it received: [rows2, H].
         y_local = y_local.new_zeros(rows, y_local.shape[1]).index_add_(0, row_of, y_local)
@@ -125,7 +138,8 @@ class NodeDispatcher(Dispatcher):
         # Sum inside the node: one row per (token, node) goes back across.
         y_rows = y_keys.new_zeros(received, y_keys.shape[1]).index_add_(0, key_row, y_keys)
         # [pairs, H], in flight
-        return self.start(pair_token, y_rows, send1, recv1, RAIL, ROWS, wait)
+        return self.start("ep.combine", pair_token, y_rows, send1, recv1, RAIL, ROWS, wait)
 
     def landed(self, rows, token_of, tokens):
-        return rows, self.wait_for(rows), tokens  # summed per (token, node): per token next
+        rows, pair_token = self.wait_for(rows)
+        return rows, pair_token, tokens  # summed per (token, node): per token next

@@ -71,11 +71,9 @@ def parallelize(
         )
     if meshes.ep is not None:
         nodes = (meshes.ep_rail, meshes.ep_node) if meshes.ep_rail is not None else None
-        for experts, routed_sum in expert_layers(model, plan, required):
+        for layer in expert_layers(model, plan, required):
             out.dispatchers.append(
-                apply_expert_parallel(
-                    experts, routed_sum, meshes.ep, meshes.ranks_per_node, nodes, ep_overlap
-                )
+                apply_expert_parallel(layer, meshes.ep, meshes.ranks_per_node, nodes, ep_overlap)
             )
     # NOTE: before FSDP (as torchtitan does); FSDP's hooks on a block run around its
     # checkpointed forward, not inside the replay.
@@ -97,16 +95,21 @@ def parallelize(
 
 def expert_layers(
     model: nn.Module, plan: ParallelPlan, required: bool = True
-) -> list[tuple[nn.Module, nn.Module]]:
-    """Each MoE layer's (routed experts, routed sum), paired by the plan's order."""
+) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
+    """Each MoE layer's (Permute, routed experts, Unpermute), paired by the plan's order."""
     experts = match_modules(model, plan.routed_experts, "routed_experts", required)
-    sums = match_modules(model, plan.routed_sum or (), "routed_sum", required=False)
-    if len(sums) != len(experts):
-        raise PlanError(
-            f"parallel plan: {len(experts)} routed_experts modules but {len(sums)} routed_sum "
-            "modules; name each MoE layer's Unpermute in the model's PLAN (routed_sum)"
-        )
-    return [(e, s) for (_, e), (_, s) in zip(experts, sums, strict=True)]
+    layer = [experts]
+    for field_name, module in (("routed_permute", "Permute"), ("routed_sum", "Unpermute")):
+        matches = match_modules(model, getattr(plan, field_name) or (), field_name, False)
+        if len(matches) != len(experts):
+            raise PlanError(
+                f"parallel plan: {len(experts)} routed_experts modules but {len(matches)} "
+                f"{field_name} modules; name each MoE layer's {module} in the model's PLAN "
+                f"({field_name})"
+            )
+        layer.append(matches)
+    experts, permutes, sums = layer
+    return [(p, e, s) for (_, p), (_, e), (_, s) in zip(permutes, experts, sums, strict=True)]
 
 
 def check_layout(model: nn.Module, plan: ParallelPlan, dims: ParallelDims) -> None:

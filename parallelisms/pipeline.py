@@ -32,7 +32,8 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from models.common.moe import RouterStats, stack_stats
+from models.common.balance_losses import stack_stats
+from models.common.moe import RouterStats
 from models.common.staged import run_blocks
 
 # (stats of a stage's MoE layers, the stage's index) -> the loss share they add

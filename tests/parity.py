@@ -16,13 +16,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models import get_model_spec
-from models.common.moe import (
-    GroupLimitedRouter,
-    MoEOptions,
-    TopKRouter,
-    load_balancing_loss,
-    sequence_balance_loss,
-)
+from models.common.balance_losses import load_balancing_loss, sequence_balance_loss
+from models.common.moe import GroupLimitedRouter, MoEOptions, TopKRouter
 from models.common.replay import is_replay
 from parallelisms.dims import ParallelDims
 from trainer.config import load_config

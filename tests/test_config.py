@@ -329,6 +329,11 @@ def test_stray_argument_and_missing_value():
             ["--parallel.cp_layout=balanced", "--parallel.cp=3", "--data.seq_len=36"],
             "data.seq_len (36) must be divisible by 24",
         ),
+        (
+            ["--parallel.ep_overlap=chunks"],
+            "parallel.ep_overlap=chunks splits each MoE layer's tokens to overlap the expert "
+            "all-to-all, and parallel.ep=1 has none",
+        ),
     ],
 )
 def test_impossible_values(argv, expected):

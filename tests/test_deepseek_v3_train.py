@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from models.common.moe import GroupLimitedRouter, MoE, sequence_balance_loss, stack_stats
+from models.common.balance_losses import sequence_balance_loss, stack_stats
+from models.common.moe import GroupLimitedRouter, MoE
 from models.deepseek_v3.args import DeepseekV3Args
 from models.deepseek_v3.model import DeepseekV3ForCausalLM
 from tests.distributed import run_train

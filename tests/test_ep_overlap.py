@@ -1,14 +1,15 @@
-"""`parallel.ep_overlap`: a MoE layer's combine in flight while its shared experts run.
+"""`parallel.ep_overlap`: the expert all-to-all in flight while the layer computes.
 
 One 4-rank launch of the tiny DeepSeek-V3 (a shared expert per MoE layer), over gloo,
 whose collectives run on threads of their own, so the overlap is real on CPU too:
 - ep2 x efsdp2 and ep4 over 2 simulated nodes (two-stage dispatch): 3 steps with the
-  overlap equal 3 steps without it bit for bit. Only when the transfer is waited for moves;
-  the arithmetic is the same. (Against one process, within 1e-5: the EP rows of
-  tests/test_layout_parity.py, which run with the default overlap.)
-- one profiled step, read from the profiler's events on every rank: in every MoE layer the
-  combine's all-to-all is issued before the shared expert's matrix products and waited for
-  after them; with `none`, no transfer is left to wait for after the combine.
+  combine under the shared experts (`shared`) equal 3 steps without overlap bit for bit.
+  Only when the transfer is waited for moves; the arithmetic is the same. (Against one
+  process, within 1e-5: the EP rows of tests/test_layout_parity.py, which run `shared`
+  and, on 5 steps, `chunks`, whose split changes the order of the weight-gradient sums.)
+- one profiled step per mode, read from the profiler's events on every rank: each
+  transfer left in flight is issued before the compute it hides and waited for after it,
+  forward and backward, in every MoE layer; with `none`, nothing is left to wait for.
 """
 
 from __future__ import annotations
@@ -25,59 +26,70 @@ CASES = {
 }
 MEASURED = {"tokens_per_s", "step_time_s", "peak_mem_gib", "mfu"}  # of the run, not the model
 MOE_LAYERS = 3  # TINY_DSV3: 2 MoE blocks and the MTP block
-SHARED_MMS = 3  # the shared SwiGLU: gate, up and down projections
+# What a window between an issue and its wait may hold: the experts' two grouped GEMMs
+# (gate_up, down), the shared SwiGLU's three linears, their backward nodes, and the
+# two-stage dispatch's node stage.
+COMPUTE = {
+    "aten::_grouped_mm": "experts",
+    "aten::linear": "shared",
+    "autograd::engine::evaluate_function: GroupedMmBackward0": "experts_bwd",
+    "autograd::engine::evaluate_function: MmBackward0": "shared_bwd",
+    "ep.dispatch.node": "node_stage",
+}
+TRANSFERS = ("ep.dispatch", "ep.combine", "ep.dispatch.backward", "ep.combine.backward")
 
 
-def _moe_layers(events) -> list[dict]:
-    """Per forward MoE layer on the main thread: the combine's issue ("ep.combine", which
-    holds the all-to-all op) and, where the transfer was left running, its wait
-    ("ep.combine.wait", the Work's wait), with the matrix products between the two."""
-    main = sorted(
-        (e for e in events if e.thread == events[0].thread), key=lambda e: e.time_range.start
+def _events(prof) -> list[tuple[str, float, float]]:
+    """(name, start, end) of the main thread's events that the windows are read from."""
+    first = prof.events()[0].thread
+    keep = set(COMPUTE) | set(TRANSFERS) | {f"{t}.wait" for t in TRANSFERS}
+    return sorted(
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.thread == first and e.name in keep
     )
-    combines = [e for e in main if e.name == "ep.combine"]
-    layers = []
-    for i, issued in enumerate(combines):
-        start, end = issued.time_range.start, issued.time_range.end
-        until = combines[i + 1].time_range.start if i + 1 < len(combines) else float("inf")
-        ops = [e for e in main if start <= e.time_range.start and e.time_range.end <= end]
-        waits = [
-            e for e in main if e.name == "ep.combine.wait" and end <= e.time_range.start < until
+
+
+def windows(events: list[tuple[str, float, float]], transfer: str) -> list[dict[str, int]]:
+    """For each issue of `transfer`, in order, what ran between its end and the start of its
+    wait (the k-th wait of a name is the k-th issue's: transfers land in order); {} where
+    the issue was never waited for (waited inside it: nothing overlapped)."""
+    issues = [e for e in events if e[0] == transfer]
+    waits = [e for e in events if e[0] == f"{transfer}.wait"]
+    if not waits:
+        return [{} for _ in issues]
+    assert len(waits) == len(issues), transfer
+    out = []
+    for (_, _, issued), (_, landed, _) in zip(issues, waits, strict=True):
+        assert issued <= landed
+        inside = [(n, s, e) for n, s, e in events if n in COMPUTE and issued <= s and e <= landed]
+        outer = [  # not the products inside a backward node
+            COMPUTE[n]
+            for n, s, e in inside
+            if not any(s0 <= s and e <= e0 and (s0, e0) != (s, e) for _, s0, e0 in inside)
         ]
-        mms = [
-            e
-            for e in main
-            if e.name == "aten::mm"
-            and waits
-            and end <= e.time_range.start
-            and e.time_range.end <= waits[0].time_range.start
-        ]
-        layers.append(
-            {
-                "issues_all_to_all": any(e.name == "moetrain::all_to_all" for e in ops),
-                "waits": len(waits),
-                "mms_before_the_wait": len(mms),
-            }
-        )
-    return layers
+        out.append({kind: outer.count(kind) for kind in sorted(set(outer))})
+    return out
 
 
 def _worker(rank: int, world: int, out_path: str) -> None:
     results = {}
     for name, layout in CASES.items():
-        for overlap in ("shared", "none"):
+        for overlap in ("shared", "none", "chunks"):
             argv = [*TINY_DSV3, *layout, f"--parallel.ep_overlap={overlap}"]
             _, trainer = build_trainer(argv, world)
-            records = list(stepped_records(trainer, 3))
-            results[name, overlap] = [
-                {k: v for k, v in r.items() if k not in MEASURED} for r in records
-            ]
-            if name == "ep2_efsdp2":
+            if overlap != "chunks":
+                records = list(stepped_records(trainer, 3))
+                results[name, overlap] = [
+                    {k: v for k, v in r.items() if k not in MEASURED} for r in records
+                ]
+            if name == "ep2_efsdp2" or overlap == "chunks":
                 with torch.profiler.profile(
                     activities=[torch.profiler.ProfilerActivity.CPU]
                 ) as prof:
                     trainer.train_step(trainer.next_micro_batches())
-                results["profiled", overlap] = _moe_layers(prof.events())
+                events = _events(prof)
+                results["profiled", name, overlap] = {t: windows(events, t) for t in TRANSFERS}
     torch.save(results, f"{out_path}.{rank}")
 
 
@@ -96,8 +108,35 @@ def _assert_equal(a, b, where: str) -> None:
         assert a == b, where
 
 
+# What each transfer's window holds in every MoE layer (one micro-batch), in issue order.
+# [{}]: issued and waited for at once; []: none issued (a gradient's way back waited for at
+# once is the plain reverse op, "ep.all_to_all.backward").
+SHARED = {
+    "ep.dispatch": [{}],
+    "ep.combine": [{"shared": 3}],
+    "ep.dispatch.backward": [],
+    "ep.combine.backward": [{"shared_bwd": 3}],
+}
+NONE = {
+    "ep.dispatch": [{}],
+    "ep.combine": [{}],
+    "ep.dispatch.backward": [],
+    "ep.combine.backward": [],
+}
+# Chunks A and B. Forward: B's dispatch under A's experts (and, two-stage, A's node stage),
+# A's combine under B's experts and the shared experts, B's combine under the shared ones.
+# Backward, in reverse: B's combine gradient under the shared experts' backward, A's also
+# under B's experts' backward; B's dispatch gradient under A's experts' backward.
+CHUNKS = {
+    "ep.dispatch": [{}, {"experts": 2}],
+    "ep.combine": [{"experts": 2, "shared": 3}, {"shared": 3}],
+    "ep.dispatch.backward": [{"experts_bwd": 2}, {}],
+    "ep.combine.backward": [{"shared_bwd": 3}, {"experts_bwd": 2, "shared_bwd": 3}],
+}
+
+
 @pytest.mark.slow
-def test_the_combine_runs_under_the_shared_experts_and_changes_no_bit(tmp_path):
+def test_the_all_to_all_runs_under_the_layers_compute(tmp_path):
     out = str(tmp_path / "out.pt")
     run_distributed(_worker, 4, out)
     for rank in range(4):
@@ -106,10 +145,19 @@ def test_the_combine_runs_under_the_shared_experts_and_changes_no_bit(tmp_path):
             overlapped, waited = results[name, "shared"], results[name, "none"]
             assert overlapped[0]["loss"] > 0 and overlapped[-1]["params"]
             _assert_equal(overlapped, waited, f"rank {rank} {name}")
-        shared, none = results["profiled", "shared"], results["profiled", "none"]
-        assert len(shared) == len(none) == MOE_LAYERS  # one micro-batch's forward
-        for layer in shared:
-            expected = {"issues_all_to_all": True, "waits": 1, "mms_before_the_wait": SHARED_MMS}
-            assert layer == expected, f"rank {rank}: {shared}"
-        for layer in none:  # the transfer was waited for inside the combine: no wait left
-            assert layer == {"issues_all_to_all": True, "waits": 0, "mms_before_the_wait": 0}
+        expected = {
+            ("ep2_efsdp2", "shared"): SHARED,
+            ("ep2_efsdp2", "none"): NONE,
+            ("ep2_efsdp2", "chunks"): CHUNKS,
+            ("ep4_2nodes", "chunks"): {
+                **CHUNKS,
+                # ... and chunk B's rail stage also under A's node stage, A's combine
+                # under B's node stage.
+                "ep.dispatch": [{}, {"experts": 2, "node_stage": 1}],
+                "ep.combine": [{"experts": 2, "node_stage": 1, "shared": 3}, {"shared": 3}],
+            },
+        }
+        for (name, overlap), per_layer in expected.items():
+            got = results["profiled", name, overlap]
+            want = {t: w * MOE_LAYERS for t, w in per_layer.items()}
+            assert got == want, f"rank {rank} {name} {overlap}: {got}"

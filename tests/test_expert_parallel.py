@@ -45,7 +45,7 @@ def _moe_layer_worker(rank: int, world: int, kind: str, out_path: str) -> None:
     sharded.gate.register_forward_hook(_route(kind))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     dispatcher = apply_expert_parallel(
-        sharded.experts, sharded.unpermute, mesh, ranks_per_node=world
+        (sharded.permute, sharded.experts, sharded.unpermute), mesh, ranks_per_node=world
     )
 
     x = torch.randn(world, TOKENS, HIDDEN)[rank : rank + 1]  # this rank's tokens [1, T, H]
@@ -175,6 +175,18 @@ def test_plan_pattern_matching_nothing_is_refused():
         match_modules(model, ("mtp.*", "blocks.*"), "blocks")
     # Optional entries (fp32 routers of a model without MoE layers) may match nothing.
     assert match_modules(model, ("mtp.*.gate",), "fp32_modules", required=False) == []
+
+
+@pytest.mark.parametrize("field", ["routed_permute", "routed_sum"])
+def test_a_plan_without_the_moe_seams_is_refused_under_ep(field):
+    import dataclasses
+
+    model, plan = _meta_model()
+    plan = dataclasses.replace(plan, **{field: None})
+    dims = ParallelDims.resolve(1, -1, 1, 2, world_size=2)
+    with pytest.raises(PlanError, match=f"but 0 {field} modules; name each MoE layer's"):
+        check_layout(model, plan, dims)
+    check_layout(model, plan, ParallelDims.resolve(1, -1, 1, 1, world_size=2))  # no EP: fine
 
 
 def test_layout_refusal_through_train_py(monkeypatch, capsys):

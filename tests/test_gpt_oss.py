@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from models import HFFormatError, get_model_spec
-from models.common.moe import MoEOptions, load_balancing_loss
+from models.common.balance_losses import load_balancing_loss
+from models.common.moe import MoEOptions
 from models.gpt_oss import hf
 from models.gpt_oss.args import GptOssArgs
 from tests.distributed import ROOT, run_train

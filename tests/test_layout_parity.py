@@ -35,6 +35,9 @@ class Layout(NamedTuple):
 EP2, CP2 = "--parallel.ep=2", "--parallel.cp=2"
 PP2, L4, TIED = "--parallel.pp=2", "--model.num_hidden_layers=4", "--model.tie_word_embeddings=true"
 AC = "--train.activation_checkpoint=selective"
+# Each layer's tokens in two chunks, one's all-to-all in flight under the other's experts;
+# the other EP rows run the default overlap (shared).
+CHUNKS = "--parallel.ep_overlap=chunks"
 HSDP = ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"]
 GLOBAL_AUX = "--moe.aux_loss_mode=global_batch"
 # The aux loss is per layer by default; pooled is Hugging Face's. z-loss weighted enough that
@@ -51,19 +54,22 @@ LAYOUTS = {
     # (Plain FSDP with LoRA, and EP x FSDP with the default aux: subsets of the LoRA rows
     # and of ep2_global_batch_aux_z below.)
     # Experts 3..7 get no tokens; with ep 4, ranks 2 and 3 receive none at all.
-    "ep4_skewed_idle_experts": Layout(TINY, 4, ["--parallel.ep=4"], 4, "skewed"),
+    "ep4_skewed_idle_experts_chunks": Layout(TINY, 4, ["--parallel.ep=4", CHUNKS], 4, "skewed"),
     "ep2_global_batch_aux_z": Layout(TINY, 4, [EP2, GLOBAL_AUX, Z_LOSS], 4),
+    "ep2_chunks": Layout(TINY, 4, [EP2, CHUNKS], 4, steps=5),
     "cp2": Layout(TINY, 2, [CP2], 1),
     "cp2_ep2_z": Layout(TINY, 4, [CP2, EP2, Z_LOSS], 2),  # EP borrows the cp ranks
     "cp2_contiguous_global_pooled_aux": Layout(
         TINY, 4, [CP2, "--parallel.cp_layout=contiguous", GLOBAL_AUX, POOLED], 2
     ),
     # DeepSeek-V3: MLA, group-limited routing with the bias update, MTP, sequence-wise aux.
-    "dsv3_ep2_efsdp2_pooled_aux": Layout(TINY_DSV3, 4, [EP2, POOLED], 4),
+    "dsv3_ep2_efsdp2_pooled_aux_chunks": Layout(TINY_DSV3, 4, [EP2, POOLED, CHUNKS], 4, steps=5),
     "dsv3_cp2_ep2_z": Layout(TINY_DSV3, 4, [CP2, EP2, Z_LOSS], 2),
     "dsv3_cp2_ep2_lora": Layout(TINY_DSV3, 4, [CP2, EP2, *LORA_ALL], 2, steps=5),
     # An ep group over 2 simulated nodes of 2 ranks: the two-stage dispatch.
-    "dsv3_ep4_2nodes": Layout(TINY_DSV3, 4, ["--parallel.ep=4", "--parallel.ranks_per_node=2"], 4),
+    "dsv3_ep4_2nodes_chunks": Layout(
+        TINY_DSV3, 4, ["--parallel.ep=4", "--parallel.ranks_per_node=2", CHUNKS], 4, steps=5
+    ),
     # HSDP with ep 2 over 2 nodes of 1 rank: the rail stage alone (a node's stage is one rank).
     # ... with LoRA: the experts' adapters travel the same way, the base replicated frozen.
     "hsdp2x2_ep2_1rank_nodes_lora": Layout(

@@ -28,15 +28,22 @@ def test_grouped_mm_matches_per_expert_matmul(counts):
         torch.testing.assert_close(gw, rw)
 
 
-def test_moe_matches_token_by_token_reference():
+@pytest.mark.parametrize("chunks", [1, 2, 3])  # 3: pieces of 4, 3 and 3 tokens
+def test_moe_matches_token_by_token_reference(chunks):
     torch.manual_seed(0)
-    moe = MoE(
-        dim=16, hidden_dim=8, router=TopKRouter(16, num_experts=6, top_k=2, norm_topk_prob=True)
-    )
+    router = TopKRouter(16, num_experts=6, top_k=2, norm_topk_prob=True)
+    moe = MoE(dim=16, hidden_dim=8, router=router, options=MoEOptions(chunks=chunks))
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(2, 5, 16)
     y, stats = moe(x)
+    if chunks > 1:  # the gradients too, against the layer in one piece
+        whole = MoE(16, 8, TopKRouter(16, num_experts=6, top_k=2, norm_topk_prob=True))
+        whole.load_state_dict(moe.state_dict())
+        y.square().sum().backward()
+        whole(x)[0].square().sum().backward()
+        for (name, p), q in zip(moe.named_parameters(), whole.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
     ref = torch.zeros_like(x).reshape(-1, 16)
     probs = F.softmax(x.reshape(-1, 16) @ moe.gate.weight.T, dim=-1)
@@ -76,9 +83,10 @@ def test_warmup_stable_decay():
     assert all(lr_factor(s, cfg) >= lr_factor(s + 1, cfg) for s in range(80, 99))
 
 
-def test_capacity_factor_drops_late_assignments_gshard_style():
+@pytest.mark.parametrize("chunks", [1, 2])  # the whole batch's capacity, then the pieces
+def test_capacity_factor_drops_late_assignments_gshard_style(chunks):
     torch.manual_seed(0)
-    options = MoEOptions(capacity_factor=0.5, gemm="loop")
+    options = MoEOptions(capacity_factor=0.5, gemm="loop", chunks=chunks)
     moe = MoE(16, 8, TopKRouter(16, 4, 2, norm_topk_prob=False), options)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)

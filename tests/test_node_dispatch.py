@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, out_path: str) -> None:
             layer = _layer()
             meshes = (split["rail"], split["node"]) if kind == "two_stage" else None
             dispatcher = apply_expert_parallel(
-                layer.experts, layer.unpermute, ep_mesh, per_node, meshes
+                (layer.permute, layer.experts, layer.unpermute), ep_mesh, per_node, meshes
             )
             x_local = x.clone().requires_grad_()
             y, _ = layer(x_local)
@@ -104,7 +104,7 @@ def _worker(rank: int, world: int, out_path: str) -> None:
     want = _grads(reference, x_all)
     split = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rail", "node"))
     apply_expert_parallel(
-        layer.experts, layer.unpermute, ep_mesh, 2, (split["rail"], split["node"])
+        (layer.permute, layer.experts, layer.unpermute), ep_mesh, 2, (split["rail"], split["node"])
     )
     got = _grads(layer, x)
     mine = {k: want[k][rank : rank + 1] for k in ("y", "x")}

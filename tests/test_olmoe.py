@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from models import HFFormatError, get_model_spec
 from models.common.args import field_problems
-from models.common.moe import MoEOptions, load_balancing_loss
+from models.common.balance_losses import load_balancing_loss
+from models.common.moe import MoEOptions
 from models.olmoe import hf
 from models.olmoe.args import OlmoeArgs
 from tests.distributed import ROOT, run_train

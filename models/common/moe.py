@@ -3,10 +3,11 @@
 The routed experts are one module holding stacked `[E, ...]` weights (`RoutedExperts`). It
 takes the tokens, each (token, expert) assignment's token and routing weight in expert-major
 order, and the count per expert, and returns each assignment's weighted output row; a second
-module (`Unpermute`) sums them per token. Those two calls are the seams expert parallelism
-hooks into: a plan wraps `experts` so that the tokens travel to the ranks owning their
-experts (all-to-all) and back, and `unpermute` so that the way back may still be in flight
-while the shared experts run, while this file stays mesh-agnostic.
+module (`Unpermute`) sums them per token. A third, `Permute`, only passes the routed tokens
+on before the experts. Those three calls are the seams expert parallelism hooks into: a
+plan wraps them so that the tokens travel to the ranks owning their experts (all-to-all)
+and back, each transfer possibly still in flight while the layer computes something else
+(the other chunk's experts, the shared experts), while this file stays mesh-agnostic.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ class MoEOptions:
     # The router z-loss trains the routers: its sums carry gradients. Off, they are only
     # measured (no autograd graph, which would keep each layer's [T, E] fp32 logits alive).
     z_loss: bool = False
+    # Pieces a layer's tokens are split in between routing and the sum (>= 1). Each goes
+    # through `permute` before any reaches the experts, so that under expert parallelism
+    # one piece's transfer runs while another's experts compute (parallel.ep_overlap).
+    chunks: int = 1
 
 
 def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -206,6 +211,24 @@ class RoutedExperts(nn.Module, abc.ABC):
         return y
 
 
+class Permute(nn.Module):
+    """The routed tokens on their way to the experts: (x [T, dim], tokens_per_expert [E],
+    token_of [N], weights [N]), passed on as they are.
+
+    No work in one process. A module of its own so that expert parallelism can hook the
+    point where a chunk's tokens leave: it starts their dispatch there, before the experts
+    of the chunk before it run (`MoEOptions.chunks`)."""
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        token_of: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        return x, tokens_per_expert, token_of, weights
+
+
 class Unpermute(nn.Module):
     """Each token's sum over its assignments' rows: rows [N, dim], token_of [N] -> [T, dim].
 
@@ -265,9 +288,11 @@ class MoE(nn.Module):
         self.top_k = router.top_k
         self.capacity_factor = options.capacity_factor
         self.z_loss = options.z_loss
+        self.chunks = options.chunks
         self.gate = router
         self.experts = experts or GroupedExperts(self.num_experts, dim, hidden_dim, options.gemm)
         self.shared_experts = SwiGLU(dim, shared_hidden_dim) if shared_hidden_dim else None
+        self.permute = Permute()
         self.unpermute = Unpermute()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
@@ -291,12 +316,38 @@ class MoE(nn.Module):
         token_of = order // self.top_k  # source token of each sorted assignment
 
         weights = top_weights.reshape(-1)[order]  # [assignments], expert-major
-        rows = self.experts(x_flat, tokens_per_expert, token_of, weights)  # [N, dim]
+        chunks = self._chunks(B * S, flat_experts[order], token_of, weights, tokens_per_expert)
+        sent = [self.permute(x_flat[t0:t1], *routed) for (t0, t1), routed in chunks]
+        rows = [self.experts(*routed) for routed in sent]  # each [N_chunk, dim]
         # NOTE: the shared experts run before the routed rows are summed: under expert
         # parallelism the rows' way back (the combine) is still in flight until `unpermute`.
         shared = None if self.shared_experts is None else self.shared_experts(x)
-        y = self.unpermute(rows, token_of, B * S).view(B, S, dim)
+        ys = [
+            self.unpermute(piece_rows, piece_token_of, t1 - t0)  # [t1 - t0, dim]
+            for piece_rows, ((t0, t1), (_, piece_token_of, _)) in zip(rows, chunks, strict=True)
+        ]
+        y = (ys[0] if len(ys) == 1 else torch.cat(ys)).view(B, S, dim)
         return (y if shared is None else y + shared), stats
+
+    def _chunks(self, tokens, expert_of, token_of, weights, tokens_per_expert):
+        """The sorted assignments split by token into `self.chunks` contiguous pieces:
+        [((t0, t1), (tokens_per_expert, token_of - t0, weights))], each piece's assignments
+        still expert-major. Each token lies in one piece, so its rows are summed in the same
+        order as unsplit."""
+        if self.chunks == 1:
+            return [((0, tokens), (tokens_per_expert, token_of, weights))]
+        starts = [(c * tokens + self.chunks - 1) // self.chunks for c in range(self.chunks + 1)]
+        piece = token_of * self.chunks // tokens  # [N]: token t is in piece t * chunks // T
+        by_piece = torch.argsort(piece, stable=True)  # expert-major inside each piece
+        ones = torch.ones_like(piece)
+        sizes = torch.zeros(self.chunks, dtype=ones.dtype, device=ones.device)
+        sizes = sizes.index_add_(0, piece, ones).tolist()  # host read: the pieces' lengths
+        out = []
+        for c, ids in enumerate(torch.split(by_piece, sizes)):
+            counts = torch.zeros_like(tokens_per_expert).index_add_(0, expert_of[ids], ones[ids])
+            routed = (counts, token_of[ids] - starts[c], weights[ids])
+            out.append(((starts[c], starts[c + 1]), routed))
+        return out
 
     def _drop_over_capacity(
         self, order: torch.Tensor, tokens_per_expert: torch.Tensor
@@ -308,80 +359,3 @@ class MoE(nn.Module):
         expert_of = torch.repeat_interleave(tokens_per_expert)  # expert of each sorted slot
         rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[expert_of]
         return order[rank_in_expert < capacity], tokens_per_expert.clamp(max=capacity)
-
-
-def stack_stats(per_layer: list[RouterStats]) -> RouterStats:
-    """Per-layer stats -> one RouterStats with [L, B, E] ([L, B]) tensors."""
-    return RouterStats(
-        torch.stack([s.tokens_per_expert for s in per_layer]),
-        torch.stack([s.prob_sum for s in per_layer]),
-        torch.stack([s.z_sum for s in per_layer]),
-        per_layer[0].seq_len,
-        per_layer[0].top_k,
-    )
-
-
-def load_balancing_loss(
-    stats: RouterStats,
-    num_experts: int,
-    batch_counts: torch.Tensor | None = None,
-    batch_rows: int | None = None,
-    pooled: bool = False,
-) -> torch.Tensor:
-    """Switch/GShard auxiliary loss E * sum_e f_le * P_le of each MoE layer l, averaged
-    over the layers; f_le is the fraction of layer l's (token, top-k slot) assignments that
-    went to expert e, P_le the mean router probability of e in that layer.
-
-    NOTE: each layer on its own (Switch, GShard, Megatron-Core): a layer's overload is
-    pushed down in that layer. `pooled=True` pools f and P over the layers' tokens before
-    the product, as Hugging Face's `load_balancing_loss_func` does (its exact value, for
-    parity): one layer's overload then cancels another's underload, and a layer whose
-    experts starve can feel no pull at all (tests/test_balance_loss.py).
-
-    For a batch spread over ranks, pass `batch_counts` ([L, E], assignments summed over the
-    ranks) and `batch_rows` (the tokens each layer routed, over the ranks): the result is
-    this rank's share, and the shares of all ranks sum to the loss of the whole batch (the
-    loss is linear in the probabilities, and f carries no gradient).
-    """
-    layers, batch = stats.prob_sum.shape[:2]
-    rows = batch_rows if batch_rows is not None else batch * stats.seq_len
-    counts = batch_counts if batch_counts is not None else stats.tokens_per_expert.sum(1)
-    probs = stats.prob_sum.sum(1)  # [L, E] summed over this rank's tokens
-    if pooled:
-        rows = rows * layers
-        return num_experts * torch.sum((counts.sum(0) / rows) * (probs.sum(0) / rows))
-    return num_experts * torch.sum((counts / rows) * (probs / rows)) / layers
-
-
-def sequence_balance_loss(
-    stats: RouterStats,
-    seq_counts: torch.Tensor | None = None,
-    seq_tokens: int | None = None,
-    pooled: bool = False,
-) -> torch.Tensor:
-    """DeepSeek-V3's complementary sequence-wise balance loss, sum_e f_lbe * P_lbe per
-    layer l and sequence b, averaged over the layers and summed over the sequences, with
-    f = E / (K T) * (assignments to e in the sequence) and P = the sequence's mean
-    normalised affinity to e (T tokens, top-K). `pooled=True` pools each sequence's counts
-    and affinities over the layers first (see `load_balancing_loss`).
-
-    For sequences split over context-parallel ranks pass `seq_counts` ([L, B, E] summed
-    over those ranks) and `seq_tokens` (the whole sequence's T): the result is this rank's
-    share (linear in P), and the ranks' shares sum to the value.
-    """
-    layers, _, num_experts = stats.prob_sum.shape
-    counts = seq_counts if seq_counts is not None else stats.tokens_per_expert
-    tokens = seq_tokens if seq_tokens is not None else stats.seq_len
-    probs = stats.prob_sum
-    if pooled:  # one "layer" of L times the tokens: [L, B, E] -> [1, B, E]
-        counts, probs = counts.sum(0, keepdim=True), probs.sum(0, keepdim=True)
-        tokens, layers = tokens * layers, 1
-    f = counts * (num_experts / (stats.top_k * tokens))
-    return torch.sum(f * (probs / tokens)) / layers
-
-
-def z_loss_sum(stats: RouterStats) -> torch.Tensor:
-    """ST-MoE's router z-loss summed over this forward's tokens and averaged over the
-    layers: sum_t logsumexp(router logits of t)^2 / L. Divided by the global batch's token
-    count it is the z-loss, the mean over tokens (a share, like the token loss)."""
-    return stats.z_sum.sum() / stats.z_sum.shape[0]

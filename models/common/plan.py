@@ -17,6 +17,9 @@ class ParallelPlan:
     blocks: Patterns
     # Routed-expert modules (stacked [E, ...] weights): EP on dim 0, FSDP on dim 1.
     routed_experts: Patterns | None = None
+    # The modules the routed tokens leave from (models.common.moe.Permute), one per
+    # routed-experts match and in the same order: EP starts the dispatch there.
+    routed_permute: Patterns | None = None
     # The modules that sum each token's routed rows (models.common.moe.Unpermute), one per
     # routed-experts match and in the same order: EP waits there for the combine in flight.
     routed_sum: Patterns | None = None

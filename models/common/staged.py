@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common.moe import RouterStats, stack_stats
+from models.common.balance_losses import stack_stats
+from models.common.moe import RouterStats
 from models.common.output import CausalLMOutput
 from models.common.rope import rope_cos_sin
 

@@ -10,6 +10,7 @@ from models.spec import LossTerms, ModelSpec
 PLAN = ParallelPlan(
     blocks=("layers.*", "mtp.*"),
     routed_experts=("layers.*.mlp.experts", "mtp.*.block.mlp.experts"),
+    routed_permute=("layers.*.mlp.permute", "mtp.*.block.mlp.permute"),
     routed_sum=("layers.*.mlp.unpermute", "mtp.*.block.mlp.unpermute"),
     attention_core=("layers.*.self_attn.core", "mtp.*.block.self_attn.core"),
     shared_experts=("layers.*.mlp.shared_experts", "mtp.*.block.mlp.shared_experts"),

@@ -8,6 +8,7 @@ from models.spec import LossTerms, ModelSpec
 PLAN = ParallelPlan(
     blocks="layers.*",
     routed_experts="layers.*.mlp.experts",
+    routed_permute="layers.*.mlp.permute",
     routed_sum="layers.*.mlp.unpermute",
     attention_core="layers.*.self_attn.core",
     fp32_modules=("layers.*.mlp.gate",),

@@ -119,6 +119,11 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
     )
     problems += _pipeline_problems(cfg)
     need(
+        p.ep_overlap != "chunks" or p.ep > 1,
+        "parallel.ep_overlap=chunks splits each MoE layer's tokens to overlap the expert "
+        "all-to-all, and parallel.ep=1 has none; set parallel.ep > 1, or ep_overlap=shared",
+    )
+    need(
         p.dp_shard == -1 or p.dp_shard >= 1,
         f"parallel.dp_shard must be -1 (all remaining ranks) or >= 1, got {p.dp_shard}",
     )

@@ -27,10 +27,12 @@ class ParallelSection:
     )
     ep_overlap: str = arg(
         "shared",
-        "what runs while a MoE layer's combine (the experts' output on its way back) is in "
-        "flight: shared (the layer's shared experts; the sum of the routed output waits for "
-        "the transfer after them) | none (each combine is waited for at once)",
-        choices=("none", "shared"),
+        "what runs while a MoE layer's expert all-to-all is in flight: shared (the combine, "
+        "the experts' output on its way back, under the layer's shared experts; the routed "
+        "sum waits for it after them) | chunks (as shared, and each layer's tokens split in "
+        "two: one half's dispatch in flight while the other half's experts compute, then "
+        "its combine; needs parallel.ep > 1) | none (each transfer waited for at once)",
+        choices=("none", "shared", "chunks"),
     )
     cp_layout: str = arg(
         "zigzag",

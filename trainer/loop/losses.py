@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from models.common.moe import RouterStats, load_balancing_loss, sequence_balance_loss, z_loss_sum
+from models.common.balance_losses import load_balancing_loss, sequence_balance_loss, z_loss_sum
+from models.common.moe import RouterStats
 from models.common.output import CausalLMOutput
 from models.spec import LossTerms
 from parallelisms.dims import ParallelDims

@@ -166,7 +166,10 @@ def build_model(
         cfg.train.mixed_precision == "auto" and device.type == "cuda"
     )
     moe_options = MoEOptions(
-        gemm=cfg.moe.gemm, capacity_factor=cfg.moe.capacity_factor, z_loss=cfg.moe.z_loss_coef > 0
+        gemm=cfg.moe.gemm,
+        capacity_factor=cfg.moe.capacity_factor,
+        z_loss=cfg.moe.z_loss_coef > 0,
+        chunks=2 if cfg.parallel.ep_overlap == "chunks" else 1,
     )
     with torch.device("meta"):
         model = spec.build(cfg.model.args, moe_options)
