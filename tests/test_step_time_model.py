@@ -81,7 +81,25 @@ def _expected(
         a2a = (a2a_bytes * (1 - remote) + across) / link(1) + across / link(node + 1)
     else:
         a2a = a2a_bytes / link(1)
-    step = compute + a2a + max(0.0, fsdp + hsdp + ring - compute)
+    # parallel.ep_overlap: per pass (each forward, the replay's too, and the backward, which
+    # computes twice a forward), a transfer hides under what runs between its issue and its
+    # wait. This model has no shared experts, so `shared` hides nothing; `chunks` hides B's
+    # dispatch (a quarter of the pass) under A's experts and both combines (a half) under
+    # B's experts. The experts' share of the compute: of the FLOPs, or with rates, the time.
+    split = _debug_flops_by_kind()
+    if rates is None:
+        experts_share = split["grouped"] / sum(split.values())
+    else:
+        grouped = split["grouped"] * per_rank / (rates["peak_tflops"] * 1e12 * rates["categories"]["grouped"]["efficiency"])  # fmt: skip
+        experts_share = grouped / compute
+    forwards = 2 if full else 1
+    experts = compute / (forwards + 2) * experts_share  # in one forward
+    hidden = 0.0
+    if r.get("ep_overlap") == "chunks":
+        one = a2a / (forwards + 1)
+        for e in [experts] * forwards + [2 * experts]:
+            hidden += min(one / 4, e / 2) + min(one / 2, e / 2)
+    step = compute + a2a - hidden + max(0.0, fsdp + hsdp + ring - compute)
     return {"flops": flops, "compute": compute, "step": step, "tokens_per_s": tokens / step}
 
 
@@ -112,15 +130,20 @@ def test_search_ranks_by_the_step_time_its_printed_figures_give(tmp_path):
     # layout gets slower and one whose traffic crosses nodes gets faster.
     hardware = Hardware(**hw)
     faster = dataclasses.replace(hardware, inter_gbps=10 * hardware.inter_gbps)
-    sped_up = 0
+    sped_up = hidden = 0
     for r in ranked:
         layout = _layout(r, tokens)
-        mode, flops = r["activation_checkpoint"], plan["flops_per_token"]
+        mode, flops = r["activation_checkpoint"], _with_split(plan["flops_per_token"])
         assert estimate(layout, mode, flops, hardware)["step_s"] == r["step_s"]
+        if r["ep"] > 1:  # the search kept the fastest way to overlap the all-to-all
+            for form in ("none", "shared", "chunks"):
+                other = estimate(layout, mode, flops, hardware, overlap=form)["tokens_per_s"]
+                assert other <= r["tokens_per_s"]
+            hidden += r["ep_hidden_s"] > 0
         fast = estimate(layout, mode, flops, faster)["tokens_per_s"]
         assert fast >= r["tokens_per_s"] * (1 - 1e-12)
         sped_up += fast > 1.01 * r["tokens_per_s"]
-    assert sped_up > 0
+    assert sped_up > 0 and hidden > 0
     # Measured rates instead of the constant: each layout's compute by kind, as written out.
     flops = _with_split(plan["flops_per_token"])
     (tmp_path / "rates.json").write_text(json.dumps(RATES))
@@ -182,7 +205,8 @@ def _layout(r: dict, tokens: int) -> SimpleNamespace:
     )
     train = SimpleNamespace(global_batch_size=tokens // 128)
     cfg = SimpleNamespace(train=train, data=SimpleNamespace(seq_len=128),
-                          parallel=SimpleNamespace(fsdp_gather="micro_batch"))  # fmt: skip
+                          parallel=SimpleNamespace(fsdp_gather="micro_batch",
+                                                   ep_overlap=r["ep_overlap"]))  # fmt: skip
     return SimpleNamespace(
         cfg=cfg,
         dims=dims,
@@ -315,3 +339,24 @@ def test_the_search_measures_each_sharding_and_trace_once_with_the_same_figures(
     assert pooled["same"] and all(pooled["same"])
     assert len(pooled["same"]) == got["traces"] + got["shards"]
     assert 0 < pooled["taken_back"] < pooled["jobs"]
+
+
+def test_the_overlap_credit_follows_its_rule():
+    """`a2a_cost.a2a_hidden` on hand-made figures (one pass: dispatch 4 s, combine 4 s),
+    and the shared experts' FLOPs it reads, counted from configs/debug_deepseek_v3.toml."""
+    from trainer.config import load_config
+    from trainer.dry_run.a2a_cost import a2a_hidden
+    from trainer.dry_run.search import flops_per_token
+
+    assert a2a_hidden("none", 8.0, 10.0, 10.0) == 0.0
+    assert a2a_hidden("shared", 8.0, 10.0, 1.0) == 1.0  # the combine, up to the shared 1 s
+    assert a2a_hidden("shared", 8.0, 10.0, 9.0) == 4.0  # ... and at most the combine
+    # chunks: B's dispatch (2 s) under A's experts (1 s); the combines (4 s) under B's
+    # experts and the shared ones (1 + 1 s)
+    assert a2a_hidden("chunks", 8.0, 2.0, 1.0) == 1.0 + 2.0
+    assert a2a_hidden("chunks", 8.0, 100.0, 0.0) == 6.0  # all but A's dispatch
+    cfg = load_config(["--config", f"{ROOT}/configs/debug_deepseek_v3.toml"])
+    # one shared SwiGLU (hidden 128, width 64: 3 matrices) in 3 MoE layers and the MTP one
+    assert flops_per_token(cfg).shared_experts == 6 * 4 * 3 * 128 * 64
+    qwen = load_config(["--config", f"{ROOT}/configs/debug_qwen3_moe.toml"])
+    assert flops_per_token(qwen).shared_experts == 0.0

@@ -25,10 +25,16 @@ class FlopsPerToken(float):
     unchanged and every caller that wants the number alone still gets one."""
 
     by_kind: dict[str, float]
+    # Of "dense", the shared experts' (what a MoE layer runs while its combine is in flight:
+    # the planner's overlap credit, `trainer.dry_run.search.a2a_hidden`).
+    shared_experts: float
 
-    def __new__(cls, total: float, by_kind: dict[str, float]) -> FlopsPerToken:
+    def __new__(
+        cls, total: float, by_kind: dict[str, float], shared_experts: float = 0.0
+    ) -> FlopsPerToken:
         out = super().__new__(cls, total)
         out.by_kind = dict(by_kind)
+        out.shared_experts = shared_experts
         return out
 
 
@@ -76,4 +82,10 @@ def training_flops_per_token(
     matmuls = 6 * active_params(model, input_embedding)
     grouped = 6 * routed_params(model)
     split = {"dense": matmuls - grouped, "grouped": grouped, "attention": attention}
-    return FlopsPerToken(matmuls + attention, split)
+    shared = sum(
+        p.numel()
+        for m in model.modules()
+        if isinstance(m, MoE) and m.shared_experts is not None
+        for p in m.shared_experts.parameters()
+    )
+    return FlopsPerToken(matmuls + attention, split, 6.0 * shared)

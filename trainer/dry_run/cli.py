@@ -360,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         f"estimated step on {hw.name}: {configured['step_s']:.3f} s, "
         f"{configured['tokens_per_s']:,.0f} tok/s (compute {configured['compute_s']:.3f} s at "
         f"{efficiency}; all-to-all "
-        f"{configured['comm_s']['ep_all_to_all']:.3f} s; FSDP {configured['comm_s']['fsdp']:.3f} s, "
+        f"{configured['comm_s']['ep_all_to_all']:.3f} s{_hidden_text(configured, cfg)}; "
+        f"FSDP {configured['comm_s']['fsdp']:.3f} s, "
         f"ring {configured['comm_s']['cp_ring']:.3f} s, HSDP {configured['comm_s']['hsdp']:.3f} s "
         f"under compute, {configured['exposed_background_s']:.3f} s exposed)")]  # fmt: skip
     if search_flag:
@@ -371,3 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     if flags["--json"]:
         write_atomic(flags["--json"], json.dumps(result, indent=1))
     return 0
+
+
+def _hidden_text(estimate: dict, cfg) -> str:
+    """What of the all-to-all the estimate puts under compute (`parallel.ep_overlap`)."""
+    hidden = estimate.get("ep_hidden_s")
+    if not hidden:
+        return ""
+    return f", {hidden:.3f} s of it under compute (parallel.ep_overlap={cfg.parallel.ep_overlap})"

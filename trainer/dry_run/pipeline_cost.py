@@ -25,7 +25,8 @@ its bubble (`trainer.dry_run.layout_cost` measures, `trainer.dry_run.search` est
   a third of the stage's training compute, the backward two thirds (the zero-bubble
   schedules split it evenly into input and weight backward; `full` checkpointing's replay
   adds a third to the input backward). The stage's share of the expert all-to-all runs in
-  its forward and input backward, not overlapped (as without pp); the ring's transfers
+  its forward and input backward, less what `parallel.ep_overlap` hides under them
+  (`a2a_cost.a2a_hidden`, as without pp); the ring's transfers
   run under the compute. The step is the last action's end plus the FSDP traffic compute
   does not hide: the gathers beyond the first forward, the reduction after the last
   backward. The bubble is the busiest rank's idle time.
@@ -279,13 +280,18 @@ def _piece(cfg, spec, model, cut, index: int, what: tuple, dims, reuse) -> tuple
     return reuse.stages[key]
 
 
-def pipeline_step(layout, mode: str, compute_s: float, seconds: dict, hw) -> tuple[float, dict]:
+def pipeline_step(
+    layout, mode: str, compute_s: float, seconds: dict, hw, hides=(0.0, 0.0), form="none"
+) -> tuple[float, dict]:
     """(step seconds, what else the estimate reports) of a layout with pipeline stages.
     `compute_s`: the training compute of a rank's share of the step as if the ranks were
     one stage group each (search.estimate's, replay included); `seconds`: its collective
-    times (FSDP's are once per step here)."""
+    times (FSDP's are once per step here); `hides`: the routed and shared experts' shares
+    of the compute (`search.overlap_shares`), for the credit of `form`
+    (parallel.ep_overlap)."""
+    from trainer.dry_run.a2a_cost import GB, a2a_hidden, a2a_seconds
     from trainer.dry_run.pipeline_schedule import simulate
-    from trainer.dry_run.search import GB, _link, a2a_seconds
+    from trainer.dry_run.search import _link
 
     pc, dims = layout.pipeline, layout.dims
     trace = layout.activations[mode]
@@ -300,14 +306,20 @@ def pipeline_step(layout, mode: str, compute_s: float, seconds: dict, hw) -> tup
     ring_bwd = ring_fwd + trace.kv_fp32 * cp / link if cp > 1 else 0.0
     durations: dict[str, list[float]] = {"F": [], "I": [], "W": [], "B": []}
     for phi, mu, core in zip(pc.flops_share, pc.moe_share, pc.core_share, strict=True):
-        f = max(phi * third, core * ring_fwd) + mu * a2a_pass
+        # the stage's all-to-all in one pass; what of it hides under a forward's compute,
+        # which is also an input backward's (the input gradients: a forward's worth), and
+        # under a whole backward's (twice that)
+        a2a, (experts, shared) = mu * a2a_pass, (phi * third * h for h in hides)
+        hidden_f = a2a_hidden(form, a2a, experts, shared)
+        hidden_b = a2a_hidden(form, a2a, 2 * experts, 2 * shared)
+        f = max(phi * third, core * ring_fwd) + a2a - hidden_f
         i = max(phi * third * (2 if full else 1), core * (ring_bwd + (ring_fwd if full else 0)))
-        i += mu * a2a_pass * (2 if full else 1)
+        i += a2a * (2 if full else 1) - (hidden_f if full else 0.0)
         w = phi * third
         durations["F"].append(f)
-        durations["I"].append(i)
+        durations["I"].append(i - hidden_f)
         durations["W"].append(w)
-        durations["B"].append(i + w)
+        durations["B"].append(i + w - hidden_b)
     # pp neighbours are a stage group apart: in one node only if the whole job is
     p2p_s = pc.hidden_bytes / (_link(dims.world_size, hw) * GB)
     span, busy = simulate(pc.order, pc.rank_of, durations, p2p_s)

@@ -21,8 +21,10 @@ The model, per rank and step (every figure it uses is printed with the estimate)
   stages' times add up);
 - overlap as the trainer has it: FSDP's gathers and reductions are prefetched and run
   under compute, and so do the ring's transfers (posted before each block is computed), so
-  only what exceeds the compute shows; the expert all-to-all waits for its split sizes on
-  the host and is not overlapped: step = compute + all-to-all + max(0, background - compute).
+  only what exceeds the compute shows; of the expert all-to-all, what `parallel.ep_overlap`
+  leaves in flight hides under the compute between its issue and its wait
+  (`a2a_cost.a2a_hidden`, which states the rule): step = compute + all-to-all - hidden +
+  max(0, background - compute).
 
 Not modelled: element-wise work (norms, activations, the routing's permutations), host
 synchronisations, routing imbalance (balanced routing, as the byte counts), latency of
@@ -33,11 +35,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, replace
-from math import comb
 
 from parallelisms.dims import V_SCHEDULES, ep_fits_nodes
-
-GB = 1e9
+from trainer.dry_run.a2a_cost import GB, a2a_hidden, a2a_seconds, overlap_shares
 
 
 @dataclass(frozen=True)
@@ -66,14 +66,6 @@ PRESETS = {
 def hardware(preset: str, **overrides: float | None) -> Hardware:
     hw = PRESETS[preset]
     return replace(hw, **{k: v for k, v in overrides.items() if v is not None})
-
-
-def node_share(experts: int, top_k: int, nodes: int) -> float:
-    """(token, remote node) pairs per remote (token, expert) assignment when each token takes
-    `top_k` of `experts` uniformly at random, spread evenly over `nodes` nodes: a node is
-    reached unless all k experts miss it, so nodes * P(reached) / k."""
-    missed = comb(experts - experts // nodes, top_k) / comb(experts, top_k)
-    return nodes * (1 - missed) / top_k
 
 
 def _link(group: int, hw: Hardware) -> float:
@@ -131,11 +123,17 @@ def efficiency_text(hw: Hardware, by_kind: dict | None, rates: dict | None) -> s
 
 
 def estimate(
-    layout, mode: str, flops_per_token: float, hw: Hardware, by_kind: dict | None = None
+    layout,
+    mode: str,
+    flops_per_token: float,
+    hw: Hardware,
+    by_kind: dict | None = None,
+    overlap: str | None = None,
 ) -> dict:
     """Step time of `layout` (a `layout_cost.Layout`) under checkpointing `mode`; with
     `by_kind` (`rates_by_kind`), the compute from each kind's FLOPs and measured efficiency
-    instead of the whole count at `hw.efficiency`."""
+    instead of the whole count at `hw.efficiency`; `overlap`: parallel.ep_overlap (None:
+    the layout's)."""
     cfg, dims, comm = layout.cfg, layout.dims, layout.comm
     tokens = cfg.train.global_batch_size * cfg.data.seq_len  # per step, all ranks
     replay = 4 / 3 if mode == "full" else 1.0
@@ -163,18 +161,26 @@ def estimate(
     a2a = comm["ep_all_to_all_full_ac" if mode == "full" else "ep_all_to_all"]
     seconds["ep_all_to_all"], share = a2a_seconds(a2a, layout, hw)
     background = seconds["fsdp"] + seconds["hsdp"] + seconds["cp_ring"]
+    # the shares of the compute under which a MoE layer's all-to-all may run
+    hides, form = overlap_shares(flops_per_token, by_kind_s), overlap or cfg.parallel.ep_overlap
     if layout.pipeline is not None:
         from trainer.dry_run.pipeline_cost import pipeline_step
 
-        step_s, extra = pipeline_step(layout, mode, compute_s, seconds, hw)
+        step_s, extra = pipeline_step(layout, mode, compute_s, seconds, hw, hides, form)
         return {"flops_per_rank": flops, "compute_s": extra.pop("compute_s"), "comm_s": seconds,
                 "node_share": share, "experts": layout.experts, "top_k": layout.top_k,
                 "step_s": step_s, "tokens_per_s": tokens / step_s, **extra}  # fmt: skip
-    step_s = compute_s + seconds["ep_all_to_all"] + max(0.0, background - compute_s)
+    forwards = 2 if mode == "full" else 1  # the replay's forward moves its tokens again
+    pass_s = seconds["ep_all_to_all"] / (forwards + 1)
+    experts_s, shared_s = (compute_s / (forwards + 2) * h for h in hides)  # in one forward
+    hidden = forwards * a2a_hidden(form, pass_s, experts_s, shared_s)
+    hidden += a2a_hidden(form, pass_s, 2 * experts_s, 2 * shared_s)  # backward: twice
+    step_s = compute_s + seconds["ep_all_to_all"] - hidden + max(0.0, background - compute_s)
     out = {
         "flops_per_rank": flops,
         "compute_s": compute_s,
         "comm_s": seconds,
+        "ep_hidden_s": hidden,  # of comm_s["ep_all_to_all"], what runs under compute
         "exposed_background_s": max(0.0, background - compute_s),
         "node_share": share,  # of the remote all-to-all rows, what crosses nodes
         "experts": layout.experts,
@@ -187,19 +193,8 @@ def estimate(
     return out
 
 
-def a2a_seconds(a2a: float, layout, hw: Hardware) -> tuple[float, float]:
-    """(seconds, the share of remote rows that cross nodes) of `a2a` all-to-all bytes."""
-    ep = layout.dims.ep
-    if ep <= hw.ranks_per_node:
-        return a2a / (hw.intra_gbps * GB), 1.0
-    remote = (ep - hw.ranks_per_node) / (ep - 1)  # of the ep - 1 peers a row may go to
-    share = node_share(layout.experts, layout.top_k, ep // hw.ranks_per_node)
-    across = a2a * remote * share  # two stages: each (token, remote node) row once
-    # NOTE: stage 2's split sizes come from stage 1's output (a host read), so the two
-    # stages run one after the other: their times add up.
-    inside = (a2a * (1 - remote) + across) / (hw.intra_gbps * GB)
-    return inside + across / (hw.inter_gbps * GB), share
-
+# parallel.ep_overlap's forms the search weighs where ep > 1 (none hides nothing)
+OVERLAP_FORMS = ("shared", "chunks")
 
 # Pipeline schedules the search tries for pp > 1, with their virtual stages per rank.
 SEARCH_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2))
@@ -322,10 +317,15 @@ def _rank(tried, trials, world_size, hw, budget, log, by_kind, reuse, flops) -> 
             peak = peak_bytes(layout, mode)
             if peak > budget:
                 continue
-            est = estimate(layout, mode, flops, hw, by_kind)
+            # each way to overlap the all-to-all, the fastest kept (the same memory)
+            forms = OVERLAP_FORMS if trial.parallel.ep > 1 else (trial.parallel.ep_overlap,)
+            form, est = max(
+                ((f, estimate(layout, mode, flops, hw, by_kind, f)) for f in forms),
+                key=lambda pair: pair[1]["tokens_per_s"],
+            )
             ranked.append({**cand["parallel"], "micro_batch_size": cand["train"]["micro_batch_size"],
-                           "activation_checkpoint": mode, "peak": peak, "comm_bytes": layout.comm,
-                           **est})  # fmt: skip
+                           "activation_checkpoint": mode, "ep_overlap": form, "peak": peak,
+                           "comm_bytes": layout.comm, **est})  # fmt: skip
         log(
             f"  [{i}/{len(tried)}] measured {cand['parallel']}, micro-batch {cand['train']['micro_batch_size']}"
         )
@@ -383,7 +383,8 @@ def format_ranked(
             )
             + f"--parallel.dp_replicate={r['dp_replicate']} --parallel.dp_shard={r['dp_shard']} "
             f"--parallel.cp={r['cp']} --parallel.ep={r['ep']} "
-            f"--train.micro_batch_size={r['micro_batch_size']} "
+            + (f"--parallel.ep_overlap={r['ep_overlap']} " if r["ep"] > 1 else "")
+            + f"--train.micro_batch_size={r['micro_batch_size']} "
             f"--train.activation_checkpoint={r['activation_checkpoint']}"
         )
     if not ranked:
