@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import NamedTuple
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from parallelisms.trace import named_range
+
+if TYPE_CHECKING:
+    from parallelisms.pipeline_overlap import Lockstep
 
 # What a transfer counts (the op's `count`): nothing (split sizes), token rows, or routing
 # (each assignment's expert and weight, which a two-stage dispatch sends with the rows).
@@ -61,6 +65,9 @@ class Dispatcher:
         self._in_flight: list[InFlight] = []
         # gradients on their way back, started by `_Landed`: (gradient sent, its transfer)
         self._returning: list[tuple[torch.Tensor, InFlight]] = []
+        # Set by the pipeline under DualPipeV (parallelisms/pipeline_overlap.py): each
+        # transfer's issue waits for its turn while a forward and a backward overlap.
+        self.lockstep: Lockstep | None = None
         self.handle = next(_handles)
         _DISPATCHERS[self.handle] = self
 
@@ -177,9 +184,10 @@ def all_to_all(
         owner.count(stage, count, in_splits, x)
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     group = owner.groups[stage]
-    work = dist.all_to_all_single(
-        out, x.contiguous(), out_splits, in_splits, group=group, async_op=not wait
-    )
+    with owner.lockstep.turn() if owner.lockstep is not None else nullcontext():
+        work = dist.all_to_all_single(
+            out, x.contiguous(), out_splits, in_splits, group=group, async_op=not wait
+        )
     owner.started = None if wait else work
     return out
 

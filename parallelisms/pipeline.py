@@ -261,6 +261,21 @@ class Pipeline:
             scale_grads=False,
         )
 
+    def overlap_expert_transfers(self, dispatchers: list) -> None:
+        """Under DualPipeV with expert parallelism, run each overlapped pair of a forward
+        and a backward at once, their all-to-alls taking turns
+        (parallelisms/pipeline_overlap.py); other schedules, or no experts: nothing to do."""
+        if self.schedule_name != "DualPipeV" or not dispatchers:
+            return
+        from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+        from parallelisms.pipeline_overlap import Lockstep, overlapped_forward_backward
+
+        lockstep = Lockstep()
+        for dispatcher in dispatchers:
+            dispatcher.lockstep = lockstep
+        self.schedule.register_custom_function(OVERLAP_F_B, overlapped_forward_backward(lockstep))
+
     def set_router_loss(self, router_loss: RouterLoss | None) -> None:
         for stage in self.stages:
             stage.router_loss = router_loss

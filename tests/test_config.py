@@ -330,6 +330,15 @@ def test_stray_argument_and_missing_value():
             "data.seq_len (36) must be divisible by 24",
         ),
         (
+            [
+                "--parallel.pp=2",
+                "--parallel.pp_schedule=DualPipeV",
+                "--parallel.ep=2",
+                "--parallel.cp=2",
+            ],
+            "ring attention's transfers (parallel.cp > 1) would run on both at once",
+        ),  # fmt: skip
+        (
             ["--parallel.ep_overlap=chunks"],
             "parallel.ep_overlap=chunks splits each MoE layer's tokens to overlap the expert "
             "all-to-all, and parallel.ep=1 has none",

@@ -10,6 +10,10 @@ whose collectives run on threads of their own, so the overlap is real on CPU too
 - one profiled step per mode, read from the profiler's events on every rank: each
   transfer left in flight is issued before the compute it hides and waited for after it,
   forward and backward, in every MoE layer; with `none`, nothing is left to wait for.
+- DualPipeV (pp2 x ep2, the tiny Qwen3-MoE): its overlapped pairs of a forward and a
+  backward run on two threads (parallelisms/pipeline_overlap.py); 2 steps equal the pairs
+  run one after the other (`none`) bit for bit, and in a profiled step (every thread's
+  events) an all-to-all of each thread runs while the other thread computes.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.parity import TINY_DSV3, build_trainer, stepped_records
+from tests.parity import TINY, TINY_DSV3, build_trainer, stepped_records
 
 CASES = {
     "ep2_efsdp2": ["--parallel.ep=2"],
@@ -37,6 +41,11 @@ COMPUTE = {
     "ep.dispatch.node": "node_stage",
 }
 TRANSFERS = ("ep.dispatch", "ep.combine", "ep.dispatch.backward", "ep.combine.backward")
+# Every block a MoE one (each stage has transfers to overlap), 8 micro-batches per step.
+DUALPIPE = [*TINY, "--parallel.pp=2", "--parallel.pp_schedule=DualPipeV", "--parallel.ep=2",
+            "--model.num_hidden_layers=4", "--model.mlp_only_layers=[]",
+            "--train.global_batch_size=16", "--train.micro_batch_size=1"]  # fmt: skip
+MATMULS = ("aten::mm", "aten::_grouped_mm")
 
 
 def _events(prof) -> list[tuple[str, float, float]]:
@@ -90,7 +99,37 @@ def _worker(rank: int, world: int, out_path: str) -> None:
                     trainer.train_step(trainer.next_micro_batches())
                 events = _events(prof)
                 results["profiled", name, overlap] = {t: windows(events, t) for t in TRANSFERS}
+    # NOTE: every thread's events: by default the profiler records the calling thread's
+    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    for overlap in ("shared", "none"):  # none: the pairs in turn, on one thread
+        _, trainer = build_trainer([*DUALPIPE, f"--parallel.ep_overlap={overlap}"], world)
+        records = list(stepped_records(trainer, 2))
+        results["dualpipev", overlap] = [
+            {k: v for k, v in r.items() if k not in MEASURED} for r in records
+        ]
+        with torch.profiler.profile(activities=activities, experimental_config=config) as prof:
+            trainer.train_step(trainer.next_micro_batches())
+        results["dualpipev_threads", overlap] = _cross_thread(prof.events())
     torch.save(results, f"{out_path}.{rank}")
+
+
+def _cross_thread(events) -> dict[str, int]:
+    """How many expert all-to-alls of the calling thread (the forwards) have another
+    thread's matrix products inside their time, and how many of other threads (the
+    overlapped backwards) have the calling thread's."""
+    main = events[0].thread
+    spans = [(e.time_range.start, e.time_range.end, e.thread) for e in events]
+    a2a = [s for s, e in zip(spans, events) if e.name == "moetrain::all_to_all"]
+    mms = [s for s, e in zip(spans, events) if e.name in MATMULS]
+
+    def hides(t, pick) -> bool:
+        return any(pick(m[2]) and m[2] != t[2] and t[0] <= m[0] and m[1] <= t[1] for m in mms)
+
+    return {
+        "forward_hides_backward": sum(hides(t, lambda th: th != main) for t in a2a if t[2] == main),
+        "backward_hides_forward": sum(hides(t, lambda th: th == main) for t in a2a if t[2] != main),
+    }
 
 
 def _assert_equal(a, b, where: str) -> None:
@@ -161,3 +200,11 @@ def test_the_all_to_all_runs_under_the_layers_compute(tmp_path):
             got = results["profiled", name, overlap]
             want = {t: w * MOE_LAYERS for t, w in per_layer.items()}
             assert got == want, f"rank {rank} {name} {overlap}: {got}"
+        overlapped, waited = results["dualpipev", "shared"], results["dualpipev", "none"]
+        assert overlapped[0]["loss"] > 0
+        _assert_equal(overlapped, waited, f"rank {rank} dualpipev")
+        threads = results["dualpipev_threads", "shared"]
+        assert threads["forward_hides_backward"] >= 1, (rank, threads)
+        assert threads["backward_hides_forward"] >= 1, (rank, threads)
+        none = results["dualpipev_threads", "none"]  # the pairs in turn: nothing beside
+        assert none == {"forward_hides_backward": 0, "backward_hides_forward": 0}, (rank, none)

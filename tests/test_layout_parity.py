@@ -90,6 +90,11 @@ LAYOUTS = {
     "pp2_dualpipev_lora": Layout(
         TINY, 2, [PP2, "--parallel.pp_schedule=DualPipeV", L4, *LORA], 1, steps=5
     ),
+    # ... with EP: each overlapped pair of a forward and a backward runs on two threads,
+    # their all-to-alls taking turns (parallelisms/pipeline_overlap.py).
+    "pp2_dualpipev_ep2_overlap": Layout(
+        TINY, 4, [PP2, "--parallel.pp_schedule=DualPipeV", EP2, L4, "--train.micro_batch_size=1"], 2
+    ),
     # DeepSeek-V3 (MLA, the bias update, MTP and its embedding copy on the last stage) in
     # 1F1B stages with CP and EP: tests/test_document_mask.py, with document masks.
 }

@@ -71,3 +71,25 @@ def test_a_send_between_ranks_delays_the_pipeline_by_its_hops(fake_world):
     _, one, _ = _uniform("1F1B", 4, 1, 1)
     _, one_sent, _ = _uniform("1F1B", 4, 1, 1, p2p=0.5)
     assert one_sent - one == pytest.approx(6 * 0.5)
+
+
+def test_dualpipev_pairs_hide_each_others_all_to_all(fake_world):
+    """With the expert all-to-all half of every forward and backward, DualPipeV's
+    overlapped pairs run their two at once (parallelisms/pipeline_overlap.py): each pair
+    hides min(a2a_F, compute_B) + min(a2a_B, compute_F), and the busy time drops by
+    that for every pair, nothing else."""
+    pp, n = 4, 16
+    order = schedule_order("DualPipeV", pp, 2, n)
+    stages = 2 * pp
+    rank_of = [stage_rank(s, pp, "DualPipeV") for s in range(stages)]
+    unit = pp / stages
+    durations = {"F": [unit] * stages, "B": [2 * unit] * stages}
+    durations.update(I=[unit] * stages, W=[unit] * stages)
+    exposed = {"F": [unit / 2] * stages, "B": [unit] * stages}  # half of each
+    _, busy = simulate(order, rank_of, durations, 0.0)
+    _, paired_busy = simulate(order, rank_of, durations, 0.0, exposed)
+    for r in range(pp):
+        pairs = sum(a[0] == "FB" for a in order[r])
+        assert pairs > 0
+        # F: 0.5 a2a + 0.5 compute; B: 1 a2a + 1 compute -> min(0.5, 1) + min(1, 0.5)
+        assert busy[r] - paired_busy[r] == pytest.approx(pairs * unit)

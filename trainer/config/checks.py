@@ -224,8 +224,18 @@ def _pipeline_problems(cfg: JobConfig) -> list[str]:
     if t.activation_checkpoint != "none" and p.pp_schedule in V_SCHEDULES:
         problems.append(
             f"parallel.pp_schedule={p.pp_schedule} splits the backward in input and weight "
-            "parts, and a checkpointed block cannot replay its forward for both; use "
-            "train.activation_checkpoint=none, or pp_schedule=1F1B / Interleaved1F1B"
+            "parts, and a checkpointed block cannot replay its forward for both (nor, with "
+            "parallel.ep > 1 under DualPipeV, replay its all-to-alls in turn beside an "
+            "overlapped forward); use train.activation_checkpoint=none, or pp_schedule=1F1B "
+            "/ Interleaved1F1B"
+        )
+    if p.pp_schedule == "DualPipeV" and p.ep > 1 and p.cp > 1 and p.ep_overlap != "none":
+        problems.append(
+            "parallel.pp_schedule=DualPipeV with parallel.ep > 1 runs each overlapped forward "
+            "and backward on two threads whose expert all-to-alls take turns, but ring "
+            "attention's transfers (parallel.cp > 1) would run on both at once, out of order "
+            "between ranks; set parallel.ep_overlap=none (the pairs run one after the other) "
+            "or parallel.cp=1"
         )
     if t.compile and p.pp_schedule in V_SCHEDULES:
         problems.append(

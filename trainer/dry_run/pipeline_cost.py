@@ -305,6 +305,9 @@ def pipeline_step(
     ring_fwd = trace.kv * (cp - 1) / link if cp > 1 else 0.0
     ring_bwd = ring_fwd + trace.kv_fp32 * cp / link if cp > 1 else 0.0
     durations: dict[str, list[float]] = {"F": [], "I": [], "W": [], "B": []}
+    # of each stage's forward and full backward, the all-to-all seconds left exposed: an
+    # overlapped pair of DualPipeV hides them under each other (pipeline_schedule.simulate)
+    exposed: dict[str, list[float]] = {"F": [], "B": []}
     for phi, mu, core in zip(pc.flops_share, pc.moe_share, pc.core_share, strict=True):
         # the stage's all-to-all in one pass; what of it hides under a forward's compute,
         # which is also an input backward's (the input gradients: a forward's worth), and
@@ -320,9 +323,12 @@ def pipeline_step(
         durations["I"].append(i - hidden_f)
         durations["W"].append(w)
         durations["B"].append(i + w - hidden_b)
+        exposed["F"].append(a2a - hidden_f)
+        exposed["B"].append(a2a * (2 if full else 1) - (hidden_f if full else 0.0) - hidden_b)
     # pp neighbours are a stage group apart: in one node only if the whole job is
     p2p_s = pc.hidden_bytes / (_link(dims.world_size, hw) * GB)
-    span, busy = simulate(pc.order, pc.rank_of, durations, p2p_s)
+    pairs = layout.cfg.parallel.pp_schedule == "DualPipeV" and dims.ep > 1 and form != "none"
+    span, busy = simulate(pc.order, pc.rank_of, durations, p2p_s, exposed if pairs else None)
     fsdp_n = dims.fsdp_size
     ring_f = (fsdp_n - 1) / fsdp_n / (_link(fsdp_n, hw) * GB)
     gather_s = layout.comm["fsdp_all_gather"] * ring_f

@@ -82,11 +82,18 @@ def held_peak(actions: list[Action], saved: list[float]) -> float:
 
 
 def simulate(
-    order: dict, rank_of: list[int], durations: dict[str, list[float]], p2p_s: float
+    order: dict,
+    rank_of: list[int],
+    durations: dict[str, list[float]],
+    p2p_s: float,
+    exposed: dict[str, list[float]] | None = None,
 ) -> tuple[float, list[float]]:
     """(the step's span, each pp rank's busy time): every rank runs its actions in order,
     each as soon as the rank is free and its input has arrived. `durations`: kind ->
-    stage -> seconds; `p2p_s`: one send between two ranks."""
+    stage -> seconds; `p2p_s`: one send between two ranks. `exposed` ("F", "B" -> stage
+    -> seconds): the expert all-to-all inside each forward and full backward, when a
+    DualPipeV pair runs its two at once (parallelisms/pipeline_overlap.py): each one's
+    transfers then hide under the other's compute, up to that compute's time."""
     last = len(rank_of) - 1
     done: dict[tuple, float] = {}  # (kind, stage, mb) -> end; ("G", s, mb): input grad out
 
@@ -120,6 +127,8 @@ def simulate(
                 if any(t is None for t in times):
                     break
                 took = sum(durations[kind][s] for kind, s, _ in steps)
+                if exposed is not None and len(steps) == 2:
+                    took -= _pair_hidden(steps, durations, exposed)
                 end = max(free[r], *times) + took
                 for kind, s, m in steps:
                     done[(kind, s, m)] = end
@@ -132,3 +141,12 @@ def simulate(
         if not moved:
             raise RuntimeError("the pipeline order waits on itself (a torch schedule changed?)")
     return max(free.values()), [busy[r] for r in ranks]
+
+
+def _pair_hidden(steps: tuple, durations: dict, exposed: dict) -> float:
+    """Seconds an overlapped (forward, full backward) pair hides: each side's all-to-all
+    under the other side's compute (its time less its own all-to-all)."""
+    (_, f, _), (_, b, _) = steps
+    a_f, a_b = exposed["F"][f], exposed["B"][b]
+    compute_f, compute_b = durations["F"][f] - a_f, durations["B"][b] - a_b
+    return min(a_f, compute_b) + min(a_b, compute_f)

@@ -39,6 +39,8 @@ class PipelinedSteps:
                 self._pipeline_loss,
             )
             self.pipeline.set_router_loss(self.step_loss.router_loss)
+            if cfg.parallel.ep_overlap != "none":  # DualPipeV: forward and backward at once
+                self.pipeline.overlap_expert_transfers(self.parallel.dispatchers)
             self.shared_embedding = self._shared_embedding()
         # What the gradient norm counts: each parameter once (not a stage's copy).
         copies = self.shared_embedding.copies if self.shared_embedding else set()
