@@ -6,7 +6,8 @@ whose collectives run on threads of their own, so the overlap is real on CPU too
   combine under the shared experts (`shared`) equal 3 steps without overlap bit for bit.
   Only when the transfer is waited for moves; the arithmetic is the same. (Against one
   process, within 1e-5: the EP rows of tests/test_layout_parity.py, which run `shared`
-  and, on 5 steps, `chunks`, whose split changes the order of the weight-gradient sums.)
+  and `chunks` over 5 steps; `chunks` splits the weight-gradient sums, so it is not
+  bit-equal.)
 - one profiled step per mode, read from the profiler's events on every rank: each
   transfer left in flight is issued before the compute it hides and waited for after it,
   forward and backward, in every MoE layer; with `none`, nothing is left to wait for.

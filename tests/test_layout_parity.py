@@ -64,6 +64,11 @@ LAYOUTS = {
     ),
     # DeepSeek-V3: MLA, group-limited routing with the bias update, MTP, sequence-wise aux.
     "dsv3_ep2_efsdp2_pooled_aux_chunks": Layout(TINY_DSV3, 4, [EP2, POOLED, CHUNKS], 4, steps=5),
+    # ... the default overlap (the combine under the shared expert) over 5 steps
+    "dsv3_ep2_efsdp2_shared": Layout(TINY_DSV3, 4, [EP2], 4, steps=5),
+    "dsv3_ep4_2nodes_shared": Layout(
+        TINY_DSV3, 4, ["--parallel.ep=4", "--parallel.ranks_per_node=2"], 4, steps=5
+    ),
     "dsv3_cp2_ep2_z": Layout(TINY_DSV3, 4, [CP2, EP2, Z_LOSS], 2),
     "dsv3_cp2_ep2_lora": Layout(TINY_DSV3, 4, [CP2, EP2, *LORA_ALL], 2, steps=5),
     # An ep group over 2 simulated nodes of 2 ranks: the two-stage dispatch.
