@@ -81,15 +81,19 @@ class Dispatcher:
         else:
             self._internode_routing += crossing
 
-    def start(self, name, keep, x, out_splits, in_splits, stage, count, wait) -> torch.Tensor:
-        """`all_to_all` of x over a stage, issued under the profiler range `name`; its
-        output, which `wait_for` lands (`wait=False`: the transfer may still be running)."""
+    def _issue(self, name, keep, x, out_splits, in_splits, stage, count, wait) -> InFlight:
+        """`all_to_all` of x over a stage, issued under the profiler range `name`."""
         self.started = None
         with named_range(name):
             out = all_to_all(x, out_splits, in_splits, self.handle, stage, count, wait)
-        reverse = (in_splits, out_splits, stage, count)
-        self._in_flight.append(InFlight(out, self.started, keep, reverse, name))
-        return out
+        return InFlight(out, self.started, keep, (in_splits, out_splits, stage, count), name)
+
+    def start(self, name, keep, x, out_splits, in_splits, stage, count, wait) -> torch.Tensor:
+        """`_issue`'s output, which `wait_for` lands (`wait=False`: the transfer may still
+        be running)."""
+        flight = self._issue(name, keep, x, out_splits, in_splits, stage, count, wait)
+        self._in_flight.append(flight)
+        return flight.out
 
     def _take(self, out: torch.Tensor) -> InFlight:
         for i, flight in enumerate(self._in_flight):
@@ -130,8 +134,8 @@ class Dispatcher:
         """Start the transfer of an output's gradient back (`reverse`: the output's
         `InFlight.reverse`), for `land_back(grad)`."""
         out_splits, in_splits, stage, count = reverse
-        back = self.start(name, None, grad, out_splits, in_splits, stage, count, False)
-        self._returning.append((grad, self._take(back)))
+        back = self._issue(name, None, grad, out_splits, in_splits, stage, count, False)
+        self._returning.append((grad, back))
 
     def land_back(self, grad: torch.Tensor) -> torch.Tensor:
         """Wait for the transfer `start_back` started of `grad`; what arrived."""

@@ -339,12 +339,12 @@ class MoE(nn.Module):
         starts = [(c * tokens + self.chunks - 1) // self.chunks for c in range(self.chunks + 1)]
         piece = token_of * self.chunks // tokens  # [N]: token t is in piece t * chunks // T
         by_piece = torch.argsort(piece, stable=True)  # expert-major inside each piece
-        ones = torch.ones_like(piece)
-        sizes = torch.zeros(self.chunks, dtype=ones.dtype, device=ones.device)
-        sizes = sizes.index_add_(0, piece, ones).tolist()  # host read: the pieces' lengths
+        sizes = torch.zeros(self.chunks, dtype=piece.dtype, device=piece.device)
+        sizes = sizes.index_add_(0, piece, torch.ones_like(piece)).tolist()  # host read
         out = []
         for c, ids in enumerate(torch.split(by_piece, sizes)):
-            counts = torch.zeros_like(tokens_per_expert).index_add_(0, expert_of[ids], ones[ids])
+            ones = torch.ones_like(ids)
+            counts = torch.zeros_like(tokens_per_expert).index_add_(0, expert_of[ids], ones)
             routed = (counts, token_of[ids] - starts[c], weights[ids])
             out.append(((starts[c], starts[c + 1]), routed))
         return out

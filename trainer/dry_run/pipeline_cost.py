@@ -315,16 +315,18 @@ def pipeline_step(
         a2a, (experts, shared) = mu * a2a_pass, (phi * third * h for h in hides)
         hidden_f = a2a_hidden(form, a2a, experts, shared)
         hidden_b = a2a_hidden(form, a2a, 2 * experts, 2 * shared)
+        # the input backward's all-to-all (with full checkpointing, the replay's too)
+        a2a_i = a2a * (2 if full else 1) - (hidden_f if full else 0.0)
         f = max(phi * third, core * ring_fwd) + a2a - hidden_f
         i = max(phi * third * (2 if full else 1), core * (ring_bwd + (ring_fwd if full else 0)))
-        i += a2a * (2 if full else 1) - (hidden_f if full else 0.0)
+        i += a2a_i
         w = phi * third
         durations["F"].append(f)
         durations["I"].append(i - hidden_f)
         durations["W"].append(w)
         durations["B"].append(i + w - hidden_b)
         exposed["F"].append(a2a - hidden_f)
-        exposed["B"].append(a2a * (2 if full else 1) - (hidden_f if full else 0.0) - hidden_b)
+        exposed["B"].append(a2a_i - hidden_b)
     # pp neighbours are a stage group apart: in one node only if the whole job is
     p2p_s = pc.hidden_bytes / (_link(dims.world_size, hw) * GB)
     pairs = layout.cfg.parallel.pp_schedule == "DualPipeV" and dims.ep > 1 and form != "none"
