@@ -16,7 +16,7 @@ from parallelisms.dims import LayoutError, ParallelDims
 from parallelisms.expert_parallel import TokenDispatcher, apply_expert_parallel
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.mesh import Meshes
-from parallelisms.plan import PlanError, match_modules
+from parallelisms.plan import PlanError, check_plan, match_modules
 
 
 @dataclass
@@ -114,8 +114,9 @@ def expert_layers(
 
 def check_layout(model: nn.Module, plan: ParallelPlan, dims: ParallelDims) -> None:
     """Refuse a layout this model cannot take, from a meta-device instance (no memory, no
-    process group): every plan pattern must match, and the expert shards must be even."""
-    match_modules(model, plan.blocks, "blocks")
+    process group): the plan must describe the model (`check_plan`, on every layout), and
+    the expert shards must be even."""
+    check_plan(model, plan)
     if dims.cp > 1:
         if plan.attention_core is None:
             raise LayoutError(

@@ -178,15 +178,15 @@ def test_plan_pattern_matching_nothing_is_refused():
 
 
 @pytest.mark.parametrize("field", ["routed_permute", "routed_sum"])
-def test_a_plan_without_the_moe_seams_is_refused_under_ep(field):
+def test_a_plan_without_the_moe_seams_is_refused_on_every_layout(field):
     import dataclasses
 
     model, plan = _meta_model()
     plan = dataclasses.replace(plan, **{field: None})
-    dims = ParallelDims.resolve(1, -1, 1, 2, world_size=2)
-    with pytest.raises(PlanError, match=f"but 0 {field} modules; name each MoE layer's"):
-        check_layout(model, plan, dims)
-    check_layout(model, plan, ParallelDims.resolve(1, -1, 1, 1, world_size=2))  # no EP: fine
+    for ep in (2, 1):  # ep = 1 too: the plan does not describe the model
+        dims = ParallelDims.resolve(1, -1, 1, ep, world_size=2)
+        with pytest.raises(PlanError, match=f"{field} does not name \\['layers.1.mlp"):
+            check_layout(model, plan, dims)
 
 
 def test_layout_refusal_through_train_py(monkeypatch, capsys):

@@ -1,9 +1,12 @@
-"""The weight half of an HF adapter for models whose native names are HF's without the
-leading "model." (the head excepted) and whose routed experts are stacked
-(`models.common.hf_experts`): Qwen3-MoE and OLMoE share it.
+"""The weight half of an HF adapter for models whose native names are the checkpoint's
+without the leading "model." (the head excepted), up to a table of module renames, and
+whose routed experts are stacked (`models.common.hf_experts`): Qwen3-MoE, OLMoE, Mixtral,
+Qwen2-MoE and GLM-4.5 share it.
 
 A model's `hf.py` binds one `PrefixedStackedNames` and exports its four methods as the
 adapter's `is_redundant_key`, `hf_keys`, `from_hf` and `to_hf` (`models.spec.HFAdapter`).
+Everything model-specific is data: the expert count and width, whether the head is tied,
+the experts' naming and the renames.
 """
 
 from __future__ import annotations
@@ -14,21 +17,35 @@ from typing import Any
 import torch
 
 from models import HFFormatError
-from models.common.hf_experts import is_stacked_expert, per_expert_keys, read_stacked, split_stacked
+from models.common.hf_experts import MLP_EXPERTS, ExpertNaming
 from models.spec import GetSlice, HasKey
 
 
 class PrefixedStackedNames:
     def __init__(
-        self, expert_width: Callable[[Any], tuple[int, int]], tied: Callable[[Any], bool]
+        self,
+        expert_width: Callable[[Any], tuple[int, int]],
+        tied: Callable[[Any], bool],
+        experts: ExpertNaming = MLP_EXPERTS,
+        renames: tuple[tuple[str, str], ...] = (),
     ) -> None:
-        # expert_width(args) -> (num_experts, each expert's hidden width); tied(args) -> bool
+        """expert_width(args) -> (num_experts, each expert's hidden width); tied(args) -> bool.
+        `experts`: how the checkpoint names the routed experts. `renames`: (native, checkpoint)
+        pairs of dotted module paths that differ, applied in order to whole name components,
+        e.g. Mixtral's ("mlp", "block_sparse_moe")."""
         self.expert_width = expert_width
         self.tied = tied
+        self.experts = experts
+        self.renames = renames
 
-    @staticmethod
-    def hf_name(name: str) -> str:
-        return name if name.startswith("lm_head.") else "model." + name
+    def hf_name(self, name: str) -> str:
+        """The checkpoint name of native `name` (a stacked expert keeps its stacked name)."""
+        if name.startswith("lm_head."):
+            return name
+        dotted = f".{name}."
+        for native, checkpoint in self.renames:
+            dotted = dotted.replace(f".{native}.", f".{checkpoint}.")
+        return "model." + dotted[1:-1]
 
     def is_redundant_key(self, key: str, args: Any, has: HasKey) -> bool:
         """A tied model's head, which some exporters write anyway."""
@@ -40,9 +57,9 @@ class PrefixedStackedNames:
         """The checkpoint keys that make native `name` of global `shape`, with theirs.
         Stacked experts in the checkpoint (transformers-5 in-memory names) are read too."""
         hf = self.hf_name(name)
-        if has(hf) or not is_stacked_expert(hf):
+        if has(hf) or not self.experts.is_stacked(hf):
             return {hf: tuple(shape)}
-        return per_expert_keys(hf, shape)
+        return self.experts.per_expert_keys(hf, shape)
 
     def from_hf(
         self, name: str, args: Any, has: HasKey, get: GetSlice, index: tuple[slice, ...]
@@ -52,12 +69,14 @@ class PrefixedStackedNames:
         hf = self.hf_name(name)
         if has(hf):
             return get(hf, index)
-        if is_stacked_expert(hf):
+        if self.experts.is_stacked(hf):
             num_experts, width = self.expert_width(args)
-            return read_stacked(hf, num_experts, width, get, index)
+            return self.experts.read_stacked(hf, num_experts, width, get, index)
         raise HFFormatError(f"checkpoint has no tensor {hf!r} (needed for {name!r})")
 
     def to_hf(self, name: str, tensor: torch.Tensor, args: Any) -> dict[str, torch.Tensor]:
         """HF entries (per-expert keys) for the full value of native `name`."""
         hf = self.hf_name(name)
-        return split_stacked(hf, tensor) if is_stacked_expert(hf) else {hf: tensor}
+        if self.experts.is_stacked(hf):
+            return self.experts.split_stacked(hf, tensor)
+        return {hf: tensor}

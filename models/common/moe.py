@@ -265,7 +265,8 @@ class GroupedExperts(RoutedExperts):
 
 class MoE(nn.Module):
     """Drop-less token-choice MoE: every token reaches its top-k experts, plus (optionally)
-    shared experts that every token goes through.
+    shared experts that every token goes through, optionally scaled per token by a sigmoid
+    gate (Qwen2-MoE's `shared_expert_gate`).
 
     `router` maps tokens [T, dim] to a `Routing` and has `num_experts` and `top_k`
     (TopKRouter, GroupLimitedRouter).
@@ -279,9 +280,14 @@ class MoE(nn.Module):
         options: MoEOptions | None = None,
         shared_hidden_dim: int = 0,
         experts: RoutedExperts | None = None,
+        shared_gate: bool = False,
     ) -> None:
-        """`experts`: the routed experts, a `RoutedExperts` with stacked `[E, ...]` parameters
-        (default: `GroupedExperts`, SwiGLU)."""
+        """dim: model width; hidden_dim: each routed expert's hidden width; options: the
+        run-time choices (`MoEOptions`). shared_hidden_dim: the shared experts' hidden width,
+        one SwiGLU `shared_experts` (0 = none; several shared experts of width I are one of
+        width n * I). `experts`: the routed experts, a `RoutedExperts` with stacked `[E, ...]`
+        parameters (default: `GroupedExperts`, SwiGLU). shared_gate: scale the shared
+        experts' output by sigmoid(`shared_expert_gate`(x)), a [1, dim] linear map."""
         super().__init__()
         options = options or MoEOptions()
         self.num_experts = router.num_experts
@@ -292,6 +298,9 @@ class MoE(nn.Module):
         self.gate = router
         self.experts = experts or GroupedExperts(self.num_experts, dim, hidden_dim, options.gemm)
         self.shared_experts = SwiGLU(dim, shared_hidden_dim) if shared_hidden_dim else None
+        if shared_gate and not shared_hidden_dim:
+            raise ValueError("shared_gate needs shared experts (shared_hidden_dim > 0)")
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None
         self.permute = Permute()
         self.unpermute = Unpermute()
 
@@ -322,6 +331,8 @@ class MoE(nn.Module):
         # NOTE: the shared experts run before the routed rows are summed: under expert
         # parallelism the rows' way back (the combine) is still in flight until `unpermute`.
         shared = None if self.shared_experts is None else self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared  # gate [B, S, 1]
         ys = [
             self.unpermute(piece_rows, piece_token_of, t1 - t0)  # [t1 - t0, dim]
             for piece_rows, ((t0, t1), (_, piece_token_of, _)) in zip(rows, chunks, strict=True)

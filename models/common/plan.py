@@ -2,7 +2,8 @@
 
 Pure data (FQN patterns, `*` matches one name component), so models never import
 `parallelisms/`. A field may hold several patterns (a tuple): their matches are taken in
-order, and `parallelisms.plan` refuses a field whose patterns all match nothing.
+order. At every launch, `parallelisms.plan.check_plan` refuses a pattern that matches no
+module (unless `optional`) and a seam field that leaves a module of its type unnamed.
 """
 
 from dataclasses import dataclass, field
@@ -36,3 +37,7 @@ class ParallelPlan:
     # (models/common/staged.py).
     embedding: Patterns = "embed_tokens"
     head: Patterns = ("norm", "lm_head")
+    # Patterns that some configurations of the model do not build (a tied model's lm_head,
+    # DeepSeek-V3 without MTP modules): they, and the patterns under them, may match
+    # nothing. Every other pattern must match a module (parallelisms.plan.check_plan).
+    optional: tuple[str, ...] = ("lm_head",)

@@ -104,9 +104,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, S, heads, head_dim]; cos/sin: [B, S, head_dim]."""
+    """x: [B, S, heads, head_dim]; cos/sin: [B, S, rope_dim], rope_dim <= head_dim.
+
+    Partial rotary (GLM-4.5's `partial_rotary_factor`): with rope_dim < head_dim only the
+    first rope_dim dims of each head rotate ("rotate half" among them), the rest pass."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return x * cos + _rotate_half(x) * sin
+    rope_dim = cos.shape[-1]
+    if rope_dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, rest = x[..., :rope_dim], x[..., rope_dim:]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

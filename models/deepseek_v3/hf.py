@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from models import HFFormatError, read_config_json
-from models.common.hf_experts import is_stacked_expert, per_expert_keys, read_stacked, split_stacked
+from models.common.hf_experts import MLP_EXPERTS
 from models.common.hf_rope import rope_config, rope_kwargs
 from models.deepseek_v3.args import DeepseekV3Args
 
@@ -135,9 +135,9 @@ def hf_keys(
             f"has no MTP layer model.layers.{args.num_hidden_layers + int(mtp[1])} (no eh_proj; "
             "transformers does not save MTP weights); set model.num_nextn_predict_layers=0"
         )
-    if has(hf) or not is_stacked_expert(hf):
+    if has(hf) or not MLP_EXPERTS.is_stacked(hf):
         return {hf: tuple(shape)}
-    return per_expert_keys(hf, shape)
+    return MLP_EXPERTS.per_expert_keys(hf, shape)
 
 
 def from_hf(
@@ -153,8 +153,9 @@ def from_hf(
     hf = _hf_name(name, args)
     if has(hf):
         return get(hf, index)
-    if is_stacked_expert(hf):
-        return read_stacked(hf, args.n_routed_experts, args.moe_intermediate_size, get, index)
+    if MLP_EXPERTS.is_stacked(hf):
+        width = args.moe_intermediate_size
+        return MLP_EXPERTS.read_stacked(hf, args.n_routed_experts, width, get, index)
     raise HFFormatError(f"checkpoint has no tensor {hf!r} (needed for {name!r})")
 
 
@@ -163,7 +164,7 @@ def to_hf(name: str, tensor: torch.Tensor, args: DeepseekV3Args) -> dict[str, to
     if name.endswith(_NO_HF):
         return {}
     hf = _hf_name(name, args)
-    out = split_stacked(hf, tensor) if is_stacked_expert(hf) else {hf: tensor}
+    out = MLP_EXPERTS.split_stacked(hf, tensor) if MLP_EXPERTS.is_stacked(hf) else {hf: tensor}
     # The MTP layers of released checkpoints carry their own copy of embedding and head.
     head = name == "lm_head.weight" or (name == "embed_tokens.weight" and args.tie_word_embeddings)
     for k in range(args.num_nextn_predict_layers):

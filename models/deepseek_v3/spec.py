@@ -16,6 +16,7 @@ PLAN = ParallelPlan(
     shared_experts=("layers.*.mlp.shared_experts", "mtp.*.block.mlp.shared_experts"),
     fp32_modules=("layers.*.mlp.gate", "mtp.*.block.mlp.gate"),
     head=("norm", "lm_head", "mtp"),
+    optional=("lm_head", "mtp"),  # a tied head; no MTP modules (num_nextn_predict_layers=0)
 )
 
 

@@ -1,0 +1,103 @@
+"""A parallel plan must describe its model on every layout (parallelisms.plan.check_plan):
+a pattern that matches nothing, or a seam left unnamed, is refused before any work, with
+exit 2 and no traceback, from train.py and from the planner alike, at ep = 1 too."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from models import get_model_spec, model_names
+from parallelisms.plan import PlanError, check_plan, match_modules
+from tests.distributed import ROOT
+from trainer.config import load_config
+
+QWEN3 = "--config=configs/debug_qwen3_moe.toml"
+TYPO = "layers.*.mlp.expert"  # one letter short of layers.*.mlp.experts
+
+
+def _meta(name: str, *overrides: str):
+    cfg = load_config([f"--config=configs/debug_{name}.toml", *overrides])
+    spec = get_model_spec(name)
+    with torch.device("meta"):
+        return spec.build(cfg.model.args), spec.plan
+
+
+@pytest.mark.parametrize("name", model_names())
+def test_every_model_plan_describes_its_debug_model(name):
+    model, plan = _meta(name)
+    check_plan(model, plan)
+
+
+@pytest.mark.parametrize(
+    "field, pattern, match",
+    [
+        (
+            "routed_experts",
+            TYPO,
+            "routed_experts pattern 'layers.\\*.mlp.expert' matches no module",
+        ),
+        ("blocks", ("layers.*", "blokcs.*"), "blocks pattern 'blokcs.\\*' matches no module"),
+        ("fp32_modules", ("layers.*.mlp.gaet",), "fp32_modules pattern"),
+        ("shared_experts", "layers.*.mlp.shared", "shared_experts pattern"),
+        # A pattern that matches, yet leaves the later MoE layers' experts unnamed.
+        ("routed_experts", "layers.1.mlp.experts", "does not name \\['layers.2.mlp.experts'"),
+        ("attention_core", "layers.0.self_attn.core", "attention_core does not name"),
+    ],
+)
+def test_a_plan_that_misses_is_refused(field, pattern, match):
+    model, plan = _meta("qwen3_moe")
+    with pytest.raises(PlanError, match=match):
+        check_plan(model, dataclasses.replace(plan, **{field: pattern}))
+
+
+def test_optional_patterns_may_match_nothing():
+    # A tied head (no lm_head module) and a model built without MoE layers: nothing to name.
+    tied, plan = _meta("qwen3_moe", "--model.tie_word_embeddings=true")
+    assert match_modules(tied, "lm_head", "head", required=False) == []
+    check_plan(tied, plan)
+    dense, plan = _meta("qwen3_moe", "--model.num_experts=0")
+    assert match_modules(dense, plan.routed_experts, "routed_experts", required=False) == []
+    check_plan(dense, plan)
+    # DeepSeek-V3 without MTP modules: `mtp` is optional, so every `mtp.*...` under it too ...
+    no_mtp, plan = _meta("deepseek_v3", "--model.num_nextn_predict_layers=0")
+    check_plan(no_mtp, plan)
+    # ... but with them, a pattern under it must match.
+    with_mtp, plan = _meta("deepseek_v3")
+    wrong = ("layers.*.mlp.gate", "mtp.*.blok.mlp.gate")
+    with pytest.raises(PlanError, match="'mtp.\\*.blok.mlp.gate' matches no module"):
+        check_plan(with_mtp, dataclasses.replace(plan, fp32_modules=wrong))
+
+
+@pytest.fixture
+def typo_plan(monkeypatch):
+    """Qwen3-MoE with a routed_experts typo, as a user's new model would have it."""
+    import trainer.loop.setup as setup
+
+    spec = get_model_spec("qwen3_moe")
+    bad = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, routed_experts=TYPO))
+    monkeypatch.setattr(setup, "get_model_spec", lambda name: bad)
+
+
+def test_train_py_refuses_a_typo_at_ep1_with_exit_2(typo_plan, monkeypatch, capsys):
+    import train
+
+    monkeypatch.chdir(ROOT)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert train.main([QWEN3, "--train.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "routed_experts pattern 'layers.*.mlp.expert' matches no module" in err
+    assert "Traceback" not in err
+
+
+def test_the_planner_refuses_a_typo_at_ep1_with_exit_2(typo_plan, monkeypatch, capsys):
+    from trainer.dry_run.cli import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["--world-size", "2", QWEN3]) == 2
+    err = capsys.readouterr().err
+    assert "routed_experts pattern 'layers.*.mlp.expert' matches no module" in err
+    assert "Traceback" not in err
