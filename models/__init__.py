@@ -40,6 +40,7 @@ __all__ = ["HFFormatError", "get_model_spec", "model_args_class", "model_names"]
 _REGISTRY = {
     "deepseek_v3": ("models.deepseek_v3", "DeepseekV3Args"),
     "gpt_oss": ("models.gpt_oss", "GptOssArgs"),
+    "mixtral": ("models.mixtral", "MixtralArgs"),
     "olmoe": ("models.olmoe", "OlmoeArgs"),
     "qwen3_moe": ("models.qwen3_moe", "Qwen3MoeArgs"),
 }
