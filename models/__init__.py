@@ -42,6 +42,7 @@ _REGISTRY = {
     "gpt_oss": ("models.gpt_oss", "GptOssArgs"),
     "mixtral": ("models.mixtral", "MixtralArgs"),
     "olmoe": ("models.olmoe", "OlmoeArgs"),
+    "qwen2_moe": ("models.qwen2_moe", "Qwen2MoeArgs"),
     "qwen3_moe": ("models.qwen3_moe", "Qwen3MoeArgs"),
 }
 
