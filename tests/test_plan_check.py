@@ -5,6 +5,9 @@ exit 2 and no traceback, from train.py and from the planner alike, at ep = 1 too
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -101,3 +104,22 @@ def test_the_planner_refuses_a_typo_at_ep1_with_exit_2(typo_plan, monkeypatch, c
     err = capsys.readouterr().err
     assert "routed_experts pattern 'layers.*.mlp.expert' matches no module" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "config, billions",
+    [("mixtral_8x7b", 46.70), ("qwen2_57b_a14b", 57.41), ("glm4_5_air", 106.85)],
+)
+def test_the_planner_plans_the_published_sizes(config, billions, tmp_path):
+    """The models added through the contract at their published size: the dry run plans
+    16 ranks with ep 8, and its shards add up to the whole model (fp32 parameters)."""
+    out = tmp_path / "plan.json"
+    subprocess.run(
+        [sys.executable, "-m", "trainer.dry_run", "--world-size=16", "--config",
+         f"configs/{config}.toml", "--parallel.ep=8", "--json", str(out)],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    plan = json.loads(out.read_text())
+    assert plan["layout"]["ep"] == 8 and plan["estimate"]["step_s"] > 0
+    params = sum(rank["params"] for rank in plan["per_rank"]) / 4  # fp32 bytes -> count
+    assert params / 1e9 == pytest.approx(billions, rel=0.01)
