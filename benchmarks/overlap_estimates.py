@@ -5,7 +5,7 @@ overlapping the expert all-to-all (`parallel.ep_overlap`: none, shared, chunks).
 
 One `python -m trainer.dry_run` per layout and form, in a fresh process
 (`benchmarks/dry_run.py`'s `run_case`); the layouts are those of the table in
-docs/architecture.md ("Pipeline stages in the planner"), global batch 16,384 x 4096, full
+docs/planner.md ("Pipeline stages in the planner"), global batch 16,384 x 4096, full
 checkpointing (DualPipeV: none, which it needs). An estimate of the model the docs state, not a measurement. Prints one JSON
 object, then a one-line summary.
 """

@@ -10,7 +10,7 @@
   those back instead of running them and recomputes only the cheap rest (norms,
   activations, RoPE, routing, permutations): it sends nothing.
 
-Recomputation is invisible (docs/architecture.md, "Principles"); each piece of state, by construction:
+Recomputation is invisible (docs/overview.md, "Principles"); each piece of state, by construction:
 
 - parameter names: a block's `forward` is replaced by one that runs the original under
   `torch.utils.checkpoint` (an instance attribute; no wrapper module), so FQNs, checkpoint

@@ -1,7 +1,7 @@
 """Parallel degrees and their checks: arithmetic on the config, the world size and the ranks
 per node (torchrun's LOCAL_WORLD_SIZE unless the config sets them) only.
 
-Degrees (docs/architecture.md, "Device mesh"): world = pp * dp_replicate * dp_shard * cp;
+Degrees (docs/parallelisms.md, "Device mesh"): world = pp * dp_replicate * dp_shard * cp;
 expert parallelism borrows its ranks from dp_shard * cp; each of the pp pipeline stages
 holds the other degrees' ranks. Every check here is arithmetic, so a
 bad layout is refused before any process group exists, and without importing torch (a

@@ -1,4 +1,4 @@
-"""FSDP2 wrapping driven by the model's parallel plan (docs/architecture.md, "FSDP2 wrapping and prefetch")."""
+"""FSDP2 wrapping driven by the model's parallel plan (docs/parallelisms.md, "FSDP2 wrapping and prefetch")."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from parallelisms.plan import match_modules
 
 def mixed_precision_policy(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
     # Gradients are always reduced in fp32: a bf16 reduce-scatter over many ranks loses
-    # the exact-sum property the loss scaling (docs/architecture.md, "Loss and gradient scale") relies on.
+    # the exact-sum property the loss scaling (docs/parallelisms.md, "Loss and gradient scale") relies on.
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
@@ -68,7 +68,7 @@ def apply_fsdp(
     fully_shard(model, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=False)
 
     # The loss is already divided by the number of tokens in the global batch, so the
-    # gradient reduction must sum, not average (docs/architecture.md, "Loss and gradient scale"). Plain SUM collectives (no
+    # gradient reduction must sum, not average (docs/parallelisms.md, "Loss and gradient scale"). Plain SUM collectives (no
     # PreMulSum) also run on gloo, and a factor of 1 makes FSDP skip its division.
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -81,7 +81,7 @@ def apply_fsdp(
 def set_prefetch_chains(
     model: nn.Module, blocks: list[tuple[str, nn.Module]], expert_units: dict[str, nn.Module]
 ) -> None:
-    """Explicit FSDP prefetch (docs/architecture.md, "FSDP2 wrapping and prefetch").
+    """Explicit FSDP prefetch (docs/parallelisms.md, "FSDP2 wrapping and prefetch").
 
     NOTE: why not FSDP's implicit prefetch: the dispatch needs the all-to-all split sizes on
     the host (`.tolist()`), a device sync in the middle of every MoE block. Until it

@@ -18,7 +18,7 @@ the same local index on the other nodes.
 
 A token's inter-node traffic is one row per remote node holding any of its experts, however
 many of its experts sit there. With a router that limits each token to a few expert groups,
-groups lined up with nodes (docs/architecture.md, "Expert parallelism") bound the nodes too.
+groups lined up with nodes (docs/parallelisms.md, "Expert parallelism") bound the nodes too.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Apply a model's parallel plan: context and expert parallelism, activation checkpointing,
-then FSDP2 (docs/architecture.md, "Principles")."""
+then FSDP2 (docs/overview.md, "Principles")."""
 
 from __future__ import annotations
 

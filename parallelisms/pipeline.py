@@ -7,7 +7,7 @@ embeds, every stage runs its blocks, the last runs the head. The stage module ad
 model's children under their own names, so it is the FSDP root of its stage and its
 parameter names are the model's: checkpoints do not depend on the cut.
 
-Losses stay shares of the global batch's loss (docs/architecture.md, "Loss and gradient
+Losses stay shares of the global batch's loss (docs/parallelisms.md, "Loss and gradient
 scale"): the last stage's loss function returns the token (and MTP) loss share of its
 micro-batch; each stage's routers add their aux and z-loss shares through
 `_AddLossGradient`, which leaves the forward unchanged and feeds d(loss)/d(share) = 1 into

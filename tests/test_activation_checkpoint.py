@@ -1,4 +1,4 @@
-"""Activation checkpointing changes memory and time, never numbers or state (docs/architecture.md,
+"""Activation checkpointing changes memory and time, never numbers or state (docs/overview.md,
 "Principles").
 
 `train.activation_checkpoint` = full and selective against none, on the same layout, fp32

@@ -4,7 +4,7 @@ What is bf16 and what stays fp32 is read from what the code really runs: the pro
 record of every op's input dtypes during a training step (the collectives FSDP, expert
 parallelism and the ring hand to gloo included), and the tensors the optimizer holds.
 Then the layouts against one rank over 20 steps, with the tolerance justified by the
-spread that reduction order alone gives (docs/architecture.md, "bf16 mixed precision").
+spread that reduction order alone gives (docs/parallelisms.md, "bf16 mixed precision").
 """
 
 from __future__ import annotations

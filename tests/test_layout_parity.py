@@ -1,4 +1,4 @@
-"""Every parallel layout against one plain process on the same global batch (docs/architecture.md, "Principles").
+"""Every parallel layout against one plain process on the same global batch (docs/overview.md, "Principles").
 
 One table: each row is a layout (FSDP, HSDP, EP x FSDP, CP, CP x EP, pipeline stages) of a
 tiny model, run for 3 steps (LoRA rows 5) on real gloo ranks through `Trainer.train_step`

@@ -1,5 +1,5 @@
 """`python -m trainer.dry_run --search`: the step-time model's ranking follows from the
-bytes and FLOPs it prints, recomputed here from the documented formula (docs/architecture.md,
+bytes and FLOPs it prints, recomputed here from the documented formula (docs/planner.md,
 "Step-time model"), and faster links never make a layout slower. With `--gemm-rates FILE`
 (measured efficiency per kind of kernel, `benchmarks/gemm_rates.py`) the compute is each
 kind's FLOPs at its own efficiency, recomputed from a hand-written file and a FLOP split

@@ -38,7 +38,7 @@ def arg(
 
 def embedding_init_std() -> Any:
     """The field every model's args share: the token embedding's init std (see
-    docs/architecture.md, "Weights that do not depend on the layout")."""
+    docs/parallelisms.md, "Weights that do not depend on the layout")."""
     return arg(
         0.0,
         "std of the token embedding's init; 0 = initializer_range (Hugging Face's). 1.0 "

@@ -18,7 +18,7 @@ layout fits and, if not, which knob brings it in; last, the estimated step time 
 kind of kernel (`benchmarks/gemm_rates.py`'s JSON) where given, else at --efficiency;
 --workers N: processes the search measures in (default: from the cores and the jobs to
 run, `trainer.dry_run.workers.auto_workers`; 0: all in this one). How
-each figure is measured: `trainer.dry_run.footprint` and docs/architecture.md ("Will it
+each figure is measured: `trainer.dry_run.footprint` and docs/planner.md ("Will it
 fit?").
 """
 

@@ -1,5 +1,5 @@
 """Which layout is fastest? A step-time model over the planner's measured bytes and FLOPs
-(`python -m trainer.dry_run ... --search`; docs/architecture.md, "Step-time model").
+(`python -m trainer.dry_run ... --search`; docs/planner.md, "Step-time model").
 
 The model, per rank and step (every figure it uses is printed with the estimate):
 

@@ -1,6 +1,6 @@
 """The training loss of one step, composed from the model's outputs and global counts.
 
-Every piece is a share (docs/architecture.md, "Principles"), so that summed over forwards and ranks it is the value
+Every piece is a share (docs/overview.md, "Principles"), so that summed over forwards and ranks it is the value
 one device would compute on the whole global batch. Token cross-entropy sums are divided
 by the number of valid labels in the global batch (all ranks, all micro-batches); each MTP
 depth by its own count; the router z-loss by the number of tokens routed in the global

@@ -1,7 +1,7 @@
 """The training loop: build (meta model -> plan -> shards -> weights), then step.
 
 One step: this rank's micro-batches of the global batch -> for each: forward, loss,
-backward (`trainer.loop.losses.StepLoss` composes the loss: docs/architecture.md,
+backward (`trainer.loop.losses.StepLoss` composes the loss: docs/parallelisms.md,
 "Loss and gradient scale") -> clip -> update.
 The set-up before the first step (checks, device, process group) is `trainer.loop.setup`.
 Where the weights come from (init, a resume, a new stage) and what a checkpoint holds of the
