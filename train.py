@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         dims = ParallelDims.of(p, world_size_from_env())
         from trainer.loop.setup import preflight  # torch-heavy: only once the config is good
 
-        preflight(cfg, dims)
+        corpora = preflight(cfg, dims)  # the prepared data's manifests, read once
     except USER_ERRORS as err:
         return refuse(err)
     if os.environ.get("RANK", "0") == "0":  # once per run, as the trainer's own lines
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.loop.trainer import Trainer
 
     try:
-        Trainer(cfg, dims).fit()
+        Trainer(cfg, dims, corpora).fit()
         # NOTE: no rank tears its process group down while a peer may still talk to it.
         dist.barrier()
     except USER_ERRORS as err:  # e.g. a data source that turns out empty

@@ -38,8 +38,8 @@ def main() -> None:
     cfg.checkpoint.resume = "none"
     p = cfg.parallel
     dims = ParallelDims.of(p, world_size_from_env())
-    preflight(cfg, dims)
-    trainer = Trainer(cfg, dims)
+    corpora = preflight(cfg, dims)
+    trainer = Trainer(cfg, dims, corpora)
     trainer.fit()  # optimizer state exists, as in a real save
     root = tempfile.mkdtemp(prefix="ckpt-bench-") if trainer.rank == 0 else None
     holder = [root]

@@ -40,8 +40,8 @@ def eval_vs_train(config: str, steps: int) -> dict:
     cfg = load_config(["--config", config, "--eval.fraction=0.05", "--metrics.jsonl=false"])
     cfg.eval.samples = cfg.train.global_batch_size
     dims = ParallelDims.resolve(1, -1, 1, 1, 1)
-    preflight(cfg, dims)
-    trainer = Trainer(cfg, dims)
+    corpora = preflight(cfg, dims)
+    trainer = Trainer(cfg, dims, corpora)
     train_s, eval_s = [], []
     for _ in range(steps):
         t0 = time.perf_counter()

@@ -83,8 +83,8 @@ def measure_mode(argv: list[str], mode: str, warmup: int, measure: int) -> dict:
         dims = ParallelDims.of(p, 1)
         cfg.train.steps = warmup + measure + 2
         cfg.train.warmup_steps = min(cfg.train.warmup_steps, cfg.train.steps)
-        preflight(cfg, dims)
-        trainer = Trainer(cfg, dims)
+        corpora = preflight(cfg, dims)
+        trainer = Trainer(cfg, dims, corpora)
         times = []
         for i in range(warmup + measure):
             batches = trainer.next_micro_batches()

@@ -181,8 +181,8 @@ def measure_mode(argv: list[str], mode: str, steps: int, per_block: bool) -> dic
         )  # fmt: skip
         cfg.train.warmup_steps = min(cfg.train.warmup_steps, steps)
         dims = ParallelDims.of(cfg.parallel, 1)
-        preflight(cfg, dims)
-        trainer = Trainer(cfg, dims)
+        corpora = preflight(cfg, dims)
+        trainer = Trainer(cfg, dims, corpora)
         rec = Recorder(trainer.device)
         rec.mark("build")  # the run's peak so far: model, weights, data (step 1's events)
         instrument(trainer, rec, per_block)

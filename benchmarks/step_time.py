@@ -45,8 +45,8 @@ def measure_steps(cfg, warmup: int, measure: int) -> dict:
     cfg.train.steps = warmup + measure
     cfg.train.warmup_steps = min(cfg.train.warmup_steps, cfg.train.steps)
     cfg.metrics.jsonl = False
-    preflight(cfg, dims)
-    trainer = Trainer(cfg, dims)
+    corpora = preflight(cfg, dims)
+    trainer = Trainer(cfg, dims, corpora)
     times = []
     for i in range(warmup + measure):
         batches = trainer.next_micro_batches()

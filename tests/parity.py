@@ -152,8 +152,8 @@ def build_trainer(argv: list[str], world: int):
     cfg = load_config(argv)
     p = cfg.parallel
     dims = ParallelDims.of(p, world)
-    preflight(cfg, dims)
-    return cfg, Trainer(cfg, dims)
+    corpora = preflight(cfg, dims)
+    return cfg, Trainer(cfg, dims, corpora)
 
 
 def layout_worker(

@@ -25,7 +25,7 @@ from tests.chat_model import (
 from tests.distributed import ROOT, run_train
 from trainer.data.batch import IGNORE_INDEX
 from trainer.data.conversations import PackedConversations, check_some_fit
-from trainer.data.shards import read_manifest
+from trainer.data.prepared import PreparedCorpus
 from trainer.prepare.cli import main as prepare
 from trainer.prepare.instructions import chat_tokenizer, render_chat
 
@@ -75,11 +75,11 @@ def test_rendered_tokens_are_apply_chat_templates_and_the_mask_the_assistant_tur
 
 def test_the_shards_carry_the_mask_and_the_samples_never_cut_a_conversation(chat_model, prepared):
     tok = chat_tokenizer(str(chat_model))
-    manifest = read_manifest(str(prepared))
-    assert manifest.loss_mask and manifest.num_documents == len(conversations())
+    corpus = PreparedCorpus.open(str(prepared))
+    assert corpus.loss_mask and corpus.num_documents == len(conversations())
     eos = tok.convert_tokens_to_ids(SPECIALS[0])
-    data = PackedConversations(str(prepared), manifest, 256, eos, True)
-    assert data.left_out == 0 and len(data) < manifest.num_documents  # packed, never cut
+    data = PackedConversations(corpus, 256, eos, True)
+    assert data.left_out == 0 and len(data) < corpus.num_documents  # packed, never cut
     rendered = [render_chat(tok, conv, "x") for conv in conversations()]
     k = 0  # the conversations, in order, inside the samples
     for i in range(len(data)):
@@ -147,8 +147,7 @@ def test_conversations_all_longer_than_a_sample_are_refused_before_training(
 def test_the_masked_loss_is_the_mean_over_masked_in_tokens(chat_model, prepared):
     tok = chat_tokenizer(str(chat_model))
     data = PackedConversations(
-        str(prepared),
-        read_manifest(str(prepared)),
+        PreparedCorpus.open(str(prepared)),
         128,
         tok.convert_tokens_to_ids(SPECIALS[0]),
         True,
@@ -259,11 +258,7 @@ def test_from_hugging_face_weights_to_an_export_transformers_reloads(chat_model,
         )
     tok = chat_tokenizer(str(chat_model))
     eos = tok.convert_tokens_to_ids(SPECIALS[0])
-    windows = len(
-        PackedConversations(
-            str(tmp_path / "held"), read_manifest(str(tmp_path / "held")), 256, eos, True
-        )
-    )
+    windows = len(PackedConversations(PreparedCorpus.open(str(tmp_path / "held")), 256, eos, True))
     out = tmp_path / "run"
     argv = [
         "--config=configs/finetune_chat.toml",

@@ -110,8 +110,8 @@ def _guard_worker(rank: int, world: int, argv: list[str], out_path: str) -> None
         cfg = load_config([*argv, *extra])
         p = cfg.parallel
         dims = ParallelDims.of(p, world)
-        preflight(cfg, dims)
-        return Trainer(cfg, dims)
+        corpora = preflight(cfg, dims)
+        return Trainer(cfg, dims, corpora)
 
     # A: step INJECT gets a NaN gradient.
     a = trainer_for([f"--debug.inject_nonfinite_step={INJECT}"])

@@ -16,8 +16,6 @@ document: instruction sets are small next to pretraining corpora.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 from torch.utils.data import Dataset
@@ -25,24 +23,13 @@ from torch.utils.data import Dataset
 from trainer.data.batch import IGNORE_INDEX, Batch
 from trainer.data.holdout import held_out
 from trainer.data.packing import CorpusSummary, document_positions
-from trainer.data.shards import DOCS_SUFFIX, Manifest, ShardedTokens
+from trainer.data.prepared import PreparedCorpus
 from trainer.errors import DataError
 
 
-def _document_ends(directory: str, manifest: Manifest) -> np.ndarray:
-    """Every document's end offset in the concatenated stream, EOS included: int64 [docs]."""
-    ends, base = [], 0
-    for shard in manifest.shards:
-        path = os.path.join(directory, shard.name + DOCS_SUFFIX)
-        ends.append(np.fromfile(path, dtype="<u8").astype(np.int64) + base)
-        base += shard.tokens
-    return np.concatenate(ends) if ends else np.zeros(0, dtype=np.int64)
-
-
-def document_lengths(directory: str, manifest: Manifest) -> np.ndarray:
+def document_lengths(corpus: PreparedCorpus) -> np.ndarray:
     """Every document's length in tokens, its EOS included: int64 [docs]."""
-    ends = _document_ends(directory, manifest)
-    return np.diff(ends, prepend=0)
+    return np.diff(corpus.document_ends(), prepend=0)
 
 
 def check_some_fit(lengths: np.ndarray, seq_len: int, where: str) -> None:
@@ -67,8 +54,7 @@ class PackedConversations(Dataset):
 
     def __init__(
         self,
-        directory: str,
-        manifest: Manifest,
+        corpus: PreparedCorpus,
         seq_len: int,
         eos_id: int,
         reset_positions: bool,
@@ -81,17 +67,17 @@ class PackedConversations(Dataset):
         """With `holdout` (eval.fraction), the documents it keeps (or, `evaluation`, the ones
         it holds out); `max_tokens` stops taking documents once they hold that many tokens.
         `fingerprint`: the corpus' content digest (`CorpusSummary.fingerprint`)."""
-        self.tokens = ShardedTokens(directory, manifest, None, vocab_size)
-        self.mask = ShardedTokens(directory, manifest, None, None, mask=True)
+        self.tokens = corpus.tokens(vocab_size=vocab_size)
+        self.mask = corpus.masks()
         self.seq_len, self.eos_id, self.reset_positions = seq_len, eos_id, reset_positions
-        ends = _document_ends(directory, manifest)
+        ends = corpus.document_ends()
         starts = np.concatenate([[0], ends[:-1]])
         chosen = np.ones(len(ends), dtype=bool)
         if holdout is not None:
             chosen = held_out(np.arange(len(ends)), holdout) == evaluation
         lengths = ends - starts
         if chosen.any():  # the side asked for (all, trained or held out) has documents
-            check_some_fit(lengths[chosen], seq_len, directory)
+            check_some_fit(lengths[chosen], seq_len, corpus.path)
         fits = lengths <= seq_len + 1
         self.left_out = int((chosen & ~fits).sum())
         keep = np.flatnonzero(chosen & fits)
@@ -108,7 +94,7 @@ class PackedConversations(Dataset):
         self.first = np.asarray([*first, len(keep)], dtype=np.int64)
         tokens = int(self.lengths.sum())
         self.summary = CorpusSummary(
-            f"tokens with loss mask ({directory}, {len(manifest.shards)} shards)",
+            corpus.describe("tokens with loss mask"),
             len(keep),
             tokens,
             tokens,

@@ -19,16 +19,10 @@ import torch
 
 from trainer.config import DataSection, MixSource
 from trainer.data.conversations import check_some_fit, document_lengths
-from trainer.data.holdout import DocumentView
+from trainer.data.holdout import HOLDOUT_HASH, DocumentView
 from trainer.data.packing import CorpusSummary, PackedDataset, TokenStream, pack_split
-from trainer.data.shards import (
-    Manifest,
-    ShardedTokens,
-    TokenizerId,
-    check_shards,
-    file_sha256,
-    read_manifest,
-)
+from trainer.data.prepared import Corpora, PreparedCorpus
+from trainer.data.shards import TokenizerId, check_shards, file_sha256
 from trainer.data.sources import iter_documents, source_files
 from trainer.data.tokenizers import HFTokenizer, Tokenizer
 from trainer.errors import DataError
@@ -55,13 +49,12 @@ def _prepare_hint(cfg: DataSection) -> str:
     )
 
 
-def check_prepared(
-    path: str, cfg: DataSection, tokenizer: Tokenizer, key: str = "data.path"
-) -> None:
-    """Refuse a prepared directory this run cannot read: no (valid) manifest, another
-    tokenizer than the run's, missing or truncated shards, no documents. `key`: the config
-    key that named it (data.path, data.mix[i].path, eval.path, eval.mix[i].path)."""
-    manifest = read_manifest(path, key)
+def check_prepared(corpus: PreparedCorpus, cfg: DataSection, tokenizer: Tokenizer) -> None:
+    """Refuse a prepared directory this run cannot read: another tokenizer than the run's,
+    missing or truncated shards, no documents (a missing or invalid manifest was refused
+    when it was opened). Messages name the config key that named it (data.path,
+    data.mix[i].path, eval.path, eval.mix[i].path)."""
+    path, key, manifest = corpus.path, corpus.key, corpus.manifest
     ours, theirs = tokenizer_id(tokenizer), manifest.tokenizer
     if ours != theirs:
         raise DataError(
@@ -82,7 +75,7 @@ def check_prepared(
             f"data.seq_len={cfg.seq_len}; prepare more text into it or lower data.seq_len"
         )
     if manifest.loss_mask:  # whole documents only: one that fits is needed, not many tokens
-        check_some_fit(document_lengths(path, manifest), cfg.seq_len, f"{key}: {path}")
+        check_some_fit(document_lengths(corpus), cfg.seq_len, f"{key}: {path}")
 
 
 def mix_paths(section: str, tables: list[MixSource]) -> list[tuple[str, str]]:
@@ -90,11 +83,13 @@ def mix_paths(section: str, tables: list[MixSource]) -> list[tuple[str, str]]:
     return [(f"{section}.mix[{i}].path", t.path) for i, t in enumerate(tables, start=1)]
 
 
-def check_corpus(cfg: DataSection, tokenizer: Tokenizer) -> None:
-    """Refuse a source this run cannot use, cheaply (no tokenizing), naming the fix."""
+def check_corpus(cfg: DataSection, tokenizer: Tokenizer, corpora: Corpora | None = None) -> None:
+    """Refuse a source this run cannot use, cheaply (no tokenizing), naming the fix.
+    `corpora`: the run's prepared directories, opened (else opened here)."""
     if cfg.source == "tokens":
-        for key, path in mix_paths("data", cfg.mix) or [("data.path", cfg.path)]:
-            check_prepared(path, cfg, tokenizer, key)
+        corpora = corpora or Corpora(cfg)
+        for _, path in mix_paths("data", cfg.mix) or [("data.path", cfg.path)]:
+            check_prepared(corpora[path], cfg, tokenizer)
         return
     files = source_files(cfg)  # None: not a file source (hf_datasets)
     if files is not None and cfg.max_tokens is None:
@@ -109,23 +104,15 @@ def check_corpus(cfg: DataSection, tokenizer: Tokenizer) -> None:
         raise DataError(f"data.source={cfg.source!r} data.path={cfg.path!r}: the corpus is empty")
 
 
-def resolve_document_flags(cfg: DataSection) -> None:
+def resolve_document_flags(cfg: DataSection, corpora: Corpora) -> None:
     """`data.document_mask` and `data.reset_positions` left at none: on for prepared shards
     with a loss mask (each conversation its own document), off for every other source."""
     paths = ([t.path for t in cfg.mix] or [cfg.path]) if cfg.source == "tokens" else []
-    masked = any(read_manifest(p).loss_mask for p in paths)
+    masked = any(corpora[p].loss_mask for p in paths)
     if cfg.document_mask is None:
         cfg.document_mask = masked
     if cfg.reset_positions is None:
         cfg.reset_positions = masked
-
-
-def prepared_fingerprint(manifest: Manifest) -> hashlib._Hash:
-    """A digest of a prepared corpus' content: its tokenizer and every shard's checksum."""
-    digest = hashlib.sha256(repr(manifest.tokenizer).encode())
-    for shard in manifest.shards:
-        digest.update(shard.sha256.encode())
-    return digest
 
 
 def open_corpus(
@@ -133,6 +120,7 @@ def open_corpus(
     tokenizer: Tokenizer,
     vocab_size: int | None = None,
     holdout: float | None = None,
+    corpora: Corpora | None = None,
 ) -> tuple[TokenStream, CorpusSummary, TokenStream | None]:
     """The flat token stream of the configured source (cut at data.max_tokens), what it
     holds (for the console line), and, with `holdout` (eval.fraction), the stream of the
@@ -140,19 +128,21 @@ def open_corpus(
     are read, their ids against `vocab_size` (the model's) when given."""
     held: TokenStream | None = None
     if cfg.source == "tokens":
-        manifest = read_manifest(cfg.path)
-        documents, total = manifest.num_documents, manifest.num_tokens
+        corpus = (corpora or Corpora(cfg))[cfg.path]
+        documents, total = corpus.num_documents, corpus.num_tokens
         if holdout is None:
-            stream = ShardedTokens(cfg.path, manifest, cfg.max_tokens, vocab_size)
+            stream = corpus.tokens(cfg.max_tokens, vocab_size)
         else:
-            shards = ShardedTokens(cfg.path, manifest, None, vocab_size)
-            stream = DocumentView(shards, manifest, holdout, False, cfg.max_tokens)
-            held = DocumentView(shards, manifest, holdout, True, cut=stream.cut)
+            shards = corpus.tokens(vocab_size=vocab_size)
+            stream = DocumentView(corpus, shards, holdout, False, cfg.max_tokens)
+            held = DocumentView(corpus, shards, holdout, True, cut=stream.cut)
             documents, total = stream.documents, stream.starts[-1]
-        digest = prepared_fingerprint(manifest)
-        digest.update(f"{len(stream)} held out {holdout}".encode())  # max_tokens, eval.fraction
+        digest = corpus.fingerprint()
+        # max_tokens and eval.fraction (with the hash that picked the held-out documents)
+        held_by = "" if holdout is None else f" by {HOLDOUT_HASH}"
+        digest.update(f"{len(stream)} held out {holdout}{held_by}".encode())
         summary = CorpusSummary(
-            f"tokens ({cfg.path}, {len(manifest.shards)} shards)",
+            corpus.describe(),
             documents,
             len(stream),
             total,
@@ -178,8 +168,11 @@ def open_corpus(
 
 
 def build_dataset(
-    cfg: DataSection, tokenizer: Tokenizer, vocab_size: int | None = None
+    cfg: DataSection,
+    tokenizer: Tokenizer,
+    vocab_size: int | None = None,
+    corpora: Corpora | None = None,
 ) -> PackedDataset:
     """Fixed-length samples of the configured source; `.summary` says what it holds."""
-    stream, summary, _ = open_corpus(cfg, tokenizer, vocab_size)
+    stream, summary, _ = open_corpus(cfg, tokenizer, vocab_size, corpora=corpora)
     return PackedDataset(stream, cfg.seq_len, tokenizer.eos_id, summary, cfg.reset_positions)

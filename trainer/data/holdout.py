@@ -1,12 +1,24 @@
 """`eval.fraction`: whole documents of the training corpus held out for evaluation.
 
-Document d (the d-th non-empty document of the corpus, the order both the in-memory sources
-and `prepare` read it in) is held out when a 64-bit hash of d falls below `fraction` of the
-hash range: a function of the document's index alone, so the same documents are held out
-for every layout, seed and number of workers, and a prepared corpus and the same corpus read
-in memory hold out the same ones. Training sees the other documents, concatenated as usual;
-evaluation sees the held-out ones. With `data.max_tokens`, both come from the documents read
-before the training stream reached it.
+Document d (the d-th non-empty document of the corpus, counted from 0, in the order both
+the in-memory sources and `prepare` read it) is held out when
+
+    z = (d + 0x9E3779B97F4A7C15) mod 2^64        # SplitMix64's first output for seed d
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) mod 2^64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) mod 2^64
+    z = z ^ (z >> 31)
+    held out  <=>  z < min(floor(fraction * 2^64), 2^64 - 1)   (fraction * 2^64 in float64)
+
+a function of the document's index alone, so the same documents are held out for every
+layout, seed and number of workers, and a prepared corpus and the same corpus read in
+memory hold out the same ones; a smaller fraction holds out a subset. Training sees the
+other documents, concatenated as usual; evaluation sees the held-out ones. With
+`data.max_tokens`, both come from the documents read before the training stream reached it.
+
+NOTE: until 2026-11-27 the hash was the same mix of d * 0x9E3779B97F4A7C15, which is 0 for
+d = 0: document 0 was held out at every fraction. `HOLDOUT_HASH` names the scheme in a
+checkpoint's data identity, and a checkpoint of the old one is refused by name
+(`trainer.loop.resume`).
 
 Prepared corpora are filtered as they are read (`DocumentView`): start-up reads each shard's
 document table once (8 bytes per document) and keeps one count per shard; a shard's table of
@@ -15,24 +27,32 @@ selected documents is rebuilt when a sample needs it (a few are cached).
 
 from __future__ import annotations
 
-import os
 from bisect import bisect_right
 from collections import OrderedDict
 
 import numpy as np
 
-from trainer.data.shards import DOCS_SUFFIX, Manifest, ShardedTokens
+from trainer.data.prepared import PreparedCorpus
+from trainer.data.shards import ShardedTokens
 
+# The scheme a checkpoint's data identity records (absent: the old d * golden mix).
+HOLDOUT_HASH = "splitmix64(d)"
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
+def splitmix64(seeds: np.ndarray) -> np.ndarray:
+    """SplitMix64's first output for each seed (uint64 arithmetic wraps modulo 2^64)."""
+    z = seeds.astype(np.uint64) + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
 def held_out(doc_indices: np.ndarray, fraction: float) -> np.ndarray:
-    """Whether each document (by index) is held out: splitmix64(index) < fraction * 2^64."""
-    x = doc_indices.astype(np.uint64) * _GOLDEN  # wraps modulo 2^64, as intended
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    x = x ^ (x >> np.uint64(31))
-    return x < np.uint64(min(int(fraction * 2.0**64), 2**64 - 1))
+    """Whether each document (by index) is held out: splitmix64(d) < fraction * 2^64."""
+    threshold = np.uint64(min(int(fraction * 2.0**64), 2**64 - 1))
+    with np.errstate(over="ignore"):
+        return splitmix64(doc_indices) < threshold
 
 
 class DocumentView:
@@ -44,19 +64,20 @@ class DocumentView:
 
     def __init__(
         self,
+        corpus: PreparedCorpus,
         tokens: ShardedTokens,
-        manifest: Manifest,
         fraction: float,
         evaluation: bool,
         max_tokens: int | None = None,
         cut: int | None = None,
     ) -> None:
-        self.tokens, self.fraction, self.evaluation = tokens, fraction, evaluation
-        self._docs_start = np.cumsum([0] + [s.documents for s in manifest.shards]).tolist()
+        self.corpus, self.tokens = corpus, tokens
+        self.fraction, self.evaluation = fraction, evaluation
+        self._docs_start = np.cumsum([0, *corpus.shard_documents()]).tolist()
         self._cache: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self.cut = cut  # global document index: documents from here on are not read
         totals, documents = [], 0
-        for i in range(len(manifest.shards)):
+        for i in range(len(self._docs_start) - 1):
             starts, ends = self._selected(i)
             sizes = ends - starts
             totals.append(int(sizes.sum()))
@@ -85,8 +106,7 @@ class DocumentView:
 
     def _selected(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Raw [start, end) token offsets in shard i of its selected documents."""
-        path = os.path.join(self.tokens.directory, self.tokens.names[i] + DOCS_SUFFIX)
-        ends = np.fromfile(path, dtype="<u8").astype(np.int64)
+        ends = self.corpus.shard_document_ends(i)
         starts = np.concatenate([[0], ends[:-1]])
         mask = self._mask(i)
         return starts[mask], ends[mask]

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 from trainer.config import DataSection, EvalSection, MixSource
 from trainer.data.conversations import PackedConversations
-from trainer.data.corpus import check_prepared, mix_paths, open_corpus, prepared_fingerprint
+from trainer.data.corpus import check_prepared, mix_paths, open_corpus
 from trainer.data.mixture import MixtureDataset, interleave
 from trainer.data.packing import CorpusSummary, PackedDataset
-from trainer.data.shards import ShardedTokens, read_manifest
+from trainer.data.prepared import Corpora, PreparedCorpus
 from trainer.data.tokenizers import Tokenizer
 from trainer.errors import DataError
 
@@ -57,49 +57,45 @@ class RunData:
 
 
 def _conversations(
-    path: str, cfg: DataSection, tokenizer: Tokenizer, vocab: int | None, **kw
+    corpus: PreparedCorpus, cfg: DataSection, tokenizer: Tokenizer, vocab: int | None, **kw
 ) -> PackedConversations:
-    manifest = read_manifest(path)
-    digest = prepared_fingerprint(manifest)
+    digest = corpus.fingerprint()
     digest.update(f"whole documents in {cfg.seq_len + 1} {kw}".encode())
     return PackedConversations(
-        path, manifest, cfg.seq_len, tokenizer.eos_id, bool(cfg.reset_positions), vocab,
+        corpus, cfg.seq_len, tokenizer.eos_id, bool(cfg.reset_positions), vocab,
         fingerprint=digest.hexdigest(), **kw,
     )  # fmt: skip
 
 
 def _prepared(
-    path: str, cfg: DataSection, tokenizer: Tokenizer, vocab: int | None, key: str = "data.path"
+    corpus: PreparedCorpus, cfg: DataSection, tokenizer: Tokenizer, vocab: int | None
 ) -> PackedDataset | PackedConversations:
-    """A prepared directory's samples: whole documents when it carries a loss mask. `key`:
-    the config key that named it, for the message should it be gone."""
-    manifest = read_manifest(path, key)
-    if manifest.loss_mask:
-        return _conversations(path, cfg, tokenizer, vocab)
-    stream = ShardedTokens(path, manifest, None, vocab)
+    """A prepared directory's samples: whole documents when it carries a loss mask."""
+    if corpus.loss_mask:
+        return _conversations(corpus, cfg, tokenizer, vocab)
+    stream = corpus.tokens(vocab_size=vocab)
     summary = CorpusSummary(
-        f"tokens ({path}, {len(manifest.shards)} shards)",
-        manifest.num_documents,
+        corpus.describe(),
+        corpus.num_documents,
         len(stream),
         len(stream),
         truncated=False,
-        fingerprint=prepared_fingerprint(manifest).hexdigest(),
+        fingerprint=corpus.fingerprint().hexdigest(),
     )
     return PackedDataset(stream, cfg.seq_len, tokenizer.eos_id, summary, cfg.reset_positions)
 
 
 def _blend(
-    section: str,
     tables: list[MixSource],
+    corpora: Corpora,
     cfg: DataSection,
     tokenizer: Tokenizer,
     vocab: int | None,
 ) -> list[Source]:
     total = sum(t.weight for t in tables)
-    keys = [key for key, _ in mix_paths(section, tables)]
     return [
-        Source(source_name(t), t.weight / total, _prepared(t.path, cfg, tokenizer, vocab, key))
-        for t, key in zip(tables, keys, strict=True)
+        Source(source_name(t), t.weight / total, _prepared(corpora[t.path], cfg, tokenizer, vocab))
+        for t in tables
     ]
 
 
@@ -133,29 +129,33 @@ def _blend_summary(sources: list[Source]) -> CorpusSummary:
 
 
 def build_data(
-    cfg: DataSection, eval_cfg: EvalSection | None, tokenizer: Tokenizer, vocab: int | None = None
+    cfg: DataSection,
+    eval_cfg: EvalSection | None,
+    tokenizer: Tokenizer,
+    vocab: int | None = None,
+    corpora: Corpora | None = None,
 ) -> RunData:
-    """The run's training dataset and held-out datasets (see the module doc)."""
+    """The run's training dataset and held-out datasets (see the module doc). `corpora`:
+    the config's prepared directories, as the preflight opened them (else opened here)."""
     eval_cfg = eval_cfg or EvalSection()
+    corpora = corpora or Corpora(cfg, eval_cfg)
     n = eval_cfg.samples
     held_out: list[HeldOut] = []
     if cfg.mix:
-        sources = _blend("data", cfg.mix, cfg, tokenizer, vocab)
+        sources = _blend(cfg.mix, corpora, cfg, tokenizer, vocab)
         datasets = [s.dataset for s in sources]
         train = MixtureDataset(datasets, [s.name for s in sources], _blend_summary(sources))
-    elif cfg.source == "tokens" and read_manifest(cfg.path).loss_mask:
-        sources, fraction = [], eval_cfg.fraction
+    elif cfg.source == "tokens" and corpora[cfg.path].loss_mask:
+        sources, fraction, corpus = [], eval_cfg.fraction, corpora[cfg.path]
         train = _conversations(
-            cfg.path, cfg, tokenizer, vocab, holdout=fraction, max_tokens=cfg.max_tokens
+            corpus, cfg, tokenizer, vocab, holdout=fraction, max_tokens=cfg.max_tokens
         )
         if fraction is not None:  # (with data.max_tokens: every held-out document)
-            held = _conversations(
-                cfg.path, cfg, tokenizer, vocab, holdout=fraction, evaluation=True
-            )
+            held = _conversations(corpus, cfg, tokenizer, vocab, holdout=fraction, evaluation=True)
             held_out = [HeldOut("held_out", held, n)]
     else:
         sources = []
-        stream, summary, held = open_corpus(cfg, tokenizer, vocab, eval_cfg.fraction)
+        stream, summary, held = open_corpus(cfg, tokenizer, vocab, eval_cfg.fraction, corpora)
         train = PackedDataset(stream, cfg.seq_len, tokenizer.eos_id, summary, cfg.reset_positions)
         if held is not None:
             if len(held) <= cfg.seq_len:
@@ -166,10 +166,10 @@ def build_data(
             dataset = PackedDataset(held, cfg.seq_len, tokenizer.eos_id, None, cfg.reset_positions)
             held_out = [HeldOut("held_out", dataset, n)]
     if eval_cfg.path:
-        dataset = _prepared(eval_cfg.path, cfg, tokenizer, vocab, "eval.path")
+        dataset = _prepared(corpora[eval_cfg.path], cfg, tokenizer, vocab)
         held_out = [HeldOut("eval", dataset, n)]
     elif eval_cfg.mix:
-        blend = _blend("eval", eval_cfg.mix, cfg, tokenizer, vocab)
+        blend = _blend(eval_cfg.mix, corpora, cfg, tokenizer, vocab)
         counts = eval_shares(eval_cfg.mix, n)
         held_out = [HeldOut(s.name, s.dataset, c) for s, c in zip(blend, counts, strict=True)]
     for h in held_out:
@@ -182,12 +182,14 @@ def build_data(
     return RunData(train, sources, held_out)
 
 
-def check_held_out(cfg: DataSection, eval_cfg: EvalSection, tokenizer: Tokenizer) -> None:
+def check_held_out(
+    cfg: DataSection, eval_cfg: EvalSection, tokenizer: Tokenizer, corpora: Corpora
+) -> None:
     """Refuse held-out data this run cannot read, before any process group exists."""
     if eval_cfg.path:
-        check_prepared(eval_cfg.path, cfg, tokenizer, "eval.path")
-    for key, path in mix_paths("eval", eval_cfg.mix):
-        check_prepared(path, cfg, tokenizer, key)
+        check_prepared(corpora[eval_cfg.path], cfg, tokenizer)
+    for _, path in mix_paths("eval", eval_cfg.mix):
+        check_prepared(corpora[path], cfg, tokenizer)
     # A source given no sample would have no tokens to take its loss over (0 / 0).
     shares = eval_shares(eval_cfg.mix, eval_cfg.samples)
     for i, (table, share) in enumerate(zip(eval_cfg.mix, shares, strict=True), start=1):

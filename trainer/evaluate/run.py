@@ -23,7 +23,7 @@ from trainer.loop.setup import build_model, init_distributed, preflight, resolve
 def evaluate_weights(cfg: JobConfig, dims: ParallelDims, checkpoint: str | None) -> dict | None:
     """The eval record (rank 0; None on the others) of the weights of `checkpoint`, or of
     `model.init_from_hf` when `checkpoint` is None."""
-    preflight(cfg, dims)
+    corpora = preflight(cfg, dims)
     spec = get_model_spec(cfg.model.name)
     device = resolve_device(cfg.train.device)
     init_distributed(device)
@@ -48,7 +48,7 @@ def evaluate_weights(cfg: JobConfig, dims: ParallelDims, checkpoint: str | None)
             load_hf_weights(model, spec.hf_adapter, cfg.model.args, cfg.model.init_from_hf)
             source = cfg.model.init_from_hf
         tokenizer = build_tokenizer(cfg.data)
-        data = build_data(cfg.data, cfg.eval, tokenizer, cfg.model.args.vocab_size)
+        data = build_data(cfg.data, cfg.eval, tokenizer, cfg.model.args.vocab_size, corpora)
         terms = spec.loss_terms(cfg.model.args)
         prepare = batch_preparer(
             device,

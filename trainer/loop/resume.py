@@ -12,14 +12,39 @@ from typing import Any
 from models.spec import ModelSpec
 from trainer.checkpoint.markers import complete_checkpoints, read_trainer_state
 from trainer.config import JobConfig, config_to_dict
+from trainer.data.holdout import HOLDOUT_HASH
 from trainer.data.packing import PackedDataset
 from trainer.errors import CheckpointError, DataError
 
 
 def data_identity(dataset: PackedDataset) -> dict[str, Any]:
-    """What a checkpoint records of the data it was trained on."""
+    """What a checkpoint records of the data it was trained on (`holdout`: the hash that
+    picks eval.fraction's held-out documents, trainer.data.holdout)."""
     summary = dataset.summary
-    return {"source": summary.source, "tokens": summary.tokens, "fingerprint": summary.fingerprint}
+    return {
+        "source": summary.source,
+        "tokens": summary.tokens,
+        "fingerprint": summary.fingerprint,
+        "holdout": HOLDOUT_HASH,
+    }
+
+
+def _old_holdout(path: str, state: dict, cfg: JobConfig) -> bool:
+    """Whether the checkpoint held documents out by the hash before HOLDOUT_HASH (its data
+    identity names none): refused by name unless checkpoint.allow_data_change."""
+    fraction = state.get("config", {}).get("eval", {}).get("fraction")
+    saved = state.get("data_identity") or {}
+    if fraction is None or not saved or saved.get("holdout") == HOLDOUT_HASH:
+        return False
+    if not cfg.checkpoint.allow_data_change:
+        raise DataError(
+            f"{path} was trained with eval.fraction={fraction} under the old hold-out hash "
+            f"(a mix of d * 0x9E3779B97F4A7C15, which held out document 0 at every fraction); "
+            f'this trainer holds out document d by {HOLDOUT_HASH} (docs/data.md, "Held-out '
+            'documents"), so the training documents differ. Start a new job.output_dir, or '
+            "pass --checkpoint.allow_data_change=true to continue on the new split on purpose"
+        )
+    return True
 
 
 def accept_model(path: str, state: dict, cfg: JobConfig, spec: ModelSpec) -> None:
@@ -109,6 +134,8 @@ def accept_checkpoint(
         # The trainer saves at step boundaries only; a mid-step position would put its
         # own count of consumed samples out of step with the sampler's.
         raise DataError(f"{path}: its data position is not at a step boundary")
+    if _old_holdout(path, state, cfg):
+        return True
     saved, ours = state.get("data_identity"), data_identity(dataset)
     if not saved or saved["fingerprint"] == ours["fingerprint"]:
         return False

@@ -37,6 +37,7 @@ from parallelisms.plan import match_modules
 from trainer.checkpoint.markers import check_checkpoint
 from trainer.config import ConfigError, JobConfig, validate
 from trainer.data.corpus import check_corpus, resolve_document_flags
+from trainer.data.prepared import Corpora
 from trainer.data.run_data import check_held_out
 from trainer.data.tokenizers import build_tokenizer
 from trainer.errors import DataError
@@ -104,8 +105,9 @@ def resolve_model_args(cfg: JobConfig) -> None:
     cfg.model.args = hf_args
 
 
-def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
-    """Checks that need more than the config alone, before any process group exists."""
+def preflight(cfg: JobConfig, dims: ParallelDims) -> Corpora:
+    """Checks that need more than the config alone, before any process group exists.
+    Returns the config's prepared corpora, each manifest read once, for the run's data."""
     check_sinks(cfg)
     resolve_model_args(cfg)
     if cfg.checkpoint.resume not in ("auto", "none"):
@@ -151,10 +153,12 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> None:
             f"{cfg.model.name!r} is meant for (its [model] position limit); lower data.seq_len "
             "or raise the limit if the model really extends to it"
         )
-    check_corpus(cfg.data, tokenizer)
-    check_held_out(cfg.data, cfg.eval, tokenizer)
-    resolve_document_flags(cfg.data)
+    corpora = Corpora(cfg.data, cfg.eval)
+    check_corpus(cfg.data, tokenizer, corpora)
+    check_held_out(cfg.data, cfg.eval, tokenizer, corpora)
+    resolve_document_flags(cfg.data, corpora)
     validate(cfg)  # again: the rules that read the flags just resolved
+    return corpora
 
 
 def build_model(

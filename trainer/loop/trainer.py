@@ -28,6 +28,7 @@ from parallelisms.trace import named_range
 from trainer.config import JobConfig
 from trainer.data.batch import Batch
 from trainer.data.loader import build_dataloader
+from trainer.data.prepared import Corpora
 from trainer.data.run_data import build_data
 from trainer.data.tokenizers import build_tokenizer
 from trainer.errors import DataError
@@ -46,8 +47,10 @@ from trainer.metrics.sinks import build_sinks
 
 
 class Trainer(RunStart, PipelinedSteps):
-    def __init__(self, cfg: JobConfig, dims: ParallelDims) -> None:
-        self.cfg, self.dims = cfg, dims
+    def __init__(self, cfg: JobConfig, dims: ParallelDims, corpora: Corpora | None = None) -> None:
+        """`corpora`: the config's prepared directories as `preflight` opened them (None:
+        opened here)."""
+        self.cfg, self.dims, self.corpora = cfg, dims, corpora
         self.spec = get_model_spec(cfg.model.name)
         self.args = cfg.model.args
         self.device = resolve_device(cfg.train.device)
@@ -112,7 +115,8 @@ class Trainer(RunStart, PipelinedSteps):
         cfg, dp_rank, dp_size = self.cfg, self.meshes.dp_rank(), self.dims.dp_size
         tokenizer = build_tokenizer(cfg.data)
         # The model's vocabulary bounds every id read (part of the contract, models/spec.py).
-        self.data = build_data(cfg.data, cfg.eval, tokenizer, self.args.vocab_size)
+        vocab = self.args.vocab_size
+        self.data = build_data(cfg.data, cfg.eval, tokenizer, vocab, self.corpora)
         self.loader, _ = build_dataloader(
             cfg.data, cfg.train, dp_rank, dp_size, tokenizer, data=self.data
         )
