@@ -21,11 +21,11 @@ demo-ep: $(SETUP)  ## the same model with experts split over ep=2 (4 CPU ranks)
 demo-dsv3: $(SETUP)  ## the debug DeepSeek-V3 (MLA, bias-balanced routing, MTP) on 2 CPU ranks
 	$(PY) -m torch.distributed.run --nproc_per_node=2 train.py --config configs/debug_deepseek_v3.toml
 
-test: $(SETUP)  ## the whole suite (unit + multi-process gloo + HF parity)
-	$(PY) -m pytest -q tests
+test: $(SETUP)  ## the whole suite (unit + multi-process gloo + HF parity), 15 slowest listed
+	$(PY) -m pytest -q --durations=15 tests
 
-test-fast: $(SETUP)  ## everything but the multi-process end-to-end runs
-	$(PY) -m pytest -q -m "not slow" tests
+test-fast: $(SETUP)  ## everything but the multi-process runs (`slow`), 15 slowest listed
+	$(PY) -m pytest -q --durations=15 -m "not slow" tests
 
 lint: $(SETUP)
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

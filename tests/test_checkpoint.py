@@ -127,6 +127,7 @@ def _assert_same(a, b, where="state"):
         assert a == b, where
 
 
+@pytest.mark.slow
 def test_async_save_equals_sync_and_keep_last_prunes(tmp_path):
     sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
     run_train(FOUR_STEPS + ["--checkpoint.interval=1", "--checkpoint.keep_last=2"], sync_dir)

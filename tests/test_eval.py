@@ -252,6 +252,7 @@ def test_evaluate_refuses_its_input_before_any_work(tmp_path, capsys, monkeypatc
     assert "OUTPUT_DIR/checkpoints/step-<N>" in err
 
 
+@pytest.mark.slow
 def test_evaluate_under_torchrun_refuses_once_and_not_for_the_training_batch(tmp_path):
     """2 ranks: a global batch they cannot split (training's arithmetic, which evaluation
     does not use) and held-out data that is not there: one message, about the data."""

@@ -67,6 +67,7 @@ def _moe_layer_worker(rank: int, world: int, kind: str, out_path: str) -> None:
         torch.save(gathered, out_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["balanced", "rank0_only"])
 def test_dispatch_matches_unsharded_layer_and_moves_minimum_bytes(kind, tmp_path):
     world = 2
@@ -122,6 +123,7 @@ def _prefetch_worker(rank: int, world: int, out_path: str) -> None:
         torch.save(checks, out_path)
 
 
+@pytest.mark.slow
 def test_prefetch_chains_are_set_as_specified(tmp_path):
     run_distributed(_prefetch_worker, 2, str(tmp_path / "out.pt"))
     checks = torch.load(tmp_path / "out.pt")
@@ -223,6 +225,7 @@ def _hf_load_worker(rank: int, world: int, hf_dir: str, out_path: str, layout: s
         torch.save({"params": params, "bytes_read": gathered}, out_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["--parallel.ep=2", "--parallel.pp=2"], ids=["ep2", "pp2"])
 def test_init_from_hf_reads_only_the_local_part_on_each_rank(layout, tmp_path):
     from trainer.hf.weights import save_hf_checkpoint

@@ -118,6 +118,7 @@ def _model_figures(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in measured} for r in records]
 
 
+@pytest.mark.slow
 def test_every_layout_writes_the_same_losses_as_one_rank(tmp_path):
     """1 rank; 2 ranks FSDP; 4 ranks CP 2 x EP 2, through train.py and torchrun. (Every
     layout's numerics, one at a time, in-process: tests/test_layout_parity.py; EP and CP
