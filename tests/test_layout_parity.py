@@ -48,7 +48,8 @@ POOLED, Z_LOSS = "--moe.aux_loss_layers=pooled", "--moe.z_loss_coef=0.05"
 LORA = ["--peft.method=lora", "--peft.rank=4", "--train.max_grad_norm=0.05"]
 LORA_ALL = [*LORA, '--peft.targets=["attention", "experts", "shared_experts"]']
 LAYOUTS = {
-    "fsdp2": Layout(TINY, 2, [], 2),  # grad accumulation 2
+    # grad accumulation 2; 5 experts the 2 fsdp ranks do not divide: sharded by rows (dim 1)
+    "fsdp2_experts_by_rows": Layout(TINY, 2, ["--model.num_experts=5"], 2),
     "hsdp2x2": Layout(TINY, 4, HSDP, 4),  # no accumulation
     "hsdp2x2_ep2_pooled_aux": Layout(TINY, 4, [*HSDP, EP2, POOLED], 4),
     # (Plain FSDP with LoRA, and EP x FSDP with the default aux: subsets of the LoRA rows
@@ -56,7 +57,7 @@ LAYOUTS = {
     # Experts 3..7 get no tokens; with ep 4, ranks 2 and 3 receive none at all.
     "ep4_skewed_idle_experts_chunks": Layout(TINY, 4, ["--parallel.ep=4", CHUNKS], 4, "skewed"),
     "ep2_global_batch_aux_z": Layout(TINY, 4, [EP2, GLOBAL_AUX, Z_LOSS], 4),
-    "ep2_chunks": Layout(TINY, 4, [EP2, CHUNKS], 4, steps=5),
+    "ep2_chunks": Layout(TINY, 4, [EP2, CHUNKS], 4),
     "cp2": Layout(TINY, 2, [CP2], 1),
     "cp2_ep2_z": Layout(TINY, 4, [CP2, EP2, Z_LOSS], 2),  # EP borrows the cp ranks
     "cp2_contiguous_global_pooled_aux": Layout(

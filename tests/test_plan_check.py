@@ -123,3 +123,21 @@ def test_the_planner_plans_the_published_sizes(config, billions, tmp_path):
     assert plan["layout"]["ep"] == 8 and plan["estimate"]["step_s"] > 0
     params = sum(rank["params"] for rank in plan["per_rank"]) / 4  # fp32 bytes -> count
     assert params / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_experts_fewer_than_the_fsdp_ranks_are_split_evenly(tmp_path):
+    """Mixtral's 8 experts over 16 fsdp ranks at ep 1: sharded on dim 1 (parallelisms/fsdp.py),
+    so every rank holds the same share of every expert. Sharded on dim 0, 8 ranks would hold
+    a whole expert each and 8 an expert's worth of padding: twice the experts' memory in
+    all, and the optimizer state on half the ranks."""
+    out = tmp_path / "plan.json"
+    subprocess.run(
+        [sys.executable, "-m", "trainer.dry_run", "--world-size=16", "--config",
+         "configs/mixtral_8x7b.toml", "--json", str(out)],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    ranks = json.loads(out.read_text())["per_rank"]
+    assert len(ranks) == 16
+    assert sum(r["params"] for r in ranks) / 4 / 1e9 == pytest.approx(46.70, rel=0.01)
+    optimizer = [r["optimizer"] for r in ranks]
+    assert max(optimizer) / min(optimizer) < 1.01
