@@ -12,7 +12,7 @@ endif
 venv:  ## make .venv/ (or bring it up to date); the other targets do this themselves
 	@bash tools/setup-venv.sh $(VENV)
 
-demo: $(SETUP)  ## train the debug Qwen3-MoE on 2 CPU ranks (under 3 minutes)
+demo: $(SETUP)  ## train the debug Qwen3-MoE on 2 CPU ranks (README: how long it took)
 	$(PY) -m torch.distributed.run --nproc_per_node=2 train.py --config configs/debug_qwen3_moe.toml
 
 demo-ep: $(SETUP)  ## the same model with experts split over ep=2 (4 CPU ranks)
