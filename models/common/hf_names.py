@@ -47,6 +47,17 @@ class PrefixedStackedNames:
             dotted = dotted.replace(f".{native}.", f".{checkpoint}.")
         return "model." + dotted[1:-1]
 
+    def whole_key(self, name: str, has: HasKey) -> str | None:
+        """The checkpoint key that holds native `name` whole, if any: its checkpoint name,
+        or, for stacked experts, transformers-5's in-memory name ("model." + the native
+        name, which the renames do not apply to)."""
+        hf = self.hf_name(name)
+        if has(hf):
+            return hf
+        if self.renames and self.experts.is_stacked(hf) and has("model." + name):
+            return "model." + name
+        return None
+
     def is_redundant_key(self, key: str, args: Any, has: HasKey) -> bool:
         """A tied model's head, which some exporters write anyway."""
         return key == "lm_head.weight" and self.tied(args)
@@ -57,8 +68,9 @@ class PrefixedStackedNames:
         """The checkpoint keys that make native `name` of global `shape`, with theirs.
         Stacked experts in the checkpoint (transformers-5 in-memory names) are read too."""
         hf = self.hf_name(name)
-        if has(hf) or not self.experts.is_stacked(hf):
-            return {hf: tuple(shape)}
+        whole = self.whole_key(name, has)
+        if whole is not None or not self.experts.is_stacked(hf):
+            return {whole or hf: tuple(shape)}
         return self.experts.per_expert_keys(hf, shape)
 
     def from_hf(
@@ -66,9 +78,9 @@ class PrefixedStackedNames:
     ) -> torch.Tensor:
         """The part `index` of native `name`, reading only that part of the checkpoint (a
         rank's experts under EP, its rows under FSDP)."""
-        hf = self.hf_name(name)
-        if has(hf):
-            return get(hf, index)
+        hf, whole = self.hf_name(name), self.whole_key(name, has)
+        if whole is not None:
+            return get(whole, index)
         if self.experts.is_stacked(hf):
             num_experts, width = self.expert_width(args)
             return self.experts.read_stacked(hf, num_experts, width, get, index)
