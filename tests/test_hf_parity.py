@@ -145,6 +145,9 @@ def test_both_config_dialects_give_the_same_args(tmp_path):
 def test_refuses_other_model_types_and_mismatched_weights(tmp_path):
     with pytest.raises(HFFormatError, match="model_type"):
         args_from_hf_config({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2})
+    linear = {"hidden_size": 8, "num_attention_heads": 2, "rope_scaling": {"type": "linear"}}
+    with pytest.raises(HFFormatError, match="rope_scaling has RoPE type 'linear'.*remove"):
+        args_from_hf_config(linear)
     hf_model = _hf_model(CASES["topk_norm"])
     hf_model.save_pretrained(tmp_path)
     args = load_hf_config(str(tmp_path))

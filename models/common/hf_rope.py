@@ -15,13 +15,17 @@ YARN_KEYS = ("factor original_max_position_embeddings beta_fast beta_slow mscale
 def rope_kwargs(cfg: dict, max_len: int) -> dict[str, Any]:
     """The args' rope_* values from a config.json (`max_len`: its max_position_embeddings,
     which YaRN's missing keys default from, as in transformers)."""
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    rope = cfg.get(key) or {}
     kwargs: dict[str, Any] = {
         "rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     }
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "yarn"):
-        raise HFFormatError(f"RoPE type {rope_type!r} is not supported, only default or yarn")
+        raise HFFormatError(
+            f"config.json's {key} has RoPE type {rope_type!r}; only default and yarn are "
+            f"supported: remove {key}'s scaling to train at the original context length"
+        )
     kwargs["rope_type"] = rope_type
     if rope_type == "yarn":
         if rope.get("attention_factor") is not None:

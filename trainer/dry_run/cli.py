@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         result["gemm_rates"] = {**rates, "flops_by_kind": {k: f for k, (f, _) in by_kind.items()},
                                 "efficiency_used": {k: e for k, (_, e) in by_kind.items()}}  # fmt: skip
     lines = [format_report(result), "", (
-        f"estimated step on {hw.name}: {configured['step_s']:.3f} s, "
+        f"estimated step on {world_size} ranks, nodes of {hw.name}: {configured['step_s']:.3f} s, "
         f"{configured['tokens_per_s']:,.0f} tok/s (compute {configured['compute_s']:.3f} s at "
         f"{efficiency}; all-to-all "
         f"{configured['comm_s']['ep_all_to_all']:.3f} s{_hidden_text(configured, cfg)}; "
