@@ -4,14 +4,12 @@ The ring (cp 2 and 4, zigzag and contiguous, GQA and v_head_dim != head_dim) aga
 masked attention on the whole sequence (fp32: out, LSE, dQ, dK, dV); the ring's skipped
 block pairs against an independent count from the global mask; the plain path, the block
 kernel's rows that see nothing, reset positions; transformers on each document alone
-against our model on the packed sample; and train.py on 1, 2 (cp 2, zigzag and balanced)
-and 4 (cp 2 x ep 2) ranks, plus a DeepSeek-V3 (MLA, MTP) layout-parity run with the mask.
+against our model on the packed sample. Through train.py: tests/test_document_mask_train.py.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 
 import pytest
 import torch
@@ -25,8 +23,7 @@ from parallelisms.attention_kernels import KERNELS, resolve_kernel
 from parallelisms.context_parallel import RingStats, ring_attention
 from parallelisms.cp_schedule import attention_work, document_attention_work, split_for_cp
 from parallelisms.dims import LayoutError
-from tests.distributed import ROOT, run_distributed, run_per_world, run_train
-from tests.parity import TINY_DSV3, assert_same_training, layout_worker, reference_run
+from tests.distributed import ROOT, run_per_world
 from trainer.config.load import load_config
 from trainer.data.packing import PackedDataset, document_positions
 from trainer.loop.setup import check_cp_kernel
@@ -358,75 +355,3 @@ def test_packed_sample_equals_documents_run_alone_in_transformers(family, tmp_pa
         unmasked = ours(ids[None]).logits[0]
     torch.testing.assert_close(logits, alone, rtol=1e-4, atol=1e-4)
     assert (unmasked - alone).abs().max() > 1e-2  # without the mask, documents mix
-
-
-# --- through train.py ----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def short_docs(tmp_path_factory):
-    """A JSON-lines corpus of short documents (a few to ~70 bytes): many EOS per sample."""
-    words = "def class return import self value data index token model layer for in if".split()
-    g = torch.Generator().manual_seed(0)
-    path = tmp_path_factory.mktemp("docs") / "docs.jsonl"
-    with open(path, "w") as f:
-        for _ in range(3000):
-            n = int(torch.randint(1, 13, (1,), generator=g))
-            picks = torch.randint(0, len(words), (n,), generator=g).tolist()
-            f.write(json.dumps({"text": " ".join(words[i] for i in picks)}) + "\n")
-    return str(path)
-
-
-@pytest.mark.slow
-def test_train_py_layouts_agree_with_document_masks(short_docs, tmp_path):
-    common = [
-        "--config=configs/debug_qwen3_moe.toml",
-        "--data.source=jsonl",
-        f"--data.path={short_docs}",
-        "--data.seq_len=64",
-        "--data.reset_positions=true",
-        "--train.steps=3",
-        "--train.warmup_steps=1",
-        "--train.global_batch_size=8",
-        "--train.micro_batch_size=2",
-        "--metrics.log_interval=1",
-    ]
-    masked = [*common, "--data.document_mask=true"]
-    one = run_train(masked, tmp_path / "one")
-    cp2 = run_train([*masked, "--parallel.cp=2"], tmp_path / "cp2", nproc=2)
-    cp2_ep2 = run_train(
-        [*masked, "--parallel.cp=2", "--parallel.ep=2"], tmp_path / "cp2_ep2", nproc=4
-    )
-    # each micro-batch laid out by its documents' work (tests/test_balanced_ring.py)
-    balanced = ["--parallel.cp=2", "--parallel.cp_layout=balanced"]
-    cp2_balanced = run_train([*masked, *balanced], tmp_path / "cp2_balanced", nproc=2)
-    unmasked = run_train(common, tmp_path / "unmasked")
-    losses = [r["loss"] for r in one]
-    assert len(losses) == 3
-    for run in (cp2, cp2_ep2, cp2_balanced):
-        assert [r["loss"] for r in run] == pytest.approx(losses, rel=1e-5)
-    assert [r["tokens"] for r in unmasked] == [r["tokens"] for r in one]  # same counts
-    differ = [abs(a - b) / b for a, b in zip(losses, [r["loss"] for r in unmasked], strict=True)]
-    assert max(differ) > 1e-3, f"the mask changed nothing: {differ}"
-
-
-@pytest.mark.slow
-def test_deepseek_v3_mla_mtp_pp2_cp2_ep2_with_document_masks_matches_one_process(
-    short_docs, tmp_path
-):
-    """MLA (v_head_dim != qk_head_dim), MTP, EP and FSDP under cp 2 with the mask, in two
-    pipeline stages with activation checkpointing: losses, gradients and updated parameters
-    against a plain one-process model given the ids."""
-    argv = [
-        *TINY_DSV3,
-        "--data.source=jsonl",
-        f"--data.path={short_docs}",
-        "--data.document_mask=true",
-        "--data.reset_positions=true",
-        "--parallel.cp=2",
-        "--parallel.ep=2",
-        "--parallel.pp=2",
-        "--train.activation_checkpoint=full",
-    ]
-    run_distributed(layout_worker, 4, argv, str(tmp_path / "out.pt"), None)
-    assert_same_training(torch.load(tmp_path / "out.pt")["records"], reference_run(argv, 1))

@@ -102,7 +102,7 @@ LAYOUTS = {
         TINY, 4, [PP2, "--parallel.pp_schedule=DualPipeV", EP2, L4, "--train.micro_batch_size=1"], 2
     ),
     # DeepSeek-V3 (MLA, the bias update, MTP and its embedding copy on the last stage) in
-    # 1F1B stages with CP and EP: tests/test_document_mask.py, with document masks.
+    # 1F1B stages with CP and EP: tests/test_document_mask_train.py, with document masks.
 }
 
 
