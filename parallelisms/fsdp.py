@@ -94,8 +94,10 @@ def _experts_by_rows(model: nn.Module, plan: ParallelPlan):
     stacked = {id(p) for _, experts in found for p in experts.parameters()}
 
     def placement(param: nn.Parameter, ranks: int) -> Shard | None:
-        uneven = param.shape[0] % ranks and param.shape[1] % ranks == 0
-        return Shard(1) if id(param) in stacked and uneven else None
+        # FSDP asks for every parameter of the block (norms, biases): only stacks qualify.
+        if id(param) not in stacked or param.ndim < 2:
+            return None
+        return Shard(1) if param.shape[0] % ranks and param.shape[1] % ranks == 0 else None
 
     return placement
 

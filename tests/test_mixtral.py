@@ -181,18 +181,17 @@ def test_export_reloads_in_transformers(transformers, case, tmp_path):
 
 
 def test_a_checkpoint_of_stacked_experts_loads_too(tmp_path):
-    """transformers-5's in-memory names (`mlp.experts.gate_up_proj`, not renamed to
-    `block_sparse_moe`) are read as well as the per-expert keys."""
+    """transformers-5's in-memory names (`mlp.gate`, `mlp.experts.gate_up_proj`: neither
+    renamed to `block_sparse_moe` nor split per expert) are read as well."""
     from safetensors.torch import save_file
 
     args = MixtralArgs(**dict(BASE, **CASES["window_gqa_top2"]))
     ours = SPEC.build(args, MoEOptions(gemm="loop"))
     ours.init_weights(seed=3)
-    state = {}
-    for name, tensor in ours.state_dict().items():
-        stacked = ".experts." in name
-        state.update({f"model.{name}": tensor} if stacked else hf.to_hf(name, tensor, args))
-    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
+    state = {
+        n if n.startswith("lm_head.") else f"model.{n}": t for n, t in ours.state_dict().items()
+    }
+    assert "model.layers.0.mlp.gate.weight" in state
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(hf.hf_config_dict(args)))
     loaded = SPEC.build(args, MoEOptions(gemm="loop"))

@@ -141,3 +141,22 @@ def test_experts_fewer_than_the_fsdp_ranks_are_split_evenly(tmp_path):
     assert sum(r["params"] for r in ranks) / 4 / 1e9 == pytest.approx(46.70, rel=0.01)
     optimizer = [r["optimizer"] for r in ranks]
     assert max(optimizer) / min(optimizer) < 1.01
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
+def test_a_model_built_without_shared_experts_is_described(name):
+    model, plan = _meta(name, "--model.n_shared_experts=0")
+    assert match_modules(model, plan.shared_experts, "shared_experts", required=False) == []
+    check_plan(model, plan)
+
+
+def test_fsdp_placement_asks_only_of_expert_stacks():
+    """FSDP calls the placement for every parameter of a block (norms of 128, biases):
+    with 3 ranks, only the [8, ...] expert stacks, whose rows 3 divides, go by rows."""
+    from parallelisms.fsdp import _experts_by_rows
+
+    model, plan = _meta("qwen3_moe", "--model.moe_intermediate_size=48")
+    placement = _experts_by_rows(model, plan)
+    by_rows = {n for n, p in model.named_parameters() if placement(p, 3) is not None}
+    assert by_rows and all(".mlp.experts." in n for n in by_rows)
+    assert all(placement(p, 2) is None for p in model.parameters())  # 2 divides 8

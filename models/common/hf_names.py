@@ -49,12 +49,12 @@ class PrefixedStackedNames:
 
     def whole_key(self, name: str, has: HasKey) -> str | None:
         """The checkpoint key that holds native `name` whole, if any: its checkpoint name,
-        or, for stacked experts, transformers-5's in-memory name ("model." + the native
-        name, which the renames do not apply to)."""
+        or transformers-5's in-memory name ("model." + the native name: it renamed the
+        modules as we do, e.g. Mixtral's `block_sparse_moe` to `mlp`, and stacks experts)."""
         hf = self.hf_name(name)
         if has(hf):
             return hf
-        if self.renames and self.experts.is_stacked(hf) and has("model." + name):
+        if self.renames and not name.startswith("lm_head.") and has("model." + name):
             return "model." + name
         return None
 

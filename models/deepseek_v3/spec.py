@@ -16,7 +16,8 @@ PLAN = ParallelPlan(
     shared_experts=("layers.*.mlp.shared_experts", "mtp.*.block.mlp.shared_experts"),
     fp32_modules=("layers.*.mlp.gate", "mtp.*.block.mlp.gate"),
     head=("norm", "lm_head", "mtp"),
-    optional=("lm_head", "mtp"),  # a tied head; no MTP modules (num_nextn_predict_layers=0)
+    # A tied head; no MTP modules (num_nextn_predict_layers=0); no shared experts (0 of them).
+    optional=("lm_head", "mtp", "layers.*.mlp.shared_experts", "mtp.*.block.mlp.shared_experts"),
 )
 
 

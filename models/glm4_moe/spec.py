@@ -13,6 +13,7 @@ PLAN = ParallelPlan(
     attention_core="layers.*.self_attn.core",
     shared_experts="layers.*.mlp.shared_experts",
     fp32_modules=("layers.*.mlp.gate",),  # the routers: sigmoid scores and correction bias
+    optional=("lm_head", "layers.*.mlp.shared_experts"),  # a tied head; n_shared_experts = 0
 )
 
 

@@ -14,6 +14,7 @@ The data path then runs one way: config -> `Corpora` (manifests) -> checks -> da
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,13 +107,13 @@ class Corpora:
     key)."""
 
     def __init__(self, data: DataSection, eval_cfg: EvalSection | None = None) -> None:
-        self.by_path: dict[str, PreparedCorpus] = {}
+        self.by_path: dict[str, PreparedCorpus] = {}  # by real path: `x` and `x/` are one
         for key, path in prepared_paths(data, eval_cfg):
-            if path not in self.by_path:
-                self.by_path[path] = PreparedCorpus.open(path, key)
+            if os.path.realpath(path) not in self.by_path:
+                self.by_path[os.path.realpath(path)] = PreparedCorpus.open(path, key)
 
     def __getitem__(self, path: str) -> PreparedCorpus:
-        return self.by_path[path]
+        return self.by_path[os.path.realpath(path)]
 
     def __iter__(self):
         return iter(self.by_path.values())

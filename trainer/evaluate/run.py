@@ -16,7 +16,7 @@ from trainer.data.run_data import build_data
 from trainer.data.tokenizers import build_tokenizer
 from trainer.hf.weights import load_hf_weights
 from trainer.loop.evaluation import Evaluator, batch_preparer
-from trainer.loop.resume import accept_base, accept_model
+from trainer.loop.resume import accept_base, accept_model, old_holdout
 from trainer.loop.setup import build_model, init_distributed, preflight, resolve_device
 
 
@@ -35,6 +35,8 @@ def evaluate_weights(cfg: JobConfig, dims: ParallelDims, checkpoint: str | None)
             loader = Checkpointer(os.path.dirname(os.path.abspath(checkpoint)), 0, False)
             state = loader.read(checkpoint, resuming=False)  # a damaged one is refused
             accept_model(checkpoint, state, cfg, spec)
+            if cfg.eval.fraction is not None:  # the old hash's held-out documents are not
+                old_holdout(checkpoint, state, cfg)  # these: it trained on most of them
             frozen = state.get("frozen_saved", True)
             if not frozen:  # LoRA adapters alone: their base first, from where it came
                 accept_base(checkpoint, state, cfg)

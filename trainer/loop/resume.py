@@ -29,7 +29,7 @@ def data_identity(dataset: PackedDataset) -> dict[str, Any]:
     }
 
 
-def _old_holdout(path: str, state: dict, cfg: JobConfig) -> bool:
+def old_holdout(path: str, state: dict, cfg: JobConfig) -> bool:
     """Whether the checkpoint held documents out by the hash before HOLDOUT_HASH (its data
     identity names none): refused by name unless checkpoint.allow_data_change."""
     fraction = state.get("config", {}).get("eval", {}).get("fraction")
@@ -121,6 +121,7 @@ def check_resume(path: str, cfg: JobConfig, spec: ModelSpec) -> None:
     state = read_trainer_state(path)
     accept_model(path, state, cfg, spec)
     accept_seq_len(path, state, cfg)
+    old_holdout(path, state, cfg)  # a checkpoint of the old hold-out hash: refused here
 
 
 def accept_checkpoint(
@@ -134,7 +135,7 @@ def accept_checkpoint(
         # The trainer saves at step boundaries only; a mid-step position would put its
         # own count of consumed samples out of step with the sampler's.
         raise DataError(f"{path}: its data position is not at a step boundary")
-    if _old_holdout(path, state, cfg):
+    if old_holdout(path, state, cfg):
         return True
     saved, ours = state.get("data_identity"), data_identity(dataset)
     if not saved or saved["fingerprint"] == ours["fingerprint"]:
