@@ -59,12 +59,13 @@ def apply_fsdp(
             )  # fmt: skip
             expert_units[fqn] = experts
     blocks = match_modules(model, plan.blocks, "blocks", required)
-    placement = _experts_by_rows(model, plan) if meshes.ep is None else None
+    ranks = meshes.dense.shape[-1]  # the fsdp dim (HSDP: the last of two)
+    placement = _experts_by_rows(model, plan, ranks) if meshes.ep is None else None
     for _, block in blocks:
         fully_shard(
             block, mesh=meshes.dense, mp_policy=policy,
             reshard_after_forward=reshard_after_forward,
-            shard_placement_fn=placement and (lambda p: placement(p, meshes.dense.shape[-1])),
+            shard_placement_fn=placement,
         )  # fmt: skip
     # NOTE: the root (embeddings, final norm, head) is not resharded after forward:
     # backward needs it first anyway.
@@ -81,19 +82,19 @@ def apply_fsdp(
         set_prefetch_chains(model, blocks, expert_units)
 
 
-def _experts_by_rows(model: nn.Module, plan: ParallelPlan):
+def _experts_by_rows(model: nn.Module, plan: ParallelPlan, ranks: int):
     """Without EP the routed experts live in their block's unit, which FSDP shards on dim 0,
     the expert dim. With fewer experts than fsdp ranks (Mixtral's 8 over 16), or a count the
     ranks do not divide, some ranks would hold more whole experts than others (or none): their
     memory and gather volume uneven. Such stacks shard on dim 1 (each expert's rows) instead,
     which splits every expert evenly, where the ranks divide it (as EP's expert FSDP asks of
-    dim 1). -> placement(param, fsdp ranks): Shard(1) or None (the default, dim 0)."""
+    dim 1). -> FSDP's placement(param) over `ranks`: Shard(1), or None (the default, dim 0)."""
     if plan.routed_experts is None:
         return None
     found = match_modules(model, plan.routed_experts, "routed_experts", required=False)
     stacked = {id(p) for _, experts in found for p in experts.parameters()}
 
-    def placement(param: nn.Parameter, ranks: int) -> Shard | None:
+    def placement(param: nn.Parameter) -> Shard | None:
         # FSDP asks for every parameter of the block (norms, biases): only stacks qualify.
         if id(param) not in stacked or param.ndim < 2:
             return None

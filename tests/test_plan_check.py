@@ -156,7 +156,8 @@ def test_fsdp_placement_asks_only_of_expert_stacks():
     from parallelisms.fsdp import _experts_by_rows
 
     model, plan = _meta("qwen3_moe", "--model.moe_intermediate_size=48")
-    placement = _experts_by_rows(model, plan)
-    by_rows = {n for n, p in model.named_parameters() if placement(p, 3) is not None}
+    by_3 = _experts_by_rows(model, plan, 3)
+    by_rows = {n for n, p in model.named_parameters() if by_3(p) is not None}
     assert by_rows and all(".mlp.experts." in n for n in by_rows)
-    assert all(placement(p, 2) is None for p in model.parameters())  # 2 divides 8
+    by_2 = _experts_by_rows(model, plan, 2)
+    assert all(by_2(p) is None for p in model.parameters())  # 2 divides 8

@@ -240,7 +240,10 @@ def test_published_configs_give_the_defaults_and_the_57b_toml(transformers, tmp_
         (dict(layer_types=["sliding_attention"] * 24), "layer_types.*drop layer_types"),
         (dict(attention_dropout=0.1), "attention_dropout=0.1.*set it to 0.0"),
         (dict(head_dim=64), "head_dim=64, not .* = 128.*remove head_dim"),
-        (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling of type 'linear'"),
+        (
+            dict(rope_scaling={"type": "linear", "factor": 2.0}),
+            "rope_scaling has RoPE type 'linear'.*remove",
+        ),
         (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "rope_parameters .*remove"),
     ],
 )

@@ -54,11 +54,6 @@ _ALIASES = {"n_routed_experts": "num_local_experts", "num_nextn_predict_layers":
 _HF_DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5  # Glm4MoeConfig sets it when config.json has none
 
 
-def _rope_type(rope: dict | None) -> str:
-    rope = rope or {}
-    return rope.get("rope_type", rope.get("type", "default"))
-
-
 def args_from_hf_config(cfg: dict) -> Glm4MoeArgs:
     """Both dialects: published (`rope_theta`, `partial_rotary_factor` at the top level,
     `rope_scaling: null`) and transformers-5 (`rope_parameters: {rope_type, rope_theta,
@@ -76,12 +71,6 @@ def args_from_hf_config(cfg: dict) -> Glm4MoeArgs:
             f"config.json has attention_dropout={cfg['attention_dropout']} (the trainer has no "
             "attention dropout); set it to 0.0"
         )
-    for key in ("rope_parameters", "rope_scaling"):
-        if _rope_type(cfg.get(key)) not in ("default", "yarn"):
-            raise HFFormatError(
-                f"config.json has {key} of type {_rope_type(cfg[key])!r}; GLM-4.5 here takes "
-                "only plain RoPE or yarn: remove the scaling (or convert it to yarn)"
-            )
     kwargs = {k: cfg.get(k, cfg.get(_ALIASES.get(k, k), d)) for k, d in _HF_DEFAULTS.items()}
     kwargs["head_dim"] = (
         cfg.get("head_dim") or kwargs["hidden_size"] // kwargs["num_attention_heads"]

@@ -63,14 +63,6 @@ def _check_representable(cfg: dict) -> None:
             f"num_attention_heads = {width}; Qwen2-MoE splits the width into its heads: "
             "remove head_dim from config.json"
         )
-    for key in ("rope_parameters", "rope_scaling"):
-        rope = cfg.get(key) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "yarn"):
-            raise HFFormatError(
-                f"config.json has {key} of type {rope_type!r}; only default RoPE and yarn are "
-                f"supported: remove {key} (to train at the original context length) or use yarn"
-            )
 
 
 def args_from_hf_config(cfg: dict) -> Qwen2MoeArgs:

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from trainer.config import DataSection, MixSource
+from trainer.config import DataSection
 from trainer.data.conversations import check_some_fit, document_lengths
 from trainer.data.holdout import HOLDOUT_HASH, DocumentView
 from trainer.data.packing import CorpusSummary, PackedDataset, TokenStream, pack_split
@@ -78,17 +78,12 @@ def check_prepared(corpus: PreparedCorpus, cfg: DataSection, tokenizer: Tokenize
         check_some_fit(document_lengths(corpus), cfg.seq_len, f"{key}: {path}")
 
 
-def mix_paths(section: str, tables: list[MixSource]) -> list[tuple[str, str]]:
-    """(key, path) of each table of [[data.mix]] or [[eval.mix]]: `data.mix[2].path`."""
-    return [(f"{section}.mix[{i}].path", t.path) for i, t in enumerate(tables, start=1)]
-
-
 def check_corpus(cfg: DataSection, tokenizer: Tokenizer, corpora: Corpora | None = None) -> None:
     """Refuse a source this run cannot use, cheaply (no tokenizing), naming the fix.
     `corpora`: the run's prepared directories, opened (else opened here)."""
     if cfg.source == "tokens":
         corpora = corpora or Corpora(cfg)
-        for _, path in mix_paths("data", cfg.mix) or [("data.path", cfg.path)]:
+        for path in [t.path for t in cfg.mix] or [cfg.path]:
             check_prepared(corpora[path], cfg, tokenizer)
         return
     files = source_files(cfg)  # None: not a file source (hf_datasets)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainer.config import DataSection, EvalSection
+from trainer.config import DataSection, EvalSection, MixSource
 from trainer.data.shards import DOCS_SUFFIX, Manifest, ShardedTokens, read_manifest
 
 
@@ -88,16 +88,19 @@ class PreparedCorpus:
         return np.concatenate(ends) if ends else np.zeros(0, dtype=np.int64)
 
 
+def _mix_paths(section: str, tables: list[MixSource]) -> list[tuple[str, str]]:
+    """(key, path) of each table of [[data.mix]] or [[eval.mix]]: `data.mix[2].path`."""
+    return [(f"{section}.mix[{i}].path", t.path) for i, t in enumerate(tables, start=1)]
+
+
 def prepared_paths(data: DataSection, eval_cfg: EvalSection | None) -> list[tuple[str, str]]:
     """(key, path) of every prepared directory the config names, in config order."""
     found = []
     if data.source == "tokens":
-        tables = [(f"data.mix[{i}].path", t.path) for i, t in enumerate(data.mix, start=1)]
-        found += tables or [("data.path", data.path)]
+        found += _mix_paths("data", data.mix) or [("data.path", data.path)]
     if eval_cfg is not None:
-        if eval_cfg.path:
-            found.append(("eval.path", eval_cfg.path))
-        found += [(f"eval.mix[{i}].path", t.path) for i, t in enumerate(eval_cfg.mix, start=1)]
+        found += [("eval.path", eval_cfg.path)] if eval_cfg.path else []
+        found += _mix_paths("eval", eval_cfg.mix)
     return found
 
 
@@ -109,11 +112,9 @@ class Corpora:
     def __init__(self, data: DataSection, eval_cfg: EvalSection | None = None) -> None:
         self.by_path: dict[str, PreparedCorpus] = {}  # by real path: `x` and `x/` are one
         for key, path in prepared_paths(data, eval_cfg):
-            if os.path.realpath(path) not in self.by_path:
-                self.by_path[os.path.realpath(path)] = PreparedCorpus.open(path, key)
+            real = os.path.realpath(path)
+            if real not in self.by_path:
+                self.by_path[real] = PreparedCorpus.open(path, key)
 
     def __getitem__(self, path: str) -> PreparedCorpus:
         return self.by_path[os.path.realpath(path)]
-
-    def __iter__(self):
-        return iter(self.by_path.values())

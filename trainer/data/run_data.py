@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from trainer.config import DataSection, EvalSection, MixSource
 from trainer.data.conversations import PackedConversations
-from trainer.data.corpus import check_prepared, mix_paths, open_corpus
+from trainer.data.corpus import check_prepared, open_corpus
 from trainer.data.mixture import MixtureDataset, interleave
 from trainer.data.packing import CorpusSummary, PackedDataset
 from trainer.data.prepared import Corpora, PreparedCorpus
@@ -188,8 +188,8 @@ def check_held_out(
     """Refuse held-out data this run cannot read, before any process group exists."""
     if eval_cfg.path:
         check_prepared(corpora[eval_cfg.path], cfg, tokenizer)
-    for _, path in mix_paths("eval", eval_cfg.mix):
-        check_prepared(corpora[path], cfg, tokenizer)
+    for table in eval_cfg.mix:
+        check_prepared(corpora[table.path], cfg, tokenizer)
     # A source given no sample would have no tokens to take its loss over (0 / 0).
     shares = eval_shares(eval_cfg.mix, eval_cfg.samples)
     for i, (table, share) in enumerate(zip(eval_cfg.mix, shares, strict=True), start=1):
