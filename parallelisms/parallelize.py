@@ -127,6 +127,13 @@ def check_layout(model: nn.Module, plan: ParallelPlan, dims: ParallelDims) -> No
         return
     if plan.routed_experts is None:
         raise LayoutError(f"parallel.ep={dims.ep}, but this model's plan names no routed experts")
+    if not match_modules(model, plan.routed_experts, "routed_experts", required=False):
+        # The plan is right (check_plan passed it): the configuration builds no MoE layer.
+        raise LayoutError(
+            f"parallel.ep={dims.ep} splits the routed experts over ranks, but this "
+            f"{type(model).__name__} as configured has none (its [model] keys make every "
+            "layer dense); set parallel.ep=1, or configure MoE layers"
+        )
     expert_layers(model, plan)
     for fqn, experts in match_modules(model, plan.routed_experts, "routed_experts"):
         for name, param in experts.named_parameters():

@@ -379,3 +379,10 @@ def test_a_cp_layout_without_context_parallel_ranks_is_noted():
     assert startup_notes(load_config([])) == []  # the default layout: nothing to say
     cfg = load_config(["--parallel.cp_layout=balanced", "--parallel.cp=2"])
     assert not [n for n in startup_notes(cfg) if "parallel.cp_layout" in n]
+
+
+def test_save_frozen_without_lora_is_noted():
+    notes = startup_notes(load_config(["--checkpoint.save_frozen=true"]))
+    assert [n for n in notes if n.startswith("checkpoint.save_frozen=true has no effect")]
+    cfg = load_config(["--checkpoint.save_frozen=true", "--peft.method=lora"])
+    assert not [n for n in startup_notes(cfg) if "save_frozen" in n]

@@ -220,8 +220,14 @@ def test_find_checkpoint_takes_a_step_a_checkpoints_or_a_job_directory(tmp_path)
         )
     (new / TRAINER_STATE).unlink()
     os.utime(old, (1.0, 1.0))  # written before the damaged one, whatever the clock's grain
-    path, note = find_checkpoint(str(tmp_path / "job"))
-    assert path == str(old) and f"passed over the newer {new}" in note
+    # A newer damaged checkpoint is refused, as resume=auto refuses it, naming the older
+    # intact one to give instead (checkpoint.init_from used to start from it with a note).
+    for key in (None, "checkpoint.init_from"):
+        with pytest.raises(CheckpointError) as err:
+            find_checkpoint(str(tmp_path / "job"), key)
+        message = str(err.value)
+        assert f"its newest checkpoint, {new}, cannot be used" in message
+        assert f"{key + '=' if key else ''}{old}" in message and "trainer_state.pt" in message
     with pytest.raises(CheckpointError, match=f"beside it is {old}: use that one"):
         find_checkpoint(str(new))
     (old / COMPLETE).unlink()

@@ -62,12 +62,26 @@ def test_fresh_adapters_compute_the_base_model_and_merged_weights_the_adapted_on
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()  # and merge into it
 
 
+QWEN2_DENSE = ["--config=configs/debug_qwen2_moe.toml", "--model.mlp_only_layers=[0,1,2,3]"]
+
+
 @pytest.mark.parametrize(
     "extra,expected",
     [
-        (['--peft.targets=["shared_experts"]'], "model 'qwen3_moe' has no shared experts"),
+        (['--peft.targets=["shared_experts"]'], "model 'qwen3_moe' as configured has no shared"),
         (["--peft.targets=[]"], "would train nothing"),
+        # Modules the plan names but this configuration does not build: the user's key.
+        (
+            [
+                "--config=configs/debug_deepseek_v3.toml",
+                "--model.n_shared_experts=0",
+                '--peft.targets=["shared_experts"]',
+            ],
+            "remove shared_experts from peft.targets",
+        ),  # fmt: skip
+        ([*QWEN2_DENSE, '--peft.targets=["experts"]'], "remove experts from peft.targets"),
     ],
+    ids=["qwen3_shared", "none", "dsv3_no_shared", "qwen2_dense_experts"],
 )
 def test_targets_the_model_lacks_are_refused_before_launch(extra, expected, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
@@ -75,7 +89,17 @@ def test_targets_the_model_lacks_are_refused_before_launch(extra, expected, caps
         monkeypatch.delenv(var, raising=False)
     argv = ["--config=configs/debug_qwen3_moe.toml", "--peft.method=lora", *extra]
     assert train.main(argv) == 2
-    assert expected in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert expected in err and "fix the model's PLAN" not in err
+
+
+def test_expert_parallelism_over_a_configuration_without_experts_names_the_key(monkeypatch, capsys):
+    from trainer.dry_run.cli import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["--world-size", "2", *QWEN2_DENSE, "--parallel.ep=2"]) == 2
+    err = capsys.readouterr().err
+    assert "set parallel.ep=1" in err and "fix the model's PLAN" not in err
 
 
 def test_experts_without_a_lora_form_are_refused():
@@ -145,7 +169,9 @@ def test_resume_is_exact_and_the_merged_export_reloads_with_the_adapted_logits(t
 
 
 @pytest.mark.slow
-def test_the_adapter_export_is_what_peft_loads_onto_the_hugging_face_base(tmp_path):
+def test_the_adapter_export_is_what_peft_loads_onto_the_hugging_face_base(
+    tmp_path, capsys, monkeypatch
+):
     transformers = pytest.importorskip("transformers", reason="needs the [hf] extra")
     peft = pytest.importorskip("peft", reason="needs the [hf] extra (peft)")
     from tests.chat_model import save_chat_model
@@ -165,6 +191,9 @@ def test_the_adapter_export_is_what_peft_loads_onto_the_hugging_face_base(tmp_pa
     run = tmp_path / "run"
     run_train([f"--config={config}", f"--model.init_from_hf={base_dir}"], run)
     step = run / "checkpoints" / "step-2"
+    monkeypatch.chdir(ROOT)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
     out = tmp_path / "adapters"
     cmd = [sys.executable, "-m", "trainer.hf.export", "--checkpoint", str(step), "--out",
            str(out), "--dtype", "fp32", "--adapters"]  # fmt: skip
@@ -183,3 +212,16 @@ def test_the_adapter_export_is_what_peft_loads_onto_the_hugging_face_base(tmp_pa
         want, got = ours(ids).logits, theirs(input_ids=ids).logits
     assert (want - plain).abs().max() > 1e-4  # the adapters trained
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+    # Other weights at the base's path: the adapters would apply to another model, so a
+    # resume, an evaluation and the export refuse, naming the path (its content fingerprint).
+    save_chat_model(base_dir, seed=1)
+    from trainer.hf.export import main as export
+
+    cmd = ["--checkpoint", str(step), "--out", str(tmp_path / "merged")]
+    assert export(cmd) == 2
+    assert f"the weights at {base_dir} changed since" in capsys.readouterr().err
+    relaunch = [f"--config={config}", f"--model.init_from_hf={base_dir}", "--train.steps=3",
+                f"--job.output_dir={run}"]  # fmt: skip
+    assert train.main(relaunch) == 2
+    assert f"the weights at {base_dir} changed since" in capsys.readouterr().err

@@ -5,7 +5,10 @@ exact. Shape changes, and a resume at another data.seq_len, are refused before w
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from tests.distributed import run_distributed, run_train
+from tests.distributed import ROOT, run_distributed, run_train
 from tests.parity import build_trainer
 from tests.test_mixture import _mix, _refused, prepare_corpora
 
@@ -148,3 +151,76 @@ def test_what_a_stage_cannot_change_is_refused_by_name(stage1, tmp_path, capsys,
         longer = [*STAGE1, "--data.seq_len=128", f"--job.output_dir={job}", *extra]
         err = _refused(longer, capsys, monkeypatch)
         assert "data.seq_len=64" in err and "--checkpoint.init_from=" in err
+
+
+def _lora_stage(stage1: Path, *extra: str) -> list[str]:
+    """A LoRA stage from stage 1's job, adapters saved alone, dropout on (its masks must
+    come back on a resume), a held-out evaluation at the end."""
+    return [
+        *STAGE1[:-3],  # stage 1's data and model, not its steps
+        "--train.steps=4",
+        "--train.warmup_steps=1",
+        "--checkpoint.interval=2",
+        "--metrics.log_interval=1",
+        f"--checkpoint.init_from={stage1}",
+        "--peft.method=lora",
+        "--peft.dropout=0.1",
+        "--eval.fraction=0.05",
+        "--eval.samples=16",
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_a_lora_stage_keeps_its_base_on_resume_evaluation_and_export(
+    stage1, tmp_path, capsys, monkeypatch
+):
+    """The base of a LoRA stage saved without it is stage 1's checkpoint, recorded in its
+    checkpoints: a relaunch resumes bit for bit (dropout included), `trainer.evaluate` gives
+    the logged eval loss, and the merged export equals the one of the same stage saved with
+    its base (which streams the base from the checkpoint instead of rebuilding it)."""
+    from safetensors.torch import load_file
+
+    from trainer.hf.export import main as export
+
+    straight = run_train(_lora_stage(stage1), tmp_path / "straight")
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "step-2",
+                    resumed_dir / "checkpoints" / "step-2")  # fmt: skip
+    resumed = run_train(_lora_stage(stage1), resumed_dir)
+    assert [r["step"] for r in resumed] == [3, 4]
+    for ours, ref in zip(resumed, straight[2:], strict=True):
+        assert ours["loss"] == ref["loss"] and ours["grad_norm"] == ref["grad_norm"]
+    assert resumed[-1]["eval_loss"] == straight[-1]["eval_loss"]
+    log = Path(f"{resumed_dir}.log").read_text()
+    assert "init_from is not used" in log  # the base comes from the record, not the option
+    step4 = resumed_dir / "checkpoints" / "step-4"
+    assert torch.load(step4 / "trainer_state.pt", weights_only=True)["base"]["path"] == str(
+        stage1 / "checkpoints" / "step-2"
+    )
+
+    report = tmp_path / "eval.json"
+    cmd = [sys.executable, "-m", "trainer.evaluate", *_lora_stage(stage1), "--checkpoint",
+           str(step4), "--json", str(report)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    logged = straight[-1]["eval_loss"]
+    assert json.loads(report.read_text())["eval_loss"] == pytest.approx(logged, rel=1e-6)
+
+    full = run_train(_lora_stage(stage1, "--checkpoint.save_frozen=true"), tmp_path / "full")
+    assert [r["loss"] for r in full] == [r["loss"] for r in straight]
+    monkeypatch.chdir(ROOT)
+    outs = {}
+    for name, job in (("adapters", resumed_dir), ("full", tmp_path / "full")):
+        outs[name] = tmp_path / f"hf_{name}"
+        args = ["--checkpoint", str(job / "checkpoints" / "step-4"), "--out", str(outs[name])]
+        assert export([*args, "--dtype", "fp32"]) == 0
+    merged, reference = (load_file(outs[n] / "model.safetensors") for n in ("adapters", "full"))
+    assert merged.keys() == reference.keys()
+    for key, tensor in reference.items():
+        assert torch.equal(merged[key], tensor), key
+
+    # Another alpha scales the adapters otherwise: a resume with it is refused by name.
+    err = _refused([*_lora_stage(stage1, "--peft.alpha=32"), f"--job.output_dir={resumed_dir}"],
+                   capsys, monkeypatch)  # fmt: skip
+    assert "peft.alpha: checkpoint 16.0, this run 32.0" in err

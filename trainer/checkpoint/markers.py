@@ -158,10 +158,10 @@ def find_checkpoint(path: str, key: str | None = None) -> tuple[str, str | None]
 
     `path` may be a checkpoint (`step-<N>`), a `checkpoints/` directory, or a job's output
     directory (the one holding `checkpoints/`): for the last two, the newest complete one
-    (commit order, as resume=auto) is chosen, and the note names it and any newer damaged
-    one passed over. CheckpointError otherwise: a damaged checkpoint (with the intact one
-    beside it to use instead), a directory without a complete one, or one that is no
-    checkpoint at all. `key` (e.g. "--checkpoint", "checkpoint.init_from") names the
+    (commit order, as resume=auto) is chosen, and the note names it. CheckpointError
+    otherwise: a damaged checkpoint, or a newer damaged one than the one it would choose
+    (with the intact one to give instead, as resume=auto refuses), a directory without a
+    complete one, or one that is no checkpoint at all. `key` (e.g. "--checkpoint", "checkpoint.init_from") names the
     option that gave `path` in the messages. The advice names no option: each caller has
     its own.
     """
@@ -200,10 +200,13 @@ def find_checkpoint(path: str, key: str | None = None) -> tuple[str, str | None]
             f"{advice} of a job that saved a complete one"
         )
     step, chosen = intact[-1]
-    note = f"{given}: using {chosen} (step {step}), the newest of its complete checkpoints"
     after = os.stat(chosen).st_mtime
     passed = [p for _, p in steps if os.stat(p).st_mtime > after and _problem(p) is not None]
-    if passed:  # a newer, damaged checkpoint is never passed over in silence
+    if passed:  # a newer, damaged checkpoint is never passed over: refused, as resume=auto
         newest = max(passed, key=lambda p: os.stat(p).st_mtime)
-        note += f"; passed over the newer {newest}, which cannot be used: {_problem(newest)}"
-    return chosen, note
+        raise CheckpointError(
+            f"{given}: its newest checkpoint, {newest}, cannot be used: {_problem(newest)}; "
+            f"the newest intact one is {chosen} (step {step}): to use it, give it "
+            f"({key + '=' if key else ''}{chosen}), or move {newest} away"
+        )
+    return chosen, f"{given}: using {chosen} (step {step}), the newest of its complete checkpoints"

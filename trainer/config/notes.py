@@ -29,6 +29,11 @@ def startup_notes(cfg: JobConfig) -> list[str]:
             f"parallel.cp_layout={p.cp_layout} has no effect with parallel.cp=1: one "
             "context-parallel rank holds every sequence whole"
         )
+    if cfg.checkpoint.save_frozen and cfg.peft.method == "none":
+        notes.append(
+            "checkpoint.save_frozen=true has no effect with peft.method=none: nothing is "
+            "frozen, so every checkpoint holds every weight"
+        )
     run_samples = t.steps * t.global_batch_size
     total = sum(table.weight for table in cfg.data.mix)
     for i, table in enumerate(cfg.data.mix, start=1):

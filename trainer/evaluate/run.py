@@ -8,7 +8,6 @@ import torch.distributed as dist
 
 from models import get_model_spec
 from parallelisms.dims import ParallelDims
-from parallelisms.init import init_weights_global
 from parallelisms.mesh import build_meshes
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import JobConfig
@@ -16,7 +15,8 @@ from trainer.data.run_data import build_data
 from trainer.data.tokenizers import build_tokenizer
 from trainer.hf.weights import load_hf_weights
 from trainer.loop.evaluation import Evaluator, batch_preparer
-from trainer.loop.resume import accept_base, accept_model, old_holdout
+from trainer.loop.frozen_base import check_base, load_base, recorded_base
+from trainer.loop.resume import accept_model, old_holdout
 from trainer.loop.setup import build_model, init_distributed, preflight, resolve_device
 
 
@@ -38,12 +38,10 @@ def evaluate_weights(cfg: JobConfig, dims: ParallelDims, checkpoint: str | None)
             if cfg.eval.fraction is not None:  # the old hash's held-out documents are not
                 old_holdout(checkpoint, state, cfg)  # these: it trained on most of them
             frozen = state.get("frozen_saved", True)
-            if not frozen:  # LoRA adapters alone: their base first, from where it came
-                accept_base(checkpoint, state, cfg)
-                if cfg.model.init_from_hf:
-                    load_hf_weights(model, spec.hf_adapter, cfg.model.args, cfg.model.init_from_hf)
-                else:
-                    init_weights_global(model, cfg.train.seed)
+            if not frozen:  # LoRA adapters alone: their base first, the one their run had
+                base = recorded_base(checkpoint, state)
+                check_base(checkpoint, base, cfg)
+                load_base(base, model, spec, cfg.model.args, whole=parallel.whole)
             loader.load_model(checkpoint, model, frozen)
             source = f"{checkpoint} (step {state['step']})"
         else:

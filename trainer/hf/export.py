@@ -24,11 +24,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from models import HFFormatError, get_model_spec
 from models.common.lora import adapted_weights, merged
 from models.spec import ModelSpec
-from parallelisms.init import init_weights_global, named_weights
+from parallelisms.init import named_weights
 from trainer.checkpoint.markers import check_checkpoint, read_trainer_state
 from trainer.config.moe_peft import PeftSection
 from trainer.errors import CheckpointError
-from trainer.hf.weights import SafetensorsWriter, hf_entries, load_hf_weights
+from trainer.hf.weights import SafetensorsWriter, hf_entries
 
 
 def checkpoint_spec(path: str) -> tuple[ModelSpec, Any]:
@@ -98,15 +98,14 @@ def _groups(
 
 
 def _base(path: str, spec: ModelSpec, args: Any) -> dict[str, torch.Tensor]:
-    """The frozen base of a LoRA checkpoint saved without it, whole on CPU: its run's
-    `model.init_from_hf` weights, or its `train.seed` init."""
-    config = read_trainer_state(path)["config"]
+    """The frozen base of a LoRA checkpoint saved without it, whole on CPU: the weights its
+    run started from (`trainer.loop.frozen_base`), refused if they are gone or changed."""
+    from trainer.loop.frozen_base import check_base, load_base, recorded_base
+
+    base = recorded_base(path, read_trainer_state(path))
+    check_base(path, base)
     model = spec.build(args)
-    hf_dir = config["model"].get("init_from_hf")
-    if hf_dir:
-        load_hf_weights(model, spec.hf_adapter, args, hf_dir)
-    else:
-        init_weights_global(model, config["train"]["seed"])
+    load_base(base, model, spec, args, whole=None)
     return dict(named_weights(model))
 
 

@@ -73,13 +73,24 @@ class Evaluator:
                 ]
             )
 
-    @torch.no_grad()
     def __call__(
         self, model: nn.Module, pipeline: Callable[[list[Batch]], torch.Tensor] | None = None
     ) -> dict[str, float]:
         """`pipeline`: under pipeline stages, what runs a source's micro-batches through them
         and returns this rank's [cross-entropy sum, tokens] (float64; zeros but on the last
-        stage's ranks)."""
+        stage's ranks). In eval mode (no dropout: no random draws), then back as it was."""
+        modes = {m: m.training for m in model.modules()}
+        model.eval()
+        try:
+            return self._evaluate(model, pipeline)
+        finally:
+            for module, training in modes.items():
+                module.train(training)
+
+    @torch.no_grad()
+    def _evaluate(
+        self, model: nn.Module, pipeline: Callable[[list[Batch]], torch.Tensor] | None
+    ) -> dict[str, float]:
         sums = []  # per source: [cross-entropy sum, tokens], float64
         rings = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
         for batches in self.batches:

@@ -51,16 +51,24 @@ def lora_targets(model: nn.Module, plan: ParallelPlan, peft: PeftSection, name: 
             raise ConfigError(f"peft.targets has attention, but model {name!r} has no attention")
         cores = match_modules(model, plan.attention_core, "attention_core")
         found.update(_linears_under(model, [fqn.rpartition(".")[0] for fqn, _ in cores]))
+    # A plan may name modules that a configuration does not build (shared experts of
+    # a model configured with none, routed experts of one whose layers are all dense).
+    shared = match_modules(model, plan.shared_experts or (), "shared_experts", required=False)
+    routed = match_modules(model, plan.routed_experts or (), "routed_experts", required=False)
     if "shared_experts" in peft.targets:
-        if plan.shared_experts is None:
+        if not shared:
             raise ConfigError(
-                f"peft.targets has shared_experts, but model {name!r} has no shared experts; "
-                "remove it from peft.targets"
+                f"peft.targets has shared_experts, but model {name!r} as configured has no "
+                "shared experts; remove shared_experts from peft.targets"
             )
-        shared = match_modules(model, plan.shared_experts, "shared_experts")
         found.update(_linears_under(model, [fqn for fqn, _ in shared]))
-    if "experts" in peft.targets and plan.routed_experts is not None:
-        for fqn, experts in match_modules(model, plan.routed_experts, "routed_experts"):
+    if "experts" in peft.targets:
+        if not routed:
+            raise ConfigError(
+                f"peft.targets has experts, but model {name!r} as configured has no routed "
+                "experts (every layer is dense); remove experts from peft.targets"
+            )
+        for fqn, experts in routed:
             if type(experts) is not GroupedExperts:
                 raise ConfigError(
                     f"peft.targets has experts, but model {name!r}'s routed experts "

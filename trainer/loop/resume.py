@@ -15,6 +15,7 @@ from trainer.config import JobConfig, config_to_dict
 from trainer.data.holdout import HOLDOUT_HASH
 from trainer.data.packing import PackedDataset
 from trainer.errors import CheckpointError, DataError
+from trainer.loop.frozen_base import check_base, recorded_base
 
 
 def data_identity(dataset: PackedDataset) -> dict[str, Any]:
@@ -62,10 +63,11 @@ def accept_model(path: str, state: dict, cfg: JobConfig, spec: ModelSpec) -> Non
             f"{path} holds another model than this run's ({'; '.join(differ[:6])}); resume "
             "with the checkpoint's model keys, or start a new job.output_dir"
         )
-    # LoRA's adapters are part of the model: which modules carry them and their shapes.
+    # LoRA's adapters are part of the model: which modules carry them, their shapes, and
+    # the scale alpha / rank they are applied with (another alpha is another function).
     saved_peft = state.get("config", {}).get("peft", {"method": "none"})
     ours_peft = config_to_dict(cfg)["peft"]
-    keys = ("method",) if ours_peft["method"] == "none" else ("method", "rank", "targets")
+    keys = ("method",) if ours_peft["method"] == "none" else ("method", "rank", "targets", "alpha")
     differ = [
         f"peft.{k}: checkpoint {saved_peft.get(k)!r}, this run {ours_peft[k]!r}"
         for k in keys
@@ -75,20 +77,6 @@ def accept_model(path: str, state: dict, cfg: JobConfig, spec: ModelSpec) -> Non
         raise CheckpointError(
             f"{path} was trained with other adapters than this run's ({'; '.join(differ)}); "
             "use the checkpoint's [peft] keys"
-        )
-
-
-def accept_base(path: str, state: dict, cfg: JobConfig) -> None:
-    """A checkpoint of LoRA adapters alone resumes on the base its run started from:
-    refuse another `model.init_from_hf` (or, without one, another `train.seed`)."""
-    saved = state.get("config", {})
-    base = saved.get("model", {}).get("init_from_hf"), saved.get("train", {}).get("seed")
-    ours = cfg.model.init_from_hf, cfg.train.seed
-    if base[0] != ours[0] or (base[0] is None and base[1] != ours[1]):
-        was = f"model.init_from_hf={base[0]}" if base[0] else f"train.seed={base[1]}"
-        raise CheckpointError(
-            f"{path} holds LoRA adapters alone (checkpoint.save_frozen=false), trained on the "
-            f"base from {was}; this run's base differs: resume with {was}"
         )
 
 
@@ -122,6 +110,8 @@ def check_resume(path: str, cfg: JobConfig, spec: ModelSpec) -> None:
     accept_model(path, state, cfg, spec)
     accept_seq_len(path, state, cfg)
     old_holdout(path, state, cfg)  # a checkpoint of the old hold-out hash: refused here
+    if not state.get("frozen_saved", True):  # adapters alone: their base must be as it was
+        check_base(path, recorded_base(path, state), cfg)
 
 
 def accept_checkpoint(

@@ -8,6 +8,7 @@ file stays readable: it reads and writes the trainer's own attributes, declared 
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import torch
@@ -16,14 +17,13 @@ from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from models.spec import ModelSpec
-from parallelisms.init import init_weights_global
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import JobConfig, config_to_dict, resume_notes
 from trainer.data.sampler import GlobalBatchSampler
-from trainer.hf.weights import load_hf_weights
+from trainer.loop.frozen_base import check_base, load_base, recorded_base, run_base
 from trainer.loop.guard import StepGuard
 from trainer.loop.peft import init_adapters
-from trainer.loop.resume import accept_base, accept_checkpoint, data_identity
+from trainer.loop.resume import accept_checkpoint, data_identity
 from trainer.loop.stages import Stage, resolve_stage
 
 
@@ -45,6 +45,9 @@ class RunStart:
     notes: list[str]
     checkpointer: Checkpointer
     _stop_requested: bool
+    # Where the frozen weights came from (trainer.loop.frozen_base): saved with checkpoints
+    # that omit them, so every resume, evaluation and export rebuilds the same base.
+    base: dict
 
     def _begin(self) -> str | None:
         """The weights (and, resuming, the whole state) this run starts from: its own
@@ -62,6 +65,7 @@ class RunStart:
         elif cfg.checkpoint.init_from:  # a new stage: weights from there, the rest anew
             self._start_stage(resolve_stage(cfg))
         else:
+            self.base = run_base(cfg, None, None)
             self._init_weights()
         return resume_from
 
@@ -80,18 +84,21 @@ class RunStart:
         return resume_from[0]
 
     def _init_weights(self) -> None:
-        if self.cfg.model.init_from_hf:
-            load_hf_weights(
-                self.model,
-                self.spec.hf_adapter,
-                self.args,
-                self.cfg.model.init_from_hf,
-                whole=self.parallel.whole,  # under pipeline stages
-            )
-        else:
-            init_weights_global(self.model, self.cfg.train.seed)
+        """The base `self.base` names (under pipeline stages, judged against the whole
+        model), then fresh adapters."""
+        load_base(self.base, self.model, self.spec, self.args, whole=self.parallel.whole)
         if self.cfg.peft.method == "lora":
             init_adapters(self.model, self.cfg.train.seed)
+
+    def seed_step(self) -> None:
+        """Seed this rank's RNG for the next step from (train.seed, step, rank).
+
+        NOTE: training's only random draws are dropout's (LoRA's `peft.dropout`); seeding
+        each step from where it stands, not from the RNG state the last step left, makes a
+        resume on the same layout draw the same masks without saving every rank's state.
+        """
+        key = f"{self.cfg.train.seed}:{self.step + 1}:{self.rank}".encode()
+        torch.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little"))
 
     def trainer_state(self) -> dict:
         rng = {"torch": torch.get_rng_state()}
@@ -103,9 +110,10 @@ class RunStart:
             "guard": self.guard.state_dict(),
             # The data position at this step boundary: the same on every rank and layout.
             "data": self.sampler.state_at(self.consumed_samples),
-            "rng": rng,  # rank 0's; training itself draws no random numbers after init
+            "rng": rng,  # rank 0's; each step seeds its own draws (seed_step)
             "config": config_to_dict(self.cfg),
             "data_identity": data_identity(self.loader.dataset),
+            "base": self.base,
         }
 
     def save_checkpoint(self) -> None:
@@ -117,8 +125,9 @@ class RunStart:
         if other_data:
             self.notes.append(f"resuming on other data than {path}'s, as allowed")
         frozen = state.get("frozen_saved", True)
+        self.base = recorded_base(path, state)  # passed on to this run's checkpoints
         if not frozen:  # LoRA's adapters alone: the base first, from where the run took it
-            accept_base(path, state, self.cfg)
+            check_base(path, self.base, self.cfg)
             self._init_weights()
         self.checkpointer.load_weights(path, self.model, self.optimizer, frozen)
         self.step = state["step"]
@@ -139,7 +148,9 @@ class RunStart:
         holds, and its optimizer moments if asked; step, data order, schedule and RNG start
         anew, from this run's config."""
         self.checkpointer.verify(stage.path, resuming=False)  # checksums, on every rank
+        self.base = run_base(self.cfg, stage.path, stage.state)
         if not stage.state.get("frozen_saved", True):  # adapters alone: the base as it came
+            check_base(stage.path, self.base, self.cfg)
             self._init_weights()
         elif self.cfg.peft.method == "lora":  # adapters the checkpoint lacks start fresh
             init_adapters(self.model, self.cfg.train.seed)

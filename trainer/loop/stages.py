@@ -29,7 +29,7 @@ from models.common.lora import is_adapter
 from trainer.checkpoint.markers import find_checkpoint, read_trainer_state
 from trainer.config import ConfigError, JobConfig, config_to_dict
 from trainer.errors import CheckpointError
-from trainer.loop.resume import accept_base
+from trainer.loop.frozen_base import check_base, recorded_base
 
 # What a stage may not change: the keys that pick which model is built.
 _IDENTITY = ("name",)
@@ -108,7 +108,7 @@ def check_stage(stage: Stage, cfg: JobConfig, model: nn.Module) -> None:
     saved = saved_shapes(path)
     frozen_saved = stage.state.get("frozen_saved", True)
     if not frozen_saved:  # LoRA's adapters alone: the base comes from where its run took it
-        accept_base(path, stage.state, cfg)
+        check_base(path, recorded_base(path, stage.state), cfg)
     params = dict(model.named_parameters())
     ours = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     for name, shape in ours.items():

@@ -226,6 +226,7 @@ class Trainer(RunStart, PipelinedSteps):
 
     def train_step(self, micro_batches: list[Batch]) -> dict:
         """One optimizer step over this rank's micro-batches of the global batch."""
+        self.seed_step()
         record = self.forward_backward(micro_batches)
         with named_range("optimizer.step"):
             record.update(self.optimizer_step(record["loss"]))
