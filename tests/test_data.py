@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -129,10 +130,12 @@ def test_stdlib_source_is_real_text_and_deterministic():
     )
     a = build_dataset(stdlib_cfg(max_tokens=50_000), ByteTokenizer())
     b = build_dataset(stdlib_cfg(max_tokens=50_000), ByteTokenizer())
-    assert a.tokens.numel() == 50_000 and torch.equal(a.tokens, b.tokens)
-    text = ByteTokenizer().decode(a.tokens)
+    tokens = a.tokens[:]  # the in-memory stream, with its document index
+    assert len(tokens) == 50_000 and np.array_equal(tokens, b.tokens[:])
+    text = ByteTokenizer().decode(tokens)
     assert "import " in text and "def " in text
-    assert (a.tokens == EOS).sum() >= 1  # several files fit in 50k tokens
+    assert (tokens == EOS).sum() >= 1  # several files fit in 50k tokens
+    assert a.tokens.ends_within(0, 50_000).tolist() == (np.flatnonzero(tokens == EOS) + 1).tolist()
 
 
 def test_text_glob_source(tmp_path):

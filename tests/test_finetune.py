@@ -77,7 +77,10 @@ def test_the_shards_carry_the_mask_and_the_samples_never_cut_a_conversation(chat
     tok = chat_tokenizer(str(chat_model))
     corpus = PreparedCorpus.open(str(prepared))
     assert corpus.loss_mask and corpus.num_documents == len(conversations())
-    eos = tok.convert_tokens_to_ids(SPECIALS[0])
+    # The trainer's EOS is the tokenizer's, <|im_end|>, which ChatML writes after every turn:
+    # a conversation is still one document (ids and positions from the index, not from EOS).
+    eos = tok.eos_token_id
+    assert eos == tok.convert_tokens_to_ids("<|im_end|>")
     data = PackedConversations(corpus, 256, eos, True)
     assert data.left_out == 0 and len(data) < corpus.num_documents  # packed, never cut
     rendered = [render_chat(tok, conv, "x") for conv in conversations()]
@@ -96,6 +99,8 @@ def test_the_shards_carry_the_mask_and_the_samples_never_cut_a_conversation(chat
             targets = np.asarray(want_mask.tolist() + [0])[1 : n + 1].astype(bool)
             counted = (labels[p : p + n] != IGNORE_INDEX).numpy()
             assert counted[: n - 1].tolist() == targets[: n - 1].tolist()
+            assert (sample.document_ids[p : p + n] == sample.document_ids[p]).all()
+            assert sample.position_ids[p : p + n].tolist() == list(range(min(n, 256 - p)))
             k += 1
     assert k == len(rendered)
 

@@ -112,17 +112,22 @@ class PackedConversations(Dataset):
         window = self.seq_len + 1
         ids = np.full(window, self.eos_id, dtype=np.int64)
         mask = np.zeros(window, dtype=bool)
+        # NOTE: document ids from the index, never from EOS ids in the tokens: a template
+        # may write the EOS token inside a conversation (DeepSeek-V3 and Mixtral end every
+        # answer with it), and the conversation must stay one document.
+        doc = np.zeros(window, dtype=np.int64)
         pos = 0
-        for d in range(int(self.first[index]), int(self.first[index + 1])):
+        for k, d in enumerate(range(int(self.first[index]), int(self.first[index + 1]))):
             a, n = int(self.starts[d]), int(self.lengths[d])
             ids[pos : pos + n] = self.tokens[a : a + n]
             mask[pos : pos + n] = self.mask[a : a + n] != 0
+            doc[pos : pos + n] = k
             pos += n
+        doc[pos:] = np.arange(window - pos) + (doc[pos - 1] + 1 if pos else 0)  # padding: one each
         chunk = torch.from_numpy(ids)
         input_ids = chunk[:-1]
         labels = torch.where(torch.from_numpy(mask[1:]), chunk[1:], IGNORE_INDEX)
-        is_eos = (input_ids == self.eos_id).to(torch.int64)
-        document_ids = torch.cumsum(is_eos, 0) - is_eos  # the padding: one EOS document each
+        document_ids = torch.from_numpy(doc[:-1])
         if self.reset_positions:
             position_ids = document_positions(document_ids)
         else:

@@ -15,8 +15,6 @@ from __future__ import annotations
 import hashlib
 import os
 
-import torch
-
 from trainer.config import DataSection
 from trainer.data.conversations import check_some_fit, document_lengths
 from trainer.data.holdout import HOLDOUT_HASH, DocumentView
@@ -153,13 +151,11 @@ def open_corpus(
     source = cfg.source if cfg.path is None else f"{cfg.source} ({cfg.path})"
     corpus_tokens = None if truncated else len(tokens)
     digest = hashlib.sha256(repr(tokenizer_id(tokenizer)).encode())
-    digest.update(memoryview(tokens))
+    digest.update(memoryview(tokens.tokens))
     summary = CorpusSummary(
         source, documents, len(tokens), corpus_tokens, truncated, digest.hexdigest()
     )
-    if holdout is not None:
-        held = torch.from_numpy(held_tokens)
-    return torch.from_numpy(tokens), summary, held
+    return tokens, summary, held_tokens if holdout is not None else None
 
 
 def build_dataset(

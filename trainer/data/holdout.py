@@ -142,5 +142,16 @@ class DocumentView:
             return np.empty(0, dtype=self.tokens.dtype)
         return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 
+    def ends_within(self, start: int, stop: int) -> np.ndarray:
+        """As `ShardedTokens.ends_within`, in this view's positions."""
+        found = []
+        stop = min(stop, self.length)
+        i = max(bisect_right(self.starts, start) - 1, 0)
+        while i < len(self.starts) - 1 and self.starts[i] < stop:
+            ends = self._table(i)[1][1:] + self.starts[i]
+            found.append(ends[(ends > start) & (ends <= stop)])
+            i += 1
+        return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_cache": OrderedDict()}

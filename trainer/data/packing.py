@@ -73,14 +73,37 @@ class CorpusSummary:
         return line
 
 
-def _flatten(pieces: list[np.ndarray], eos_id: int) -> np.ndarray:
+class FlatDocuments:
+    """Documents packed in memory, each followed by EOS: a TokenStream with its document
+    index (`ends_within`), as prepared shards have one."""
+
+    def __init__(self, tokens: np.ndarray, ends: np.ndarray) -> None:
+        self.tokens, self.ends = tokens, ends  # int32 [tokens]; int64 [docs], ascending
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        return self.tokens[index]
+
+    def ends_within(self, start: int, stop: int) -> np.ndarray:
+        """The end offsets e of the documents ending in (start, stop] (e: one past its EOS)."""
+        lo, hi = np.searchsorted(self.ends, [start, min(stop, len(self))], side="right")
+        return self.ends[lo:hi]
+
+
+def _flatten(pieces: list[np.ndarray], eos_id: int, limit: int | None = None) -> FlatDocuments:
+    """`pieces` each followed by EOS, cut after `limit` tokens."""
     flat = np.empty(sum(len(ids) + 1 for ids in pieces), dtype=np.int32)
     pos = 0
     for ids in pieces:
         flat[pos : pos + len(ids)] = ids
         flat[pos + len(ids)] = eos_id
         pos += len(ids) + 1
-    return flat
+    ends = np.cumsum([len(ids) + 1 for ids in pieces], dtype=np.int64)
+    if limit is not None:
+        flat, ends = flat[:limit], ends[ends <= limit]
+    return FlatDocuments(flat, ends)
 
 
 def pack_corpus(
@@ -98,7 +121,7 @@ def pack_corpus(
     `pack_split` for both sides.
     """
     flat, _, documents_read, truncated = pack_split(documents, tokenizer, max_tokens, holdout)
-    return flat, documents_read, truncated
+    return flat.tokens, documents_read, truncated
 
 
 def pack_split(
@@ -106,7 +129,7 @@ def pack_split(
     tokenizer: Tokenizer,
     max_tokens: int | None = None,
     holdout: float | None = None,
-) -> tuple[np.ndarray, np.ndarray, int, bool]:
+) -> tuple[FlatDocuments, FlatDocuments, int, bool]:
     """(training stream, held-out stream, training documents, truncated): `pack_corpus`,
     with the documents `holdout` selects (by index, `trainer.data.holdout.held_out`) packed
     into the second stream instead of the first."""
@@ -123,9 +146,7 @@ def pack_split(
         if max_tokens is not None and total >= max_tokens:
             truncated = total > max_tokens or next(encoded, None) is not None
             break
-    flat = _flatten(kept, tokenizer.eos_id)
-    if max_tokens is not None:
-        flat = flat[:max_tokens]
+    flat = _flatten(kept, tokenizer.eos_id, max_tokens)
     return flat, _flatten(held, tokenizer.eos_id), len(kept), truncated
 
 
@@ -189,10 +210,17 @@ class PackedDataset(Dataset):
         window = np.asarray(self.tokens[start : start + self.seq_len + 1])
         chunk = torch.from_numpy(window.astype(np.int64))  # a writable copy, as int64
         input_ids = chunk[:-1]
-        is_eos = (input_ids == self.eos_id).to(torch.int64)
-        # A token belongs to the document whose EOS count precedes it; the EOS itself still
-        # belongs to the document it ends. Numbering restarts at 0 in every sample.
-        document_ids = torch.cumsum(is_eos, 0) - is_eos
+        ends = getattr(self.tokens, "ends_within", None)
+        if ends is not None:
+            # NOTE: from the document index, never from EOS ids in the tokens: a document's
+            # text may hold the EOS token's text, which the tokenizer reads as that id.
+            is_end = torch.zeros(self.seq_len, dtype=torch.int64)
+            is_end[torch.from_numpy(ends(start, start + self.seq_len) - 1 - start)] = 1
+        else:  # a stream without an index (a plain array or tensor): its EOS ids end them
+            is_end = (input_ids == self.eos_id).to(torch.int64)
+        # A token belongs to the document whose end count precedes it; the last token (EOS)
+        # still belongs to the document it ends. Numbering restarts at 0 in every sample.
+        document_ids = torch.cumsum(is_end, 0) - is_end
         # Here, before any context-parallel split: positions then travel with the tokens.
         if self.reset_positions:
             position_ids = document_positions(document_ids)

@@ -258,6 +258,7 @@ class ShardedTokens:
         self._fds: dict[int, int] = {}
         self._crcs: dict[int, np.ndarray] = {}  # shard -> its block CRC-32s, read on first use
         self._verified: dict[int, bytearray] = {}  # shard -> 1 for each block already checked
+        self._docs: dict[int, np.ndarray] = {}  # shard -> its document ends, read on first use
 
     def __len__(self) -> int:
         return self.length
@@ -324,6 +325,25 @@ class ShardedTokens:
             )
         return tokens
 
+    def _ends(self, i: int) -> np.ndarray:
+        """Shard i's document end offsets within the shard (EOS included), read on first
+        use: int64 [docs]."""
+        if i not in self._docs:
+            self._docs[i] = np.fromfile(self._path(i, DOCS_SUFFIX), dtype="<u8").astype(np.int64)
+        return self._docs[i]
+
+    def ends_within(self, start: int, stop: int) -> np.ndarray:
+        """The end offsets e of the documents ending in (start, stop] of the stream (e is one
+        past the document's EOS), from the shards' document index: int64, ascending."""
+        found = []
+        stop = min(stop, self.length)
+        i = bisect_right(self.starts, start) - 1
+        while i < len(self.names) and self.starts[i] < stop:
+            ends = self._ends(i) + self.starts[i]
+            found.append(ends[(ends > start) & (ends <= stop)])
+            i += 1
+        return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+
     def __getitem__(self, index: slice) -> np.ndarray:
         start, stop, step = index.indices(self.length)
         if step != 1:
@@ -340,7 +360,7 @@ class ShardedTokens:
 
     def __getstate__(self) -> dict[str, Any]:
         # Loader workers open their own files: descriptors do not travel between processes.
-        return {**self.__dict__, "_fds": {}, "_crcs": {}, "_verified": {}}
+        return {**self.__dict__, "_fds": {}, "_crcs": {}, "_verified": {}, "_docs": {}}
 
     def __del__(self) -> None:
         for fd in getattr(self, "_fds", {}).values():
