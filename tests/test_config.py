@@ -379,3 +379,15 @@ def test_a_cp_layout_without_context_parallel_ranks_is_noted():
     assert startup_notes(load_config([])) == []  # the default layout: nothing to say
     cfg = load_config(["--parallel.cp_layout=balanced", "--parallel.cp=2"])
     assert not [n for n in startup_notes(cfg) if "parallel.cp_layout" in n]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "balanced"])
+def test_without_context_parallel_ranks_any_sequence_length_is_accepted(layout):
+    """issue 52, item 15: cp=1 cuts nothing, yet seq_len=63 was refused as "must be divisible
+    by 2 to split it over parallel.cp=1 ranks"."""
+    cfg = load_config(["--data.seq_len=63", f"--parallel.cp_layout={layout}"])
+    assert cfg.data.seq_len == 63
+    pieces = {"zigzag": 4, "contiguous": 2, "balanced": 16}[layout]
+    assert f"must be divisible by {pieces} to split it over parallel.cp=2" in config_error(
+        ["--data.seq_len=63", f"--parallel.cp_layout={layout}", "--parallel.cp=2"]
+    )
