@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         return refuse(err)
     if os.environ.get("RANK", "0") == "0":  # once per run, as the trainer's own lines
-        for note in startup_notes(cfg):
+        for note in startup_notes(cfg, dims):
             print(note, flush=True)
 
     import torch.distributed as dist
