@@ -2,7 +2,8 @@
 
 Bad configs and layouts are refused here, before any process group exists: exit code 2
 and one message, no traceback. A run stopped by too many consecutive bad steps exits 3,
-after saving a checkpoint (`trainer.loop.guard`).
+after saving a checkpoint, and so does a run whose every step was skipped: it trained
+nothing (`trainer.loop.guard`).
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         return refuse(err)
     if os.environ.get("RANK", "0") == "0":  # once per run, as the trainer's own lines
-        for note in startup_notes(cfg):
+        for note in startup_notes(cfg, dims):
             print(note, flush=True)
 
     import torch.distributed as dist
 
-    from trainer.loop.guard import SkipLimitReached
+    from trainer.loop.guard import NoUpdateApplied, SkipLimitReached
     from trainer.loop.trainer import Trainer
 
     try:
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
     except USER_ERRORS as err:  # e.g. a data source that turns out empty
         return refuse(err)
-    except SkipLimitReached as err:  # every rank decided the same, after the save
+    except (SkipLimitReached, NoUpdateApplied) as err:  # every rank decided the same
         return refuse(err, code=3)
     finally:
         if dist.is_initialized():

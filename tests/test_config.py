@@ -381,8 +381,34 @@ def test_a_cp_layout_without_context_parallel_ranks_is_noted():
     assert not [n for n in startup_notes(cfg) if "parallel.cp_layout" in n]
 
 
-def test_save_frozen_without_lora_is_noted():
-    notes = startup_notes(load_config(["--checkpoint.save_frozen=true"]))
-    assert [n for n in notes if n.startswith("checkpoint.save_frozen=true has no effect")]
-    cfg = load_config(["--checkpoint.save_frozen=true", "--peft.method=lora"])
-    assert not [n for n in startup_notes(cfg) if "save_frozen" in n]
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "balanced"])
+def test_without_context_parallel_ranks_any_sequence_length_is_accepted(layout):
+    """issue 52, item 15: cp=1 cuts nothing, yet seq_len=63 was refused as "must be divisible
+    by 2 to split it over parallel.cp=1 ranks"."""
+    cfg = load_config(["--data.seq_len=63", f"--parallel.cp_layout={layout}"])
+    assert cfg.data.seq_len == 63
+    pieces = {"zigzag": 4, "contiguous": 2, "balanced": 16}[layout]
+    assert f"must be divisible by {pieces} to split it over parallel.cp=2" in config_error(
+        ["--data.seq_len=63", f"--parallel.cp_layout={layout}", "--parallel.cp=2"]
+    )
+
+
+def test_a_global_batch_aux_loss_under_accumulation_is_noted_with_its_real_scope():
+    """moe.aux_loss_mode=global_batch spans one accumulation round (docs/parallelisms.md,
+    "Loss and gradient scale"): its value follows the data-parallel degree."""
+    from parallelisms.dims import ParallelDims
+
+    argv = ["--moe.aux_loss_mode=global_batch", "--train.global_batch_size=16"]
+    cfg = load_config([*argv, "--train.micro_batch_size=4"])
+    notes = startup_notes(cfg, ParallelDims.of(cfg.parallel, 2))
+    assert notes == [
+        "moe.aux_loss_mode=global_batch balances over one accumulation round, not the global "
+        "batch: 2 data-parallel rank(s) x train.micro_batch_size=4 = 8 of its 16 sequences, "
+        "so another data-parallel degree gives another aux loss; train.micro_batch_size=8 "
+        "makes the round the whole global batch"
+    ]
+    one = startup_notes(cfg, ParallelDims.of(cfg.parallel, 1))
+    assert len(one) == 1 and "4 of its 16 sequences, the same statistics as micro_batch" in one[0]
+    whole = load_config([*argv, "--train.micro_batch_size=8"])  # no accumulation at 2 ranks
+    assert startup_notes(whole, ParallelDims.of(whole.parallel, 2)) == []
+    assert startup_notes(cfg) == []  # without the layout: nothing to say

@@ -4,7 +4,7 @@ once, and did-you-mean on the key's own name. Parsing and single refusals: test_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import pytest
 
@@ -111,3 +111,26 @@ def test_did_you_mean_ranks_by_the_keys_own_name(typed, meant):
     from trainer.config.suggest import closest_key
 
     assert closest_key(typed, _dotted_keys(*_all_args_classes())) == meant
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
+def test_yarn_keys_are_bounded_for_every_model_that_has_them(name):
+    """issue 52, items 11 and 16: a factor of 0 gave NaN at every step, an original length of
+    0 a `math domain error` in the first forward; both are refused before launch."""
+    assert "rope_factor" in {f.name for f in fields(get_model_spec(name).args_cls)}
+    argv = [f"--model.name={name}", "--model.rope_type=yarn"]
+    for value in ("0", "-2", "0.5"):
+        assert config_error([*argv, f"--model.rope_factor={value}"]).startswith(
+            "model.rope_factor must be >= 1 (the context extension: 1 = none"
+        )
+    message = config_error([*argv, "--model.rope_original_max_position_embeddings=0"])
+    assert message.startswith("model.rope_original_max_position_embeddings must be > 0")
+    assert "model.rope_beta_slow must be > 0" in config_error([*argv, "--model.rope_beta_slow=0"])
+    load_config([*argv, "--model.rope_factor=1"])  # no extension: accepted
+
+
+def test_models_without_yarn_take_no_rope_factor():
+    """Mixtral and OLMoE have plain RoPE only (their readers refuse a scaled config.json)."""
+    for name in ("mixtral", "olmoe"):
+        keys = {f.name for f in fields(get_model_spec(name).args_cls)}
+        assert not {k for k in keys if k.startswith("rope_") and k != "rope_theta"}

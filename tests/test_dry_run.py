@@ -164,6 +164,30 @@ def test_a_worker_count_is_a_count_and_belongs_to_a_search(capsys):
     assert "add --search" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--world-size=0"],  # was a ZeroDivisionError (issue 52, item 12)
+        ["--world-size=-2"],
+        ["--world-size=1", "--ranks-per-node=0"],  # a ZeroDivisionError too
+        ["--world-size=1", "--gpu-memory=-1"],  # was planned, and said to "fit"
+        ["--world-size=1", "--gpu-memory=nan"],
+        ["--world-size=1", "--gpu-tflops=0"],
+        ["--world-size=1", "--efficiency=0"],
+        ["--world-size=1", "--efficiency=1.5"],
+        ["--world-size=1", "--intra-gbps=0"],
+        ["--world-size=1", "--inter-gbps=-50"],
+    ],
+)
+def test_a_count_or_figure_no_machine_has_is_refused_naming_the_flag(flags, capsys):
+    from trainer.dry_run.cli import main
+
+    assert main([*flags, "--config", CONFIG]) == 2
+    err = capsys.readouterr().err
+    flag, _, value = flags[-1].partition("=")
+    assert err.startswith(f"error: {flag} {value!r}: give ") and "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_knob_suggestion_brings_the_layout_in():
     """A budget between the `full` and `none` peaks: the planner says it does not fit and

@@ -14,12 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import train
 from parallelisms.dims import ParallelDims
-from tests.distributed import launch_train, read_metrics, run_distributed
+from tests.distributed import ROOT, launch_train, read_metrics, run_distributed
 from tests.parity import TINY, TINY_DSV3, _full
 from tests.test_mixture import DEBUG, _refused
 from trainer.config import load_config, resume_notes
-from trainer.loop.guard import MIN_SPIKE_HISTORY, StepGuard
+from trainer.loop.guard import MIN_SPIKE_HISTORY, StepGuard, likely_cause
 
 # --- the rule itself ----------------------------------------------------------------------
 
@@ -84,6 +85,52 @@ def test_an_injection_the_run_never_reaches_is_refused_or_noted(capsys, monkeypa
     assert len(notes) == 1 and notes[0].startswith("debug.inject_nonfinite_step=3 injects")
     assert "5..10" in notes[0]
     assert resume_notes(cfg, resume_step=3) == []  # step 4 is still injected
+
+
+def test_the_likely_cause_names_an_auxiliary_loss_that_outweighs_the_token_loss():
+    coefs = {"aux_loss": 0.01, "z_loss": 1e30}
+    record = {"loss": 5.76, "aux_loss": 2.28, "z_loss": 4.31, "skipped": "grad norm inf"}
+    cause = likely_cause(record, coefs, untouched=True)
+    assert cause.startswith("moe.z_loss_coef=1e+30 weighs z_loss 4.31 to 4.31e+30")
+    assert cause.endswith("Lower moe.z_loss_coef (0.001 to 0.01 is usual)")
+    big_aux = likely_cause(record, {"aux_loss": 100.0}, untouched=False)
+    assert big_aux.startswith("model.router_aux_loss_coef=100 weighs aux_loss 2.28 to 228")
+    # Usual weights: not the auxiliary losses. With no update applied, not the lr either.
+    usual = {"aux_loss": 0.01, "z_loss": 0.001}
+    assert "train.lr played no part" in likely_cause(record, usual, untouched=True)
+    assert likely_cause(record, usual, untouched=False).startswith("Lower train.lr")
+    # A non-finite token loss is not the auxiliary losses' doing, even when they are NaN too.
+    nan = {"loss": math.nan, "aux_loss": math.nan, "z_loss": math.nan}
+    assert likely_cause(nan, coefs, untouched=False).startswith("Lower train.lr")
+
+
+def _launch_one_rank(argv: list[str], tmp_path, capsys, monkeypatch) -> tuple[int, str]:
+    """train.main in this process, one rank (the path of a plain `python train.py`)."""
+    monkeypatch.chdir(ROOT)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    code = train.main([*TINY, f"--job.output_dir={tmp_path / 'run'}", *argv])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.slow  # two short trainings, in this process
+def test_a_run_that_applied_no_update_exits_3_naming_the_auxiliary_loss(
+    tmp_path, capsys, monkeypatch
+):
+    """issue 52, items 17 and 23: every step skipped printed "done: loss nan -> nan" and exited
+    0; the skip limit said "Lower train.lr" where moe.z_loss_coef=1e30 overflowed the
+    gradient."""
+    huge = "--moe.z_loss_coef=1e30"
+    code, err = _launch_one_rank([huge, "--train.steps=2"], tmp_path, capsys, monkeypatch)
+    assert code == 3, err
+    assert err.startswith("error: this run applied no update: steps 1-2 were all skipped")
+    assert "moe.z_loss_coef=1e+30 weighs z_loss" in err and "Traceback" not in err
+    # The skip limit, the same advice (the weights of step 0: not train.lr's doing either).
+    argv = [huge, "--train.steps=4", "--train.max_skipped_steps=2"]
+    code, err = _launch_one_rank(argv, tmp_path / "limit", capsys, monkeypatch)
+    assert code == 3, err
+    assert err.startswith("error: steps 1-2 were all skipped (train.max_skipped_steps=2")
+    assert "Lower moe.z_loss_coef" in err and "Lower train.lr" not in err
 
 
 # --- on every layout ----------------------------------------------------------------------

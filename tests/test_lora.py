@@ -102,6 +102,44 @@ def test_expert_parallelism_over_a_configuration_without_experts_names_the_key(m
     assert "set parallel.ep=1" in err and "fix the model's PLAN" not in err
 
 
+@pytest.mark.parametrize(
+    "config,targets,weight,limit",
+    [
+        # k_proj [64, 128] (2 kv heads of 32) is the narrowest weight
+        ("debug_qwen3_moe", '["attention", "experts"]', "layers.0.self_attn.k_proj.weight", 64),
+        # the experts alone: down_proj [E, 128, 64], gate_up_proj [E, 128, 128]
+        ("debug_qwen3_moe", '["experts"]', "layers.1.mlp.experts.down_proj", 64),
+        # MLA's kv_b_proj reads the 32-wide compressed kv
+        ("debug_deepseek_v3", ALL.split("=", 1)[1], "layers.0.self_attn.kv_b_proj.weight", 32),
+    ],
+)
+def test_a_rank_above_an_adapted_weights_rank_is_refused_before_launch(
+    config, targets, weight, limit, capsys, monkeypatch
+):
+    """issue 52, item 22: peft.rank=100000 on width 64 trained 448M adapter parameters."""
+    monkeypatch.chdir(ROOT)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    argv = [f"--config=configs/{config}.toml", "--peft.method=lora", f"--peft.targets={targets}"]
+    assert train.main([*argv, f"--peft.rank={limit + 1}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: peft.rank={limit + 1} is above what the LoRA update of {weight}")
+    assert f"set peft.rank <= {limit}" in err
+    cfg = load_config([*argv, f"--peft.rank={limit}"])  # full rank: accepted
+    spec = get_model_spec(cfg.model.name)
+    with torch.device("meta"):
+        assert apply_lora(spec.build(cfg.model.args), spec.plan, cfg.peft, cfg.model.name) > 0
+
+
+def test_save_frozen_without_lora_is_noted():
+    from trainer.config import startup_notes
+
+    notes = startup_notes(load_config(["--checkpoint.save_frozen=true"]))
+    assert [n for n in notes if n.startswith("checkpoint.save_frozen=true has no effect")]
+    cfg = load_config(["--checkpoint.save_frozen=true", "--peft.method=lora"])
+    assert not [n for n in startup_notes(cfg) if "save_frozen" in n]
+
+
 def test_experts_without_a_lora_form_are_refused():
     cfg = load_config(["--config=configs/debug_gpt_oss.toml", "--peft.method=lora"])
     spec = get_model_spec(cfg.model.name)

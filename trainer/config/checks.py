@@ -58,7 +58,10 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
         if not ok:
             problems.append(problem)
 
-    pieces = {"zigzag": 2 * p.cp, "balanced": CP_CHUNKS_PER_RANK * p.cp}.get(p.cp_layout, p.cp)
+    # The chunks a layout cuts each sequence into; at cp=1 nothing is cut (the batch
+    # preparer splits only when cp > 1), so any length the model takes is fine.
+    chunks = {"zigzag": 2 * p.cp, "balanced": CP_CHUNKS_PER_RANK * p.cp}.get(p.cp_layout, p.cp)
+    pieces = chunks if p.cp > 1 else 1
     need(
         p.cp_layout != "balanced" or d.document_mask is not False,
         "parallel.cp_layout=balanced lays each micro-batch out by its documents' work, so it "

@@ -13,7 +13,8 @@ class MoESection:
     aux_loss_mode: str = arg(
         "micro_batch",
         "micro_batch (Switch loss on each forward's statistics) | global_batch (on the "
-        "statistics of all data-parallel ranks' forwards of one accumulation round) | "
+        "statistics of all data-parallel ranks' forwards of one accumulation round, so under "
+        "accumulation it follows the data-parallel degree) | "
         "sequence (DeepSeek-V3's sequence-wise loss, mean over the batch's sequences)",
         choices=("micro_batch", "global_batch", "sequence"),
     )

@@ -1,4 +1,5 @@
-"""Values a run accepts that do nothing in it: one console line each, not a refusal.
+"""Values a run accepts that do nothing in it (or, given the layout, something other than
+their name says): one console line each, not a refusal.
 
 A refusal is for a value no run can use (`checks.py`); these are fine in another run (a
 longer one, one with more context-parallel ranks, one started from scratch), so the run goes
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from parallelisms.dims import ParallelDims
 from trainer.config.schema import JobConfig, ParallelSection
 
 
@@ -18,10 +20,33 @@ def _default(cls: type, name: str) -> object:
     return next(f.default for f in fields(cls) if f.name == name)
 
 
-def startup_notes(cfg: JobConfig) -> list[str]:
-    """What in `cfg` has no effect in this run, whatever it resumes from."""
+def _global_aux_note(cfg: JobConfig, dims: ParallelDims) -> list[str]:
+    """`moe.aux_loss_mode=global_batch` under accumulation: its statistics span one round
+    (every data-parallel rank's micro-batch), not the global batch, so the aux loss follows
+    the data-parallel degree (trainer.loop.losses.aux_loss_share); at one data-parallel
+    rank a round is one micro-batch, micro_batch's statistics exactly."""
+    t = cfg.train
+    if cfg.moe.aux_loss_mode != "global_batch":
+        return []
+    rounds = dims.grad_accum(t.global_batch_size, t.micro_batch_size)
+    if rounds == 1:  # the round is the global batch: what the name says, on every layout
+        return []
+    dp = dims.dp_size
+    same = ", the same statistics as micro_batch" if dp == 1 else ""
+    return [
+        f"moe.aux_loss_mode=global_batch balances over one accumulation round, not the global "
+        f"batch: {dp} data-parallel rank(s) x train.micro_batch_size={t.micro_batch_size} = "
+        f"{dp * t.micro_batch_size} of its {t.global_batch_size} sequences{same}, so another "
+        "data-parallel degree gives another aux loss; train.micro_batch_size="
+        f"{t.global_batch_size // dp} makes the round the whole global batch"
+    ]
+
+
+def startup_notes(cfg: JobConfig, dims: ParallelDims | None = None) -> list[str]:
+    """What in `cfg` has no effect in this run, whatever it resumes from, or (with the
+    layout, `dims`) acts other than its name says."""
     p, t = cfg.parallel, cfg.train
-    notes = []
+    notes = [] if dims is None else _global_aux_note(cfg, dims)
     # Only a layout other than the default: the config does not record which keys were set,
     # and a note on every one-rank run's default would be noise.
     if p.cp == 1 and p.cp_layout != _default(ParallelSection, "cp_layout"):

@@ -29,6 +29,7 @@ import json
 import sys
 import time
 
+from trainer.dry_run.flags import HW_FLAGS, count, figure, hardware_overrides
 from trainer.dry_run.layout_cost import (
     MODES,
     Layout,
@@ -53,9 +54,6 @@ from trainer.dry_run.search import (
 from trainer.fileio import write_atomic
 
 GIB = 2**30
-# flags that override the --hardware preset's figures (trainer.dry_run.search.Hardware)
-HW_FLAGS = {"--gpu-tflops": "tflops", "--efficiency": "efficiency", "--intra-gbps": "intra_gbps",
-            "--inter-gbps": "inter_gbps", "--ranks-per-node": "ranks_per_node"}  # fmt: skip
 
 
 # --- the report --------------------------------------------------------------------------
@@ -286,10 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.errors import USER_ERRORS
 
     try:
-        if flags["--world-size"] is None or not flags["--world-size"].isdigit():
+        if flags["--world-size"] is None:
             raise ConfigError("give the launch's size: --world-size N (all ranks of all nodes)")
-        world_size = int(flags["--world-size"])
-        gpu_memory = float(flags["--gpu-memory"]) if flags["--gpu-memory"] else None
+        world_size = count("--world-size", flags["--world-size"], 1)
+        gpu_memory = (
+            figure("--gpu-memory", flags["--gpu-memory"]) if flags["--gpu-memory"] else None
+        )
         workers = flags["--workers"]
         if workers is not None and not workers.isdigit():
             raise ConfigError(f"--workers {workers!r}: give a count of processes, 0 or more")
@@ -300,9 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(
                 f"--hardware {flags['--hardware']!r}: use one of {', '.join(PRESETS)}"
             )
-        hw = hardware(flags["--hardware"], **{
-            field: (int if field == "ranks_per_node" else float)(flags[flag])
-            for flag, field in HW_FLAGS.items() if flags[flag]})  # fmt: skip
+        hw = hardware(flags["--hardware"], **hardware_overrides(flags))
         if not any(a == "--config" or a.startswith("--config=") for a in rest):
             raise ConfigError("no --config given: pass --config FILE.toml")
         cfg = load_config(rest)
@@ -322,9 +320,6 @@ def main(argv: list[str] | None = None) -> int:
         by_kind = rates_by_kind(rates, flops, hw) if rates else None
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    except ValueError as err:  # --gpu-memory or a hardware figure not a number
-        print(f"error: --gpu-memory and the hardware flags take numbers: {err}", file=sys.stderr)
         return 2
 
     import torch.distributed as dist

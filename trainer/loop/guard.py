@@ -11,7 +11,9 @@ the last `train.skip_spike_window` applied steps, judged once `MIN_SPIKE_HISTORY
 are in (the config refuses a smaller window). Both figures are already all-reduced before
 the decision (the loss sum in `StepLoss.end`, the norm in `clip.grad_norm`), so every rank
 takes the same decision from the same bits, with no collective and no host sync of its own.
-`train.max_skipped_steps` consecutive skips stop the run (`SkipLimitReached`).
+`train.max_skipped_steps` consecutive skips stop the run (`SkipLimitReached`), and a run
+whose every step was skipped ends as a failure too (`NoUpdateApplied`); both say what most
+likely made the steps non-finite (`likely_cause`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,49 @@ from trainer.config.schema import MIN_SPIKE_HISTORY
 
 class SkipLimitReached(Exception):
     """Too many consecutive steps were skipped: the run stops (exit 3) after saving."""
+
+
+class NoUpdateApplied(Exception):
+    """Every step of this run was skipped: it trained nothing, so it does not end as a
+    success (exit 3, as a run stopped by bad steps), whatever train.max_skipped_steps."""
+
+
+# An auxiliary loss whose weighted value exceeds this many times the token loss is named as
+# the likely cause of a non-finite step. NOTE: the usual weights (1e-3 to 1e-2 for the
+# balance loss, 1e-3 for the z-loss) keep these terms at hundredths of the token loss; ten
+# times it means the routers' losses drive the gradient, and a gradient that overflows while
+# the token loss is finite then comes from them.
+AUX_DOMINATES = 10.0
+
+# The record's figure of each auxiliary loss, and the key of its weight.
+AUX_WEIGHTS = {"aux_loss": "model.router_aux_loss_coef", "z_loss": "moe.z_loss_coef"}
+
+
+def likely_cause(record: dict[str, Any], coefs: dict[str, float], untouched: bool) -> str:
+    """What to change after skipped steps, from the last one's `record`: an auxiliary loss
+    (`coefs`: its weight by record figure, as in AUX_WEIGHTS) that is not finite or outweighs
+    the token loss, named with its key; else, when no update was applied since the weights
+    the run started from (`untouched`), not the learning rate; else the learning rate."""
+    loss = record["loss"]
+    if math.isfinite(loss):  # a non-finite token loss is not the auxiliary losses' doing
+        for figure, key in AUX_WEIGHTS.items():
+            value, coef = record.get(figure), coefs.get(figure, 0.0)
+            if value is None or not coef:
+                continue
+            weighted = coef * value
+            if not math.isfinite(weighted) or abs(weighted) > AUX_DOMINATES * abs(loss):
+                return (
+                    f"{key}={coef:g} weighs {figure} {value:.4g} to {weighted:.4g}, against a "
+                    f"token loss of {loss:.4g}: the routers' loss drives the gradient. Lower "
+                    f"{key} (0.001 to 0.01 is usual)"
+                )
+    if untouched:
+        return (
+            "No update was applied since the weights this run started from, so train.lr "
+            "played no part: check the model's keys ([model]), the weights it started from "
+            "and the data"
+        )
+    return "Lower train.lr or inspect the data of those steps"
 
 
 @dataclass(frozen=True)
@@ -103,15 +148,24 @@ class StepGuard:
             f"({self.consecutive} in a row, {self.skipped_total} in this run)"
         )
 
-    def limit_error(self, step: int, reason: str) -> SkipLimitReached:
-        """What stops the run once `limit_reached` (after the trainer saved step `step`)."""
+    def limit_error(self, step: int, reason: str, cause: str) -> SkipLimitReached:
+        """What stops the run once `limit_reached` (after the trainer saved step `step`);
+        `cause`: `likely_cause`'s advice."""
         first = step - self.consecutive + 1
         return SkipLimitReached(
             f"steps {first}-{step} were all skipped (train.max_skipped_steps="
             f"{self.max_consecutive}; the last: {reason}); saved checkpoint step-{step} holding "
             f"the last good state, the weights of step {first - 1}, with the data past the "
-            "skipped batches. Lower train.lr or inspect the data of those steps, then resume "
-            "(checkpoint.resume=auto)"
+            f"skipped batches. {cause}, then resume (checkpoint.resume=auto)"
+        )
+
+    @staticmethod
+    def nothing_applied_error(first: int, last: int, reason: str, cause: str) -> NoUpdateApplied:
+        """What ends a run whose steps `first`-`last` were all skipped."""
+        steps = f"step {last} was" if first == last else f"steps {first}-{last} were all"
+        return NoUpdateApplied(
+            f"this run applied no update: {steps} skipped (the last: {reason}), so its weights "
+            f"are those it started from (step {first - 1}). {cause}"
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -79,10 +79,37 @@ def lora_targets(model: nn.Module, plan: ParallelPlan, peft: PeftSection, name: 
     return found
 
 
+def _adapted_shapes(fqn: str, module: nn.Module) -> list[tuple[str, int, int]]:
+    """(weight name, out features, in features) of each weight a target's adapters update."""
+    if isinstance(module, GroupedExperts):
+        _, two_hidden, dim = module.gate_up_proj.shape
+        _, _, hidden = module.down_proj.shape
+        return [(f"{fqn}.gate_up_proj", two_hidden, dim), (f"{fqn}.down_proj", dim, hidden)]
+    return [(f"{fqn}.weight", module.out_features, module.in_features)]
+
+
+def check_rank(targets: dict[str, nn.Module], rank: int) -> None:
+    """Refuse a rank above min(out, in) of an adapted weight: B @ A [out, in] has rank at most
+    min(out, in), so a larger r adds adapter parameters (r * (out + in) per weight) and
+    optimizer state without adding anything the update can express."""
+    shapes = [shape for fqn, module in targets.items() for shape in _adapted_shapes(fqn, module)]
+    if not shapes:
+        return
+    weight, out, inp = min(shapes, key=lambda s: min(s[1], s[2]))
+    limit = min(out, inp)
+    if rank > limit:
+        raise ConfigError(
+            f"peft.rank={rank} is above what the LoRA update of {weight} ([{out}, {inp}]) can "
+            f"use: B @ A has rank at most {limit}, and a larger rank only adds parameters; set "
+            f"peft.rank <= {limit}, or drop that module's kind from peft.targets"
+        )
+
+
 def apply_lora(model: nn.Module, plan: ParallelPlan, peft: PeftSection, name: str) -> int:
     """Give the targets adapters (their LoRA forms hold the same base Parameters) and freeze
     everything else. Returns the number of adapted modules."""
     targets = lora_targets(model, plan, peft, name)
+    check_rank(targets, peft.rank)
     for fqn, module in targets.items():
         form = LoRAGroupedExperts if isinstance(module, GroupedExperts) else LoRALinear
         _swap(model, fqn, form.around(module, peft.rank, peft.alpha, peft.dropout))

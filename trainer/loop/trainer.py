@@ -34,7 +34,7 @@ from trainer.data.tokenizers import build_tokenizer
 from trainer.errors import DataError
 from trainer.loop.balance import attach_bias_update
 from trainer.loop.evaluation import Evaluator, batch_preparer
-from trainer.loop.guard import StepGuard, poison_one_gradient
+from trainer.loop.guard import StepGuard, likely_cause, poison_one_gradient
 from trainer.loop.losses import BalanceTerms, StepLoss, model_inputs
 from trainer.loop.optim import build_optimizer, set_lr
 from trainer.loop.pipelined import PipelinedSteps
@@ -290,12 +290,20 @@ class Trainer(RunStart, PipelinedSteps):
             signal.signal(signal.SIGTERM, previous_handler)
             self.logger.close()  # flush TensorBoard / W&B
 
-    def _on_skipped(self, reason: str) -> None:
+    def _skip_cause(self, record: dict, weights_step: int) -> str:
+        """`likely_cause`'s advice after skipped step `record`, the weights being step
+        `weights_step`'s."""
+        coefs = {"aux_loss": self.terms.aux_loss_coef, "z_loss": self.cfg.moe.z_loss_coef}
+        return likely_cause(record, coefs, untouched=weights_step == self._start_step)
+
+    def _on_skipped(self, record: dict) -> None:
+        reason = record["skipped"]
         self.logger.info(self.guard.note(self.step, reason))
         if self.guard.limit_reached:  # the weights are the last good ones: nothing moved
             self.save_checkpoint()
             self.checkpointer.wait()
-            raise self.guard.limit_error(self.step, reason)
+            cause = self._skip_cause(record, self.step - self.guard.consecutive)
+            raise self.guard.limit_error(self.step, reason, cause)
 
     def _fit(self) -> list[dict]:
         cfg = self.cfg
@@ -305,6 +313,8 @@ class Trainer(RunStart, PipelinedSteps):
             self.grad_accum, self.device, parallel.stage_blocks, parallel.embedding_on_last,
         ):  # fmt: skip
             self.logger.info(line)
+        self._start_step = self.step  # the step of the weights this run started from
+        stopped = False
         if self.step >= cfg.train.steps:
             self.logger.info(
                 f"nothing to do: this run already reached train.steps={cfg.train.steps} (step "
@@ -336,18 +346,26 @@ class Trainer(RunStart, PipelinedSteps):
             if due or {"expert_load", "skipped", "eval_loss"} & record.keys():
                 self.logger.log(record)  # expert load is computed for logging only
             if "skipped" in record:
-                self._on_skipped(record["skipped"])
+                self._on_skipped(record)
             self.checkpointer.poll()
             if self._stop_agreed():
                 self.logger.info(f"SIGTERM: saving step {self.step} and stopping")
                 self.save_checkpoint()
+                stopped = True  # to be resumed: not judged as a finished run
                 break
             interval = cfg.checkpoint.interval
             if interval and (self.step % interval == 0 or self.step == cfg.train.steps):
                 self.save_checkpoint()
         self.checkpointer.wait()
-        if self.history:
-            first, last = self.history[0], self.history[-1]
+        applied = [r for r in self.history if "skipped" not in r]
+        if self.history and not applied and not stopped:  # every rank: the verdicts are global
+            last = self.history[-1]
+            cause = self._skip_cause(last, self._start_step)
+            raise self.guard.nothing_applied_error(
+                self._start_step + 1, last["step"], last["skipped"], cause
+            )
+        if applied:  # a skipped step's loss is not the model's: from the applied ones
+            first, last = applied[0], applied[-1]
             self.logger.info(
                 f"done: loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
                 f"(step {last['step']})"
