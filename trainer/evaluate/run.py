@@ -10,12 +10,14 @@ from models import get_model_spec
 from parallelisms.dims import ParallelDims
 from parallelisms.init import init_weights_global
 from parallelisms.mesh import build_meshes
+from parallelisms.pipeline import SharedEmbedding
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import JobConfig
 from trainer.data.run_data import build_data
 from trainer.data.tokenizers import build_tokenizer
 from trainer.hf.weights import load_hf_weights
 from trainer.loop.evaluation import Evaluator, batch_preparer
+from trainer.loop.pipelined import embedding_names, pipeline_evaluation
 from trainer.loop.resume import accept_base, accept_model, old_holdout
 from trainer.loop.setup import build_model, init_distributed, preflight, resolve_device
 
@@ -68,7 +70,12 @@ def evaluate_weights(cfg: JobConfig, dims: ParallelDims, checkpoint: str | None)
             terms,
             cfg.data.document_mask,
         )
-        record = {"weights": source, **evaluator(model)}
+        if parallel.embedding_on_last:  # a V's last stage copy on this rank, as loaded
+            SharedEmbedding(
+                parallel.stages, embedding_names(parallel.whole, spec.plan), None
+            ).sync()
+        stages = pipeline_evaluation(cfg, parallel, meshes, device, terms)  # None: pp=1
+        record = {"weights": source, **evaluator(model, stages)}
         dist.barrier()
         return record if dist.get_rank() == 0 else None
     finally:
