@@ -379,3 +379,21 @@ def test_a_cp_layout_without_context_parallel_ranks_is_noted():
     assert startup_notes(load_config([])) == []  # the default layout: nothing to say
     cfg = load_config(["--parallel.cp_layout=balanced", "--parallel.cp=2"])
     assert not [n for n in startup_notes(cfg) if "parallel.cp_layout" in n]
+
+
+def test_virtual_stages_that_the_schedule_does_not_read_are_noted():
+    pp2 = ["--parallel.pp=2", "--parallel.pp_virtual_stages=3"]
+    for schedule, held in (("1F1B", "one stage"), ("DualPipeV", "two stages in a V")):
+        (note,) = startup_notes(load_config([*pp2, f"--parallel.pp_schedule={schedule}"]))
+        assert note.startswith(
+            f"parallel.pp_virtual_stages=3 has no effect with parallel.pp_schedule={schedule}"
+        )
+        assert held in note and "Interleaved1F1B" in note
+    (note,) = startup_notes(load_config(["--parallel.pp_virtual_stages=3"]))
+    assert note.startswith("parallel.pp_virtual_stages=3 has no effect with parallel.pp=1")
+    # where it acts, and the default under any schedule: nothing to say
+    assert startup_notes(load_config([*pp2, "--parallel.pp_schedule=Interleaved1F1B"])) == []
+    assert (
+        startup_notes(load_config(["--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble"]))
+        == []
+    )
