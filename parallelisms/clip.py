@@ -12,17 +12,20 @@ from torch.distributed.tensor import DTensor
 
 @torch.no_grad()
 def grad_norm(
-    params: Iterable[torch.Tensor], stages: dist.ProcessGroup | None = None
+    params: Iterable[torch.Tensor],
+    stages: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """L2 norm of all gradients, equal to the norm of the unsharded gradients. `stages`:
-    the pipeline's group, whose ranks hold the other stages' parameters.
+    the pipeline's group, whose ranks hold the other stages' parameters. `device`: where
+    the norm lives when no gradient says (a stage that trains no parameter still joins
+    the pipeline's all-reduce, whose backend may need the accelerator's tensors).
 
     Squared sums of local shards are grouped by (mesh, sharded mesh dims), and each group
     is all-reduced once over exactly the dims its tensors are sharded on: replicated dims
     already hold the same values and must not be counted twice.
     """
     groups: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float32))
-    device = None
     for p in params:
         g = p.grad
         if g is None:

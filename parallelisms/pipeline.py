@@ -214,7 +214,8 @@ class SharedEmbedding:
 
 
 class Pipeline:
-    """This rank's stages and the schedule that runs them for a step."""
+    """This rank's stages and the schedule that runs them for a step (the held-out loss runs
+    them forward only: `parallelisms.pipeline_forward`)."""
 
     def __init__(
         self,
@@ -233,10 +234,8 @@ class Pipeline:
         self.stages, self.indices, self.num_stages = stages, indices, num_stages
         self.has_first = 0 in indices
         self.has_last = num_stages - 1 in indices
-        self.schedule_name, self.group, self.device, self.metas = schedule, group, device, metas
+        self.schedule_name, self.group, self.device = schedule, group, device
         self.schedule = self._schedule(metas, micro_batches, loss_fn)
-        # (micro-batch rows, micro-batches) -> a forward-only schedule of that shape
-        self._eval_schedules: dict[tuple[int, int], Any] = {}
 
     def _schedule(self, metas: dict, micro_batches: int, loss_fn: Callable[..., torch.Tensor]):
         pipe_stages = [
@@ -288,45 +287,3 @@ class Pipeline:
         kwargs = {k: v for k, v in inputs.items() if v is not None}
         args = (input_ids,) if self.has_first else ()
         self.schedule.step(*args, target=target if self.has_last else None, **kwargs)
-
-    @torch.no_grad()
-    def evaluate(
-        self,
-        input_ids: torch.Tensor,
-        target: torch.Tensor,
-        micro_batches: int,
-        loss_fn: Callable[..., torch.Tensor],
-        **inputs: torch.Tensor | None,
-    ) -> list[torch.Tensor]:
-        """Forward only: `micro_batches` micro-batches stacked on dim 0 through the stages;
-        the last stage's `loss_fn(output, target)` of each (empty on other ranks).
-
-        NOTE: stages exchange buffers of static shapes, so each micro-batch shape gets its
-        own `PipelineStage`s over the same stage modules, and its schedule is kept for
-        reuse. The routers add no loss: nothing is backpropagated.
-        """
-        rows = input_ids.shape[0] // micro_batches
-        key = (rows, micro_batches)
-        if key not in self._eval_schedules:
-            resized = {i: (_rows(a, rows), _rows(b, rows)) for i, (a, b) in self.metas.items()}
-            self._eval_schedules[key] = self._schedule(resized, micro_batches, loss_fn)
-        kwargs = {k: v for k, v in inputs.items() if v is not None}
-        args = (input_ids,) if self.has_first else ()
-        losses: list[torch.Tensor] = []
-        routers = [stage.router_loss for stage in self.stages]
-        self.set_router_loss(None)
-        try:
-            self._eval_schedules[key].eval(
-                *args, target=target if self.has_last else None, losses=losses, **kwargs
-            )
-        finally:
-            for stage, router_loss in zip(self.stages, routers, strict=True):
-                stage.router_loss = router_loss
-        return losses
-
-
-def _rows(meta: Any, rows: int) -> Any:
-    """An example tensor (or a tuple of them) with `rows` rows."""
-    if isinstance(meta, tuple):
-        return tuple(_rows(m, rows) for m in meta)
-    return meta.new_empty((rows, *meta.shape[1:]))

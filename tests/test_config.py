@@ -19,7 +19,6 @@ from trainer.config import (
     config_to_dict,
     format_help,
     load_config,
-    startup_notes,
     validate,
 )
 
@@ -373,14 +372,6 @@ def test_validate_accepts_defaults_and_checks_a_built_config():
         validate(bad)
 
 
-def test_a_cp_layout_without_context_parallel_ranks_is_noted():
-    notes = startup_notes(load_config(["--parallel.cp_layout=balanced"]))
-    assert [n for n in notes if n.startswith("parallel.cp_layout=balanced has no effect")]
-    assert startup_notes(load_config([])) == []  # the default layout: nothing to say
-    cfg = load_config(["--parallel.cp_layout=balanced", "--parallel.cp=2"])
-    assert not [n for n in startup_notes(cfg) if "parallel.cp_layout" in n]
-
-
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous", "balanced"])
 def test_without_context_parallel_ranks_any_sequence_length_is_accepted(layout):
     """issue 52, item 15: cp=1 cuts nothing, yet seq_len=63 was refused as "must be divisible
@@ -391,24 +382,3 @@ def test_without_context_parallel_ranks_any_sequence_length_is_accepted(layout):
     assert f"must be divisible by {pieces} to split it over parallel.cp=2" in config_error(
         ["--data.seq_len=63", f"--parallel.cp_layout={layout}", "--parallel.cp=2"]
     )
-
-
-def test_a_global_batch_aux_loss_under_accumulation_is_noted_with_its_real_scope():
-    """moe.aux_loss_mode=global_batch spans one accumulation round (docs/parallelisms.md,
-    "Loss and gradient scale"): its value follows the data-parallel degree."""
-    from parallelisms.dims import ParallelDims
-
-    argv = ["--moe.aux_loss_mode=global_batch", "--train.global_batch_size=16"]
-    cfg = load_config([*argv, "--train.micro_batch_size=4"])
-    notes = startup_notes(cfg, ParallelDims.of(cfg.parallel, 2))
-    assert notes == [
-        "moe.aux_loss_mode=global_batch balances over one accumulation round, not the global "
-        "batch: 2 data-parallel rank(s) x train.micro_batch_size=4 = 8 of its 16 sequences, "
-        "so another data-parallel degree gives another aux loss; train.micro_batch_size=8 "
-        "makes the round the whole global batch"
-    ]
-    one = startup_notes(cfg, ParallelDims.of(cfg.parallel, 1))
-    assert len(one) == 1 and "4 of its 16 sequences, the same statistics as micro_batch" in one[0]
-    whole = load_config([*argv, "--train.micro_batch_size=8"])  # no accumulation at 2 ranks
-    assert startup_notes(whole, ParallelDims.of(whole.parallel, 2)) == []
-    assert startup_notes(cfg) == []  # without the layout: nothing to say

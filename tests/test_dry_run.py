@@ -212,3 +212,54 @@ def test_all_to_all_bytes_follow_the_routed_rows():
     expected = rows * 128 * 4 * (2 - 1) // 2 * 2 * 2
     assert plan["per_step"]["ep_all_to_all"] == expected
     assert plan["per_step"]["ep_all_to_all_full_ac"] == expected * 3 // 2  # + the replay
+
+
+def _plan_in_process(world_size: int, config: str, *overrides: str) -> dict:
+    from trainer.dry_run.cli import main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "plan.json")
+        assert (
+            main([f"--world-size={world_size}", "--config", config, *overrides, "--json", out]) == 0
+        )
+        with open(out) as f:
+            return json.load(f)
+
+
+def test_pipeline_stages_with_lora_plan_the_adapters_alone_as_trained():
+    """pp with LoRA (stage 0's embedding, measured alone, trains nothing): the gradients
+    are the adapters' fp32 bytes, counted from the LoRA model itself; the frozen base is
+    in the parameters but neither in the gradients nor in the reduce-scatter."""
+    import torch
+
+    from models import get_model_spec
+    from trainer.config import load_config
+    from trainer.loop.peft import apply_lora
+
+    lora = ["--parallel.pp=2", "--peft.method=lora"]
+    plan = _plan_in_process(2, CONFIG, *lora)
+    full = _plan_in_process(2, CONFIG, "--parallel.pp=2")
+    cfg = load_config(["--config", CONFIG, *lora])
+    spec = get_model_spec(cfg.model.name)
+    with torch.device("meta"):
+        model = spec.build(cfg.model.args)
+        apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    adapters = sum(p.numel() for p in model.parameters()) - sum(
+        p.numel() for p in spec.build(cfg.model.args).parameters()
+    )
+    assert trained == adapters  # only the adapters train
+    # one rank per stage: no shard padding, every stage's gradients on its own rank
+    assert sum(r["grads"] for r in plan["per_rank"]) == 4 * trained
+    assert (
+        sum(r["params"] for r in plan["per_rank"])
+        == sum(r["params"] for r in full["per_rank"]) + 4 * adapters
+    )
+    assert sum(r["grads"] for r in plan["per_rank"]) < sum(r["grads"] for r in full["per_rank"]) / 5
+    assert plan["fsdp_gather"]["step"]["reduce_scatter"] == plan["per_rank"][1]["grads"]
+    # Mixtral 8x7B, 2 stages of 8 ranks: plans, and reduces the adapters' gradients alone.
+    mixtral = os.path.join(ROOT, "configs", "mixtral_8x7b.toml")
+    big = _plan_in_process(16, mixtral, *lora)
+    step = big["fsdp_gather"]["step"]
+    assert 0 < step["reduce_scatter"] < step["all_gather"] / 100
+    assert all(r["grads"] < r["params"] / 100 for r in big["per_rank"])

@@ -59,7 +59,7 @@ EVAL_LAYOUTS = {
     "ep2": (2, ["--parallel.ep=2"]),
     "cp2": (2, ["--parallel.cp=2"]),
     "cp2_ep2": (2, ["--parallel.cp=2", "--parallel.ep=2"]),
-    # forward only through pipeline stages; padded to the 2 micro-batches 1F1B needs
+    # forward only through pipeline stages (parallelisms/pipeline_forward.py)
     "pp2_cp2_ep2": (4, ["--parallel.pp=2", "--parallel.cp=2", "--parallel.ep=2"]),
 }
 

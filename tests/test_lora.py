@@ -131,15 +131,6 @@ def test_a_rank_above_an_adapted_weights_rank_is_refused_before_launch(
         assert apply_lora(spec.build(cfg.model.args), spec.plan, cfg.peft, cfg.model.name) > 0
 
 
-def test_save_frozen_without_lora_is_noted():
-    from trainer.config import startup_notes
-
-    notes = startup_notes(load_config(["--checkpoint.save_frozen=true"]))
-    assert [n for n in notes if n.startswith("checkpoint.save_frozen=true has no effect")]
-    cfg = load_config(["--checkpoint.save_frozen=true", "--peft.method=lora"])
-    assert not [n for n in startup_notes(cfg) if "save_frozen" in n]
-
-
 def test_experts_without_a_lora_form_are_refused():
     cfg = load_config(["--config=configs/debug_gpt_oss.toml", "--peft.method=lora"])
     spec = get_model_spec(cfg.model.name)

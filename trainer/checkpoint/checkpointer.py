@@ -77,6 +77,18 @@ def _options(frozen: bool) -> StateDictOptions:
     return _OPTIONS if frozen else _TRAINED_ONLY
 
 
+def _state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, options: StateDictOptions
+) -> dict[str, dict]:
+    """{"model": ..., "optim": ...}: what DCP saves and loads of this rank. `optimizer`
+    None: this rank trains nothing (a pipeline stage whose parameters LoRA all froze), so
+    it holds no optimizer state; the other ranks' keys stay theirs."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model, options=options)}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    return {"model": model_sd, "optim": optim_sd}
+
+
 class Checkpointer:
     """Saves and restores {model, optimizer} via DCP plus the trainer's own small state."""
 
@@ -116,9 +128,14 @@ class Checkpointer:
         os.replace(path + ".tmp", path)
 
     def save(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, trainer_state: dict
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        step: int,
+        trainer_state: dict,
     ) -> None:
-        """Start writing step `step`; blocks only for staging when async (all ranks call)."""
+        """Start writing step `step`; blocks only for staging when async (all ranks call).
+        `optimizer` None: this rank trains no parameter (see `_state`)."""
         self.wait()  # one save in flight at a time
         final = os.path.join(self.root, f"step-{step}")
         tmp = os.path.join(self.root, f".tmp-step-{step}")
@@ -129,9 +146,7 @@ class Checkpointer:
                     shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         dist.barrier()
         trainer_state = {**trainer_state, "frozen_saved": self.save_frozen}
-        options = _options(self.save_frozen)
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = _state(model, optimizer, _options(self.save_frozen))
         needed = self._check_room(state, final)
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._async_group)
@@ -329,14 +344,20 @@ class Checkpointer:
             )
 
     def load_weights(
-        self, path: str, model: nn.Module, optimizer: torch.optim.Optimizer, frozen: bool = True
+        self,
+        path: str,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        frozen: bool = True,
     ) -> None:
         """Restore model and optimizer in place from `path` (any layout; call `read` first);
-        `frozen` as in `load_model`."""
+        `frozen` as in `load_model`; `optimizer` None: the model alone (see `_state`)."""
         options = _options(frozen)
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = _state(model, optimizer, options)
         dcp.load(state, checkpoint_id=path)
+        if optimizer is None:
+            set_model_state_dict(model, state["model"], options=options)
+            return
         set_state_dict(
             model,
             optimizer,

@@ -59,6 +59,20 @@ def startup_notes(cfg: JobConfig, dims: ParallelDims | None = None) -> list[str]
             "checkpoint.save_frozen=true has no effect with peft.method=none: nothing is "
             "frozen, so every checkpoint holds every weight"
         )
+    virtual = p.pp_virtual_stages
+    if virtual != _default(ParallelSection, "pp_virtual_stages"):
+        if p.pp == 1:
+            notes.append(
+                f"parallel.pp_virtual_stages={virtual} has no effect with parallel.pp=1: no "
+                "pipeline runs; it sets the stages per rank of pp_schedule=Interleaved1F1B"
+            )
+        elif p.pp_schedule != "Interleaved1F1B":
+            held = "one stage" if p.pp_schedule == "1F1B" else "two stages in a V"
+            notes.append(
+                f"parallel.pp_virtual_stages={virtual} has no effect with parallel.pp_schedule="
+                f"{p.pp_schedule}, which holds {held} per rank; it sets the stages per rank of "
+                "pp_schedule=Interleaved1F1B alone"
+            )
     run_samples = t.steps * t.global_batch_size
     total = sum(table.weight for table in cfg.data.mix)
     for i, table in enumerate(cfg.data.mix, start=1):

@@ -69,7 +69,7 @@ class ShardedState:
 
 
 def sharded_state(
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     world_size: int,
     weight: dict[int, float] | None = None,
     frozen: list[nn.Parameter] = (),
@@ -86,14 +86,19 @@ def sharded_state(
     many times a parameter counts, for the blocks `sample_blocks` stands in for. Update:
     `update_transient`, scaled to each rank's unpadded shards as the state is. `frozen`:
     parameters outside the optimizer (LoRA's base): their shards, and no gradient.
+    `optimizer` None: nothing trains (`build_optimizer`), only `frozen` counts.
     """
     weight = weight or {}
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer else []
 
     def storage(tensors) -> float:  # FSDP2 gives every parameter its own padded storage
         return sum(
             weight.get(id(p), 1.0) * local_tensor(p).untyped_storage().nbytes() for p in tensors
         )
+
+    if optimizer is None:  # e.g. a pipeline stage's embedding under LoRA, measured alone
+        none = [0] * world_size
+        return ShardedState([round(storage(frozen))] * world_size, none, none, none)
 
     padded, frozen_bytes = storage(params), round(storage(frozen))
     local = {id(p): nn.Parameter(torch.empty_like(local_tensor(p))) for p in params}

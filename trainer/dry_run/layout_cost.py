@@ -86,7 +86,8 @@ def _units(model, plan, param_dtype, module_weight: dict[int, float]) -> list[Fs
             group = p.device_mesh.size(names.index("efsdp" if "efsdp" in names else "fsdp"))
             padded = p._local_tensor.untyped_storage().nbytes() // p.element_size()
             gathered += padded * group * dtype.itemsize
-            grads += padded * group * 4  # reduced in fp32 (parallelisms.fsdp)
+            if p.requires_grad:  # frozen (LoRA's base): no gradient, nothing to reduce
+                grads += padded * group * 4  # reduced in fp32 (parallelisms.fsdp)
             copied += padded * dtype.itemsize  # the shard, cast into the all-gather input
         weight = module_weight.get(id(module), 1.0)  # a sampled block stands for its twins
         block = owner_block.get(id(module))

@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-from parallelisms.dims import ParallelDims, world_size_from_env
+from parallelisms.dims import ParallelDims, pipeline_micro_batches_needed, world_size_from_env
 from trainer.config import ConfigError, JobConfig, load_config
 from trainer.errors import USER_ERRORS, refuse
 
@@ -63,12 +63,18 @@ def check_json_path(path: str) -> None:
     raise ConfigError(f"--json {path} {problem}: {fix}")
 
 
-def _evaluation_only(cfg: JobConfig, dp_size: int) -> None:
+def _evaluation_only(cfg: JobConfig, dims: ParallelDims) -> None:
     """Clear what only training reads, so that the shared start-up checks judge the
     evaluation: the training batch's split over ranks (evaluation reads eval.micro_batch_size)
     and where a run starts from (evaluation loads --checkpoint or --hf, never the job's own
     checkpoints or checkpoint.init_from)."""
-    cfg.train.global_batch_size = cfg.train.micro_batch_size * dp_size
+    # A training batch any layout splits: the fewest micro-batches per rank the pipeline
+    # schedule takes (one without stages). Evaluation runs its own micro-batches forward only
+    # (parallelisms/pipeline_forward.py), which no schedule constrains.
+    rounds = 1
+    while pipeline_micro_batches_needed(cfg.parallel.pp_schedule, dims.pp, rounds) is not None:
+        rounds += 1
+    cfg.train.global_batch_size = cfg.train.micro_batch_size * dims.dp_size * rounds
     cfg.checkpoint.resume = "none"
     cfg.checkpoint.init_from = None
 
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         p = cfg.parallel
         dims = ParallelDims.of(p, world_size_from_env())
-        _evaluation_only(cfg, dims.dp_size)
+        _evaluation_only(cfg, dims)
         # torch-heavy: once the input is good
         from trainer.checkpoint.markers import find_checkpoint
         from trainer.evaluate.run import evaluate_weights

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from models import get_model_spec
 from parallelisms.dims import ParallelDims
 from parallelisms.mesh import build_meshes
+from parallelisms.pipeline import SharedEmbedding
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import JobConfig
 from trainer.data.run_data import build_data
@@ -16,6 +17,7 @@ from trainer.data.tokenizers import build_tokenizer
 from trainer.hf.weights import load_hf_weights
 from trainer.loop.evaluation import Evaluator, batch_preparer
 from trainer.loop.frozen_base import check_base, load_base, recorded_base
+from trainer.loop.pipelined import embedding_names, pipeline_evaluation
 from trainer.loop.resume import accept_model, old_holdout
 from trainer.loop.setup import build_model, init_distributed, preflight, resolve_device
 
@@ -45,8 +47,9 @@ def evaluate_weights(cfg: JobConfig, dims: ParallelDims, checkpoint: str | None)
             loader.load_model(checkpoint, model, frozen)
             source = f"{checkpoint} (step {state['step']})"
         else:
-            load_hf_weights(model, spec.hf_adapter, cfg.model.args, cfg.model.init_from_hf)
-            source = cfg.model.init_from_hf
+            hf_dir = cfg.model.init_from_hf
+            load_hf_weights(model, spec.hf_adapter, cfg.model.args, hf_dir, whole=parallel.whole)
+            source = hf_dir
         tokenizer = build_tokenizer(cfg.data)
         data = build_data(cfg.data, cfg.eval, tokenizer, cfg.model.args.vocab_size, corpora)
         terms = spec.loss_terms(cfg.model.args)
@@ -66,7 +69,12 @@ def evaluate_weights(cfg: JobConfig, dims: ParallelDims, checkpoint: str | None)
             terms,
             cfg.data.document_mask,
         )
-        record = {"weights": source, **evaluator(model)}
+        if parallel.embedding_on_last:  # a V's last stage copy on this rank, as loaded
+            SharedEmbedding(
+                parallel.stages, embedding_names(parallel.whole, spec.plan), None
+            ).sync()
+        stages = pipeline_evaluation(cfg, parallel, meshes, device, terms)  # None: pp=1
+        record = {"weights": source, **evaluator(model, stages)}
         dist.barrier()
         return record if dist.get_rank() == 0 else None
     finally:

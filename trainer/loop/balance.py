@@ -64,15 +64,17 @@ class BiasUpdate:
 
 def attach_bias_update(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     rate: float,
     group: dist.ProcessGroup | None = None,
 ) -> BiasUpdate | None:
     """Register the bias update on `optimizer` for every bias router of `model`; None when
-    the model has none."""
+    the model has none. `optimizer` None (this rank trains no parameter): the caller runs
+    the update where the optimizer step would be."""
     routers = [m for m in model.modules() if isinstance(m, GroupLimitedRouter)]
     if not routers:
         return None
     update = BiasUpdate(routers, rate, group)
-    optimizer.register_step_pre_hook(update)
+    if optimizer is not None:
+        optimizer.register_step_pre_hook(update)
     return update

@@ -49,20 +49,15 @@ class Evaluator:
         prepare: Callable[[Batch], Batch],
         terms: LossTerms,
         document_mask: bool,
-        enough: Callable[[int], bool] | None = None,
     ) -> None:
         """`prepare`: a micro-batch as the model takes it on this rank (device, MTP inputs,
-        this rank's part of each sequence under CP): the same path as training's.
-        `enough(n)`: whether n micro-batches per source can run (a pipeline schedule's
-        need); fewer are padded with micro-batches that count no token."""
+        this rank's part of each sequence under CP): the same path as training's."""
         self.names = [h.name for h in held_out]
         self.prepare, self.terms, self.document_mask = prepare, terms, document_mask
         self.batches: list[list[Batch]] = []  # per source: this rank's micro-batches (CPU)
         for h in held_out:
             per_rank = -(-h.samples // dp_size)
             rounds = -(-per_rank // micro_batch_size)
-            while enough is not None and not enough(rounds):
-                rounds += 1
             mine = [h.dataset[i] for i in _share(h.samples, dp_rank, dp_size)]
             pad = _no_tokens(h.dataset[0])
             mine += [pad] * (rounds * micro_batch_size - len(mine))

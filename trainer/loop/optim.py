@@ -11,8 +11,10 @@ from torch.distributed.tensor import DTensor
 from trainer.config import TrainSection
 
 
-def build_optimizer(model: nn.Module, cfg: TrainSection) -> torch.optim.AdamW:
-    """AdamW; 1-D parameters (norm weights, biases) get no weight decay.
+def build_optimizer(model: nn.Module, cfg: TrainSection) -> torch.optim.AdamW | None:
+    """AdamW; 1-D parameters (norm weights, biases) get no weight decay. None when `model`
+    trains no parameter: a pipeline stage whose parameters LoRA all froze (e.g. a dense
+    first layer with adapters on the experts alone), which torch's optimizers refuse.
 
     NOTE: parameters are grouped by device mesh too: the foreach kernels take one list per
     group, and DTensor refuses one op over tensors of different meshes (dense params live
@@ -28,6 +30,8 @@ def build_optimizer(model: nn.Module, cfg: TrainSection) -> torch.optim.AdamW:
         {"params": params, "weight_decay": cfg.weight_decay if decay else 0.0}
         for (decay, _), params in groups.items()
     ]
+    if not param_groups:
+        return None
     return torch.optim.AdamW(
         param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True
     )
@@ -61,13 +65,14 @@ def lr_factor(step: int, cfg: TrainSection) -> float:
     raise ValueError(f"unknown train.schedule {cfg.schedule!r}")
 
 
-def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainSection) -> float:
-    """Set the learning rate of the update made at optimizer step `step`; returns it.
+def set_lr(optimizer: torch.optim.Optimizer | None, step: int, cfg: TrainSection) -> float:
+    """Set the learning rate of the update made at optimizer step `step`; returns it
+    (`optimizer` None: nothing to set, see `build_optimizer`).
 
     NOTE: a pure function of the step, not an LR-scheduler object: its whole state is the
     step, so a checkpoint resumes it on any layout (whose parameter groups may differ).
     """
     lr = cfg.lr * lr_factor(step, cfg)
-    for group in optimizer.param_groups:
+    for group in optimizer.param_groups if optimizer is not None else []:
         group["lr"] = lr
     return lr

@@ -6,12 +6,21 @@ whole model's expert load. A mixin of `trainer.loop.trainer.Trainer`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from parallelisms.dims import pipeline_micro_batches_needed, stage_rank
+from models.common.plan import ParallelPlan
+from models.spec import LossTerms
+from parallelisms.dims import stage_rank
+from parallelisms.mesh import Meshes
+from parallelisms.parallelize import Parallelized
 from parallelisms.pipeline import Pipeline, SharedEmbedding
+from parallelisms.pipeline_forward import ForwardOnly
 from parallelisms.plan import match_modules
+from trainer.config import JobConfig
 from trainer.data.batch import IGNORE_INDEX, Batch
 from trainer.loop.evaluation import token_loss_sum64
 from trainer.loop.losses import model_inputs
@@ -26,6 +35,10 @@ class PipelinedSteps:
         parameters the gradient norm counts: each once, not a stage's copy."""
         cfg = self.cfg
         self.pipeline, self.shared_embedding = None, None
+        # the held-out loss of a source's micro-batches through the stages (trainer.loop.evaluation)
+        self.forward_only = pipeline_evaluation(
+            cfg, self.parallel, self.meshes, self.device, self.terms
+        )
         if self.meshes.pp is not None:
             self.pipeline = Pipeline(
                 self.parallel.stages,
@@ -50,12 +63,8 @@ class PipelinedSteps:
         """The embedding copies of the first and last stage, when the head reads it."""
         if not self.parallel.embedding_on_last:
             return None
-        whole, plan, pp, mine = self.parallel.whole, self.spec.plan, self.dims.pp, None
-        names = {
-            f"{fqn}.{name}"
-            for fqn, module in match_modules(whole, plan.embedding, "embedding")
-            for name, _ in module.named_parameters()
-        }
+        pp, mine = self.dims.pp, None
+        names = embedding_names(self.parallel.whole, self.spec.plan)
         if stage_rank(self.parallel.num_stages - 1, pp, self.cfg.parallel.pp_schedule) == 0:
             return SharedEmbedding(self.parallel.stages, names, None)  # both on each pp rank 0
         # NOTE: every rank creates every pair's group, in the same order (torch requires it);
@@ -90,7 +99,7 @@ class PipelinedSteps:
 
     def _pipeline_step(self, micro_batches: list[Batch]) -> None:
         """The step's micro-batches through the pipeline schedule, stacked on dim 0."""
-        ids, kwargs, labels = self._stacked(micro_batches)
+        ids, kwargs, labels = stacked(micro_batches, self.terms, self.cfg.data.document_mask)
         target = labels
         if self.terms.mtp_depth:
             mtp_labels = torch.cat([mb.mtp_labels for mb in micro_batches])
@@ -99,33 +108,6 @@ class PipelinedSteps:
         if self.shared_embedding is not None:
             self.shared_embedding.reduce_grads()
 
-    def _stacked(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, dict, torch.Tensor]:
-        """(input_ids, keyword inputs, labels) of `micro_batches`, stacked on dim 0."""
-
-        def cat(name: str) -> torch.Tensor:
-            return torch.cat([getattr(mb, name) for mb in micro_batches])
-
-        inputs = model_inputs(micro_batches[0], self.terms, self.cfg.data.document_mask)
-        kwargs = {key: cat(key) for key in ("position_ids", *inputs)}
-        return cat("input_ids"), kwargs, cat("labels")
-
-    def _pipeline_can_run(self, micro_batches: int) -> bool:
-        need = pipeline_micro_batches_needed(
-            self.cfg.parallel.pp_schedule, self.dims.pp, micro_batches
-        )
-        return need is None
-
-    def _pipeline_eval(self, micro_batches: list[Batch]) -> torch.Tensor:
-        """[cross-entropy sum, tokens] (float64) of held-out micro-batches, forward only
-        through the stages; counted on the last stage's ranks alone."""
-        ids, kwargs, labels = self._stacked(micro_batches)
-        losses = self.pipeline.evaluate(ids, labels, len(micro_batches), _eval_loss, **kwargs)
-        total = torch.zeros(2, dtype=torch.float64)
-        if self.pipeline.has_last:
-            total[0] = sum(loss.cpu() for loss in losses)
-            total[1] = (labels != IGNORE_INDEX).sum().cpu()
-        return total
-
     def _whole_model_load(self) -> torch.Tensor | None:
         """The step's expert load of every pipeline stage ([L, E], this rank's data)."""
         mine = {k: v.cpu() for k, v in self.step_loss.stage_loads.items()}
@@ -133,6 +115,59 @@ class PipelinedSteps:
         dist.all_gather_object(every, mine, group=self.meshes.pp.get_group())
         loads = {k: v for part in every for k, v in part.items()}
         return torch.cat([loads[k] for k in sorted(loads)]) if loads else None
+
+
+def embedding_names(whole: nn.Module, plan: ParallelPlan) -> set[str]:
+    """The embedding's parameter names in the whole model (a head may read them)."""
+    return {
+        f"{fqn}.{name}"
+        for fqn, module in match_modules(whole, plan.embedding, "embedding")
+        for name, _ in module.named_parameters()
+    }
+
+
+def stacked(
+    micro_batches: list[Batch], terms: LossTerms, document_mask: bool
+) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """(input_ids, keyword inputs, labels) of `micro_batches`, stacked on dim 0."""
+
+    def cat(name: str) -> torch.Tensor:
+        return torch.cat([getattr(mb, name) for mb in micro_batches])
+
+    inputs = model_inputs(micro_batches[0], terms, document_mask)
+    kwargs = {key: cat(key) for key in ("position_ids", *inputs)}
+    return cat("input_ids"), kwargs, cat("labels")
+
+
+def pipeline_evaluation(
+    cfg: JobConfig, parallel: Parallelized, meshes: Meshes, device: torch.device, terms: LossTerms
+) -> Callable[[list[Batch]], torch.Tensor] | None:
+    """Under pipeline stages (None without): what `Evaluator` runs a source's held-out
+    micro-batches with, forward only through the stages (parallelisms/pipeline_forward.py):
+    this rank's [cross-entropy sum, tokens] (float64), counted on the last stage's ranks
+    alone (zeros on the others)."""
+    if meshes.pp is None:
+        return None
+    forward = ForwardOnly(
+        parallel.stages,
+        parallel.stage_indices,
+        parallel.num_stages,
+        cfg.parallel.pp_schedule,
+        meshes.pp.get_group(),
+        device,
+        parallel.stage_metas,
+    )
+
+    def run(micro_batches: list[Batch]) -> torch.Tensor:
+        ids, kwargs, labels = stacked(micro_batches, terms, cfg.data.document_mask)
+        losses = forward(ids, labels, len(micro_batches), _eval_loss, **kwargs)
+        total = torch.zeros(2, dtype=torch.float64)
+        if forward.has_last:
+            total[0] = sum(loss.cpu() for loss in losses)
+            total[1] = (labels != IGNORE_INDEX).sum().cpu()
+        return total
+
+    return run
 
 
 def _eval_loss(output, labels: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,7 @@ class Trainer(RunStart, PipelinedSteps):
         self.model, self.parallel = build_model(cfg, self.spec, self.meshes, self.device)
         self.dispatchers = self.parallel.dispatchers
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # None on a pipeline stage that trains no parameter (LoRA froze all it holds)
         self.optimizer = build_optimizer(self.model, cfg.train)
         # Routers with a correction bias move it before every update (their counts summed
         # over the ranks that hold the global batch: this pipeline stage's).
@@ -136,7 +137,6 @@ class Trainer(RunStart, PipelinedSteps):
                 self.prepare_batch,
                 self.terms,
                 cfg.data.document_mask,
-                enough=self._pipeline_can_run if self.pipeline is not None else None,
             )
 
     def _build_metrics(self, resumed_from: str | None) -> None:
@@ -204,7 +204,8 @@ class Trainer(RunStart, PipelinedSteps):
         if 0 < first <= self.step + 1 < first + debug.inject_nonfinite_count:
             poison_one_gradient(self.params)
         # All-reduced (over the pipeline stages too): every rank holds the global norm.
-        norm = grad_norm(self.norm_params, self.meshes.pp.get_group() if self.meshes.pp else None)
+        stages = self.meshes.pp.get_group() if self.meshes.pp else None
+        norm = grad_norm(self.norm_params, stages, self.device)
         # The schedule counts applied updates: a skipped step does not advance it.
         lr = set_lr(self.optimizer, self.step - self.guard.skipped_total, self.cfg.train)
         verdict = self.guard.judge(loss, norm.item())
@@ -213,10 +214,14 @@ class Trainer(RunStart, PipelinedSteps):
                 self.bias_update.discard()
         else:
             clip_grads_(self.params, self.cfg.train.max_grad_norm, norm)
-            self.optimizer.step()
+            if self.optimizer is not None:
+                self.optimizer.step()
+            elif self.bias_update is not None:  # no optimizer to run it as its pre-step hook
+                self.bias_update()
             if self.shared_embedding is not None:
                 self.shared_embedding.sync()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         record = {"step": self.step, "grad_norm": norm.item(), "lr": lr}
         record["skipped_steps"] = self.guard.skipped_total
@@ -239,7 +244,7 @@ class Trainer(RunStart, PipelinedSteps):
         if due and self.pipeline is not None:  # every stage's layers, in model order
             load = self._whole_model_load()
         if load is not None and due:
-            record.update(balance_figures(load))
+            record.update(balance_figures(load, self.meshes.batch_group()))
         if self.dispatchers:
             traffic = [d.reset_traffic() for d in self.dispatchers]
             record["a2a_bytes"] = sum(t.sent for t in traffic)
@@ -266,8 +271,7 @@ class Trainer(RunStart, PipelinedSteps):
     def evaluate(self) -> dict[str, float]:
         """The held-out loss of the current weights (trainer.loop.evaluation); the training
         state is untouched, and the EP bytes it moved are not the step's."""
-        pipeline = self._pipeline_eval if self.pipeline is not None else None
-        record = self.evaluator(self.model, pipeline)
+        record = self.evaluator(self.model, self.forward_only)
         for dispatcher in self.dispatchers:
             dispatcher.reset_traffic()
         return record

@@ -1,0 +1,60 @@
+"""Values a run accepts that do nothing in it, or act other than their name says: one
+console line each (`trainer/config/notes.py`), never a refusal."""
+
+from __future__ import annotations
+
+from trainer.config import load_config, startup_notes
+
+
+def test_a_cp_layout_without_context_parallel_ranks_is_noted():
+    notes = startup_notes(load_config(["--parallel.cp_layout=balanced"]))
+    assert [n for n in notes if n.startswith("parallel.cp_layout=balanced has no effect")]
+    assert startup_notes(load_config([])) == []  # the default layout: nothing to say
+    cfg = load_config(["--parallel.cp_layout=balanced", "--parallel.cp=2"])
+    assert not [n for n in startup_notes(cfg) if "parallel.cp_layout" in n]
+
+
+def test_a_global_batch_aux_loss_under_accumulation_is_noted_with_its_real_scope():
+    """moe.aux_loss_mode=global_batch spans one accumulation round (docs/parallelisms.md,
+    "Loss and gradient scale"): its value follows the data-parallel degree."""
+    from parallelisms.dims import ParallelDims
+
+    argv = ["--moe.aux_loss_mode=global_batch", "--train.global_batch_size=16"]
+    cfg = load_config([*argv, "--train.micro_batch_size=4"])
+    notes = startup_notes(cfg, ParallelDims.of(cfg.parallel, 2))
+    assert notes == [
+        "moe.aux_loss_mode=global_batch balances over one accumulation round, not the global "
+        "batch: 2 data-parallel rank(s) x train.micro_batch_size=4 = 8 of its 16 sequences, "
+        "so another data-parallel degree gives another aux loss; train.micro_batch_size=8 "
+        "makes the round the whole global batch"
+    ]
+    one = startup_notes(cfg, ParallelDims.of(cfg.parallel, 1))
+    assert len(one) == 1 and "4 of its 16 sequences, the same statistics as micro_batch" in one[0]
+    whole = load_config([*argv, "--train.micro_batch_size=8"])  # no accumulation at 2 ranks
+    assert startup_notes(whole, ParallelDims.of(whole.parallel, 2)) == []
+    assert startup_notes(cfg) == []  # without the layout: nothing to say
+
+
+def test_virtual_stages_that_the_schedule_does_not_read_are_noted():
+    pp2 = ["--parallel.pp=2", "--parallel.pp_virtual_stages=3"]
+    for schedule, held in (("1F1B", "one stage"), ("DualPipeV", "two stages in a V")):
+        (note,) = startup_notes(load_config([*pp2, f"--parallel.pp_schedule={schedule}"]))
+        assert note.startswith(
+            f"parallel.pp_virtual_stages=3 has no effect with parallel.pp_schedule={schedule}"
+        )
+        assert held in note and "Interleaved1F1B" in note
+    (note,) = startup_notes(load_config(["--parallel.pp_virtual_stages=3"]))
+    assert note.startswith("parallel.pp_virtual_stages=3 has no effect with parallel.pp=1")
+    # where it acts, and the default under any schedule: nothing to say
+    assert startup_notes(load_config([*pp2, "--parallel.pp_schedule=Interleaved1F1B"])) == []
+    assert (
+        startup_notes(load_config(["--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble"]))
+        == []
+    )
+
+
+def test_save_frozen_without_lora_is_noted():
+    notes = startup_notes(load_config(["--checkpoint.save_frozen=true"]))
+    assert [n for n in notes if n.startswith("checkpoint.save_frozen=true has no effect")]
+    cfg = load_config(["--checkpoint.save_frozen=true", "--peft.method=lora"])
+    assert not [n for n in startup_notes(cfg) if "save_frozen" in n]
