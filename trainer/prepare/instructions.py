@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from trainer.errors import DataError
+from trainer.prepare.chat_template import check_syntax, read_template, rendering, template_origin
 
 FORMATS = ("text", "chat", "prompt_completion")
 ROLES = ("system", "user", "assistant", "tool")
@@ -73,14 +74,7 @@ def chat_tokenizer(path: str, template_file: str | None = None) -> Any:
             "(tokenizer.json and tokenizer_config.json)"
         ) from None
     if template_file is not None:
-        try:
-            with open(template_file, encoding="utf-8") as f:
-                tok.chat_template = f.read()
-        except OSError as err:
-            raise DataError(
-                f"--chat-template {template_file!r}: cannot read it ({err.strerror}); give "
-                "the path of a Jinja chat template file"
-            ) from None
+        tok.chat_template = read_template(template_file)
     if not getattr(tok, "chat_template", None):
         raise DataError(
             f"the tokenizer in {directory} has no chat template (no chat_template in its "
@@ -88,6 +82,7 @@ def chat_tokenizer(path: str, template_file: str | None = None) -> Any:
             "conversations with it; use the model's own directory, or --format "
             "prompt_completion"
         )
+    check_syntax(tok, template_origin(path, template_file))
     return tok
 
 
@@ -133,9 +128,17 @@ def has_generation_markers(template: str) -> bool:
 
 
 def render_chat(
+    tok: Any, messages: list[dict[str, str]], where: str, origin: str = "its template"
+) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) of one conversation: int64 [T] and uint8 [T], EOS not included. What the
+    template raises is refused naming `where` and the template (`origin`)."""
+    with rendering(origin, where):
+        return _render_chat(tok, messages, where)
+
+
+def _render_chat(
     tok: Any, messages: list[dict[str, str]], where: str
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, mask) of one conversation: int64 [T] and uint8 [T], EOS not included."""
     if has_generation_markers(tok.chat_template):
         out = tok.apply_chat_template(
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
@@ -264,7 +267,8 @@ def document(job: dict, line: str, where: Callable[[], str]) -> tuple[np.ndarray
     """(ids, mask) of one non-blank JSON line, EOS not included: int64 [T], uint8 [T]."""
     record = parse(line, where)
     if job["format"] == "chat":
-        return render_chat(_tokenizer(job), check_messages(record, where()), where())
+        origin = template_origin(job["tokenizer_arg"], job.get("chat_template"))
+        return render_chat(_tokenizer(job), check_messages(record, where()), where(), origin)
     prompt, completion = check_prompt_completion(record, where())
     if job["tokenizer_path"] is None:  # the byte tokenizer: ids are the UTF-8 bytes
         p, c = list(prompt.encode("utf-8")), list(completion.encode("utf-8"))
