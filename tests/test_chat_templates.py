@@ -264,3 +264,41 @@ def test_an_empty_chat_template_file_is_refused_by_name(tmp_path, capsys):
     assert prepare([*_chat_argv(tmp_path, CONVERSATIONS[:1]), "--chat-template", str(file)]) == 2
     err = capsys.readouterr().err
     assert f"--chat-template {str(file)!r} is empty" in err and "has no chat template" not in err
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_long_conversation_tokenized_in_pieces_gives_apply_chat_templates_ids(
+    tokenizers, name, monkeypatch
+):
+    """The shape of a 16 MB conversation at test size: its rendering is tokenized in pieces
+    of a few hundred characters (chat_tokens.py), and ids and mask are the whole one's."""
+    from trainer.prepare import chat_tokens, long_docs
+
+    for attr, value in (("PIECE_CHARS", 400), ("CHECK_CHARS", 64)):
+        monkeypatch.setattr(long_docs, attr, value)
+    monkeypatch.setattr(chat_tokens, "BATCH_CHARS", 1500)
+    words = " ".join(m["content"] for conv in CONVERSATIONS for m in conv)
+    conv = [_m("system", words), _m("user", words * 2), _m("assistant", words * 6),
+            _m("user", "Again."), _m("assistant", words * 4 + "\nDone.")]  # fmt: skip
+    tok, (header, end) = tokenizers[name], CASES[name][-1]
+    full = tok.apply_chat_template(conv, tokenize=False)
+    assert len(chat_tokens.Tokens(tok, full, lambda: "x").bases) > len(full) // 800  # cut
+    ids, mask = render_chat(tok, conv, "x:1")
+    assert ids.tolist() == list(tok.apply_chat_template(conv, tokenize=True, return_dict=False))
+    offsets = tok(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    assert mask.tolist() == _expected_mask(full, offsets, header, end)
+
+
+def test_an_instruction_line_over_the_limit_is_refused_by_line(tmp_path, capsys, monkeypatch):
+    from trainer.data import reader
+    from trainer.prepare import instructions
+
+    monkeypatch.setattr(instructions, "MAX_LINE_BYTES", 4000)
+    monkeypatch.setattr(reader, "READ_BYTES", 257)  # the line comes in many reads
+    words = " ".join(m["content"] for conv in CONVERSATIONS for m in conv)
+    long = [_m("user", "Say it all."), _m("assistant", words * 20)]
+    argv = _chat_argv(tmp_path, [CONVERSATIONS[4], long, CONVERSATIONS[0]])
+    assert prepare(argv) == 2
+    err = capsys.readouterr().err
+    assert f"c.jsonl:2: this conversation is longer than {4000 / 2**20:g} MiB" in err, err
+    assert "split it into several lines" in err

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -80,7 +80,7 @@ def check_syntax(tok: Any, origin: str) -> None:
 
 
 @contextmanager
-def rendering(origin: str, where: str) -> Iterator[None]:
+def rendering(origin: str, where: str | Callable[[], str]) -> Iterator[None]:
     """Turn what the template raises while rendering the conversation on input line `where`
     into a refusal naming the line, the template and its message."""
     import jinja2
@@ -91,7 +91,7 @@ def rendering(origin: str, where: str) -> Iterator[None]:
         raised = type(err) is jinja2.TemplateError
         what = f"raised {str(err)!r}" if raised else f"failed ({type(err).__name__}: {err})"
         raise DataError(
-            f"{where}: the chat template ({origin}) {what} rendering the conversation on this "
+            f"{where() if callable(where) else where}: the chat template ({origin}) {what} rendering the conversation on this "
             "line; change or remove that conversation so that the template accepts it, or "
             "render with another template (--chat-template FILE)"
         ) from None
