@@ -1,6 +1,10 @@
 """A `prepare` worker's memory on one very long document: does it grow with the line?
 
     python benchmarks/long_docs.py [--long-doc-mb 20,200] [--vocab 32768] [--json FILE]
+        [--chat [--turns N]]
+
+With --chat, the same for `prepare --format chat`: the long line is one conversation of
+--turns rounds (ChatML, the BPE with its tokens), between 2 MiB of short conversations.
 
 For each size, a jsonl of one line of that many MiB of text (`benchmarks/data.py`'s random
 words, documents joined by "\n") between 2 MiB of short documents, prepared with
@@ -94,6 +98,53 @@ def prepare_sampled(cmd: list[str]) -> tuple:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), wall, peaks
 
 
+# ChatML, as Qwen's chat models render conversations.
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def chat_tokenizer_dir(tok_json: str, directory: str) -> str:
+    """A transformers tokenizer directory of `tok_json` with ChatML's tokens and template."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_file=tok_json, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")  # fmt: skip
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    fast.chat_template = CHATML
+    fast.save_pretrained(directory)
+    return directory
+
+
+def long_chat_corpus(path: str, mib: float, seed: int, turns: int) -> float:
+    """A chat jsonl: 1 MiB of short conversations, one conversation of `mib` MiB of text in
+    `turns` rounds (a user and an assistant message each), 1 MiB of short ones. Returns the
+    long line's MiB."""
+    generate(path + ".text", mib + 2, seed)
+    texts = read_texts(path + ".text")
+    os.remove(path + ".text")
+    short, rest, size = [], [], 0
+    for text in texts:  # the first 2 MiB: short conversations, the rest: the long one
+        (short if size < 2 * MIB else rest).append(text)
+        size += len(text)
+    long_text = "\n".join(rest)
+    cut = -(-len(long_text) // (2 * turns))
+    parts = [long_text[i : i + cut] for i in range(0, len(long_text), cut)]
+    roles = ["user", "assistant"] * turns
+    long_line = json.dumps({"messages": [{"role": r, "content": c} for r, c in zip(roles, parts)]})
+    with open(path, "w", encoding="utf-8") as out:
+        for i, text in enumerate(short):
+            if i == len(short) // 2:
+                out.write(long_line + "\n")
+            half = len(text) // 2
+            messages = [{"role": "user", "content": text[:half]},
+                        {"role": "assistant", "content": text[half:]}]  # fmt: skip
+            out.write(json.dumps({"messages": messages}) + "\n")
+    return len(long_line) / MIB
+
+
 def measure_long_docs(args: argparse.Namespace, tmp: str, result: dict) -> None:
     train = os.path.join(tmp, "train.jsonl")
     generate(train, args.train_mb, args.seed)
@@ -101,11 +152,17 @@ def measure_long_docs(args: argparse.Namespace, tmp: str, result: dict) -> None:
     seconds = train_bpe(read_texts(train), args.vocab, tok_json)
     result["bpe"] = {"vocab": args.vocab, "train_mib": args.train_mb, "train_s": seconds}
     runs = result["long_docs"] = []
+    tokenizer = chat_tokenizer_dir(tok_json, os.path.join(tmp, "chat")) if args.chat else tok_json
     for mib in (float(m) for m in args.long_doc_mb.split(",")):
         corpus, out = os.path.join(tmp, "long.jsonl"), os.path.join(tmp, "long-out")
-        line_mib = long_line_corpus(corpus, mib, args.seed)
+        if args.chat:
+            line_mib = long_chat_corpus(corpus, mib, args.seed, args.turns)
+        else:
+            line_mib = long_line_corpus(corpus, mib, args.seed)
+        chat = ["--format", "chat"] if args.chat else []
         cmd = [sys.executable, "-m", "trainer.prepare", "--source", "jsonl", "--path", corpus,
-               "--tokenizer", tok_json, "--out", out, "--workers", "2", "--shard-mb", "1"]  # fmt: skip
+               "--tokenizer", tokenizer, "--out", out, "--workers", "2", "--shard-mb", "1",
+               *chat]  # fmt: skip
         proc, wall, peaks = prepare_sampled(cmd)
         if proc.returncode != 0:
             raise SystemExit(f"prepare failed: {shlex.join(cmd)}\n{proc.stderr}")
@@ -120,7 +177,8 @@ def measure_long_docs(args: argparse.Namespace, tmp: str, result: dict) -> None:
                      "all_peaks_mib": sorted(peak for _, peak in peaks.values())})  # fmt: skip
         os.remove(corpus)
         shutil.rmtree(out)
-    result["summary"] = "long docs: " + "; ".join(
+    kind = f"long chats ({args.turns} rounds)" if args.chat else "long docs"
+    result["summary"] = f"{kind}: " + "; ".join(
         f"{r['line_mib']:.0f} MiB line -> worker peak RSS {r['worker_peak_rss_mib']:.0f} MiB "
         f"({r['mb_per_s']:.1f} MB/s)"
         for r in runs
@@ -133,6 +191,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32768, help="BPE vocabulary size")
     p.add_argument("--train-mb", type=float, default=16.0, help="BPE training slice, MiB")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="--format chat: one long conversation")
+    p.add_argument("--turns", type=int, default=1, help="--chat: rounds of the long one")
     p.add_argument("--json", default=None, help="write the JSON here instead of stdout")
     args = p.parse_args()
     result: dict = {

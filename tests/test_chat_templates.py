@@ -209,3 +209,96 @@ def test_the_byte_tokenizer_has_no_chat_template_and_reads_no_file_it_was_not_gi
         assert "--tokenizer byte" in err and "--tokenizer MODEL_DIR" in err, err
         assert "--format prompt_completion" in err
         assert not (tmp_path / "o").exists()  # refused before any work
+
+
+def _chat_argv(tmp_path, conversations: list) -> list[str]:
+    """A prepare command over `conversations` (one per line) with a ChatML tokenizer."""
+    directory = tmp_path / "tok"
+    save_chat_tokenizer(directory, CASES["qwen2.5"][0], CHATML_SPECIALS)
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    return ["--source", "jsonl", "--format", "chat", "--path", str(path), "--tokenizer",
+            str(directory), "--out", str(tmp_path / "o"), "--workers", "1"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "template,line,problem,fix",
+    [
+        ("{%- for m in messages -%}\n{{ m.content }\n{%- endfor -%}", 2, "unexpected '}'",
+         "fix the Jinja syntax on that line"),
+        ("{%- for m in messages -%}\n{%- if m.role == 'assistant' -%}{% generation %}"
+         "{{ m.content }}{%- endif -%}\n{%- endfor -%}", 2, "looking for 'endgeneration'",
+         "close each {% generation %} with {% endgeneration %}"),
+    ],
+    ids=["syntax", "unclosed_generation"],
+)  # fmt: skip
+def test_a_chat_template_that_does_not_compile_is_refused_by_line(
+    tmp_path, capsys, template, line, problem, fix
+):
+    file = tmp_path / "t.jinja"
+    file.write_text(template)
+    argv = [*_chat_argv(tmp_path, CONVERSATIONS[:1]), "--chat-template", str(file)]
+    assert prepare(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--chat-template {file}: line {line} of the template: " in err, err
+    assert problem in err and fix in err
+    assert not (tmp_path / "o").exists()  # refused before any work
+
+
+def test_what_a_chat_template_raises_is_refused_by_input_line(tmp_path, capsys):
+    file = tmp_path / "t.jinja"
+    file.write_text(
+        "{%- if messages[0].role == 'system' -%}{{ raise_exception('System role not "
+        "supported') }}{%- endif -%}" + CASES["qwen2.5"][0]
+    )
+    argv = _chat_argv(tmp_path, [CONVERSATIONS[4], CONVERSATIONS[0]])  # a system prompt: 2
+    assert prepare([*argv, "--chat-template", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert f"c.jsonl:2: the chat template (--chat-template {file}) raised 'System role not " in err
+    assert "change or remove that conversation" in err
+
+
+def test_an_empty_chat_template_file_is_refused_by_name(tmp_path, capsys):
+    file = tmp_path / "t.jinja"
+    file.write_text("\n")
+    assert prepare([*_chat_argv(tmp_path, CONVERSATIONS[:1]), "--chat-template", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert f"--chat-template {str(file)!r} is empty" in err and "has no chat template" not in err
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_long_conversation_tokenized_in_pieces_gives_apply_chat_templates_ids(
+    tokenizers, name, monkeypatch
+):
+    """The shape of a 16 MB conversation at test size: its rendering is tokenized in pieces
+    of a few hundred characters (chat_tokens.py), and ids and mask are the whole one's."""
+    from trainer.prepare import chat_tokens, long_docs
+
+    for attr, value in (("PIECE_CHARS", 400), ("CHECK_CHARS", 64)):
+        monkeypatch.setattr(long_docs, attr, value)
+    monkeypatch.setattr(chat_tokens, "BATCH_CHARS", 1500)
+    words = " ".join(m["content"] for conv in CONVERSATIONS for m in conv)
+    conv = [_m("system", words), _m("user", words * 2), _m("assistant", words * 6),
+            _m("user", "Again."), _m("assistant", words * 4 + "\nDone.")]  # fmt: skip
+    tok, (header, end) = tokenizers[name], CASES[name][-1]
+    full = tok.apply_chat_template(conv, tokenize=False)
+    assert len(chat_tokens.Tokens(tok, full, lambda: "x").bases) > len(full) // 800  # cut
+    ids, mask = render_chat(tok, conv, "x:1")
+    assert ids.tolist() == list(tok.apply_chat_template(conv, tokenize=True, return_dict=False))
+    offsets = tok(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    assert mask.tolist() == _expected_mask(full, offsets, header, end)
+
+
+def test_an_instruction_line_over_the_limit_is_refused_by_line(tmp_path, capsys, monkeypatch):
+    from trainer.data import reader
+    from trainer.prepare import instructions
+
+    monkeypatch.setattr(instructions, "MAX_LINE_BYTES", 4000)
+    monkeypatch.setattr(reader, "READ_BYTES", 257)  # the line comes in many reads
+    words = " ".join(m["content"] for conv in CONVERSATIONS for m in conv)
+    long = [_m("user", "Say it all."), _m("assistant", words * 20)]
+    argv = _chat_argv(tmp_path, [CONVERSATIONS[4], long, CONVERSATIONS[0]])
+    assert prepare(argv) == 2
+    err = capsys.readouterr().err
+    assert f"c.jsonl:2: this conversation is longer than {4000 / 2**20:g} MiB" in err, err
+    assert "split it into several lines" in err

@@ -277,6 +277,20 @@ def test_wrong_type_from_cli(arg, expected):
     assert expected in config_error([arg])
 
 
+def test_a_list_of_words_in_brackets_is_read_and_a_bad_list_shows_the_forms(tmp_path):
+    # What bash leaves of --peft.targets=["attention", "experts"] unquoted: bare words.
+    for text in ("[attention, experts]", '["attention", "experts"]', "attention,experts"):
+        assert load_config([f"--peft.targets={text}"]).peft.targets == ["attention", "experts"]
+    message = config_error(["--peft.targets=[attention,]"])
+    assert message == (
+        "peft.targets: expected list[str], got '[attention,]' (from --peft.targets); write a "
+        "list as --peft.targets=attention,experts, or "
+        """--peft.targets='["attention", "experts"]' (quoted for the shell)"""
+    )
+    path = write_toml(tmp_path, '[peft]\ntargets = "attention"\n')
+    assert 'write a list as targets = ["attention", "experts"]' in config_error(["--config", path])
+
+
 def test_bad_choice():
     message = config_error(["--train.schedule=linear"])
     assert "train.schedule" in message and "'linear'" in message

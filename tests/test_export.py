@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from models import get_model_spec
 from models.common.init import init_all_
@@ -111,3 +112,42 @@ def test_export_memory_does_not_grow_with_the_model_and_reloads_in_transformers(
     with torch.no_grad():
         ours, theirs = model.eval()(ids).logits, hf.eval()(ids).logits
     assert (ours - theirs).abs().max() < 1e-4
+
+
+def _files(directory) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_an_export_replaces_an_earlier_one_whole_or_not_at_all(tmp_path, capsys):
+    """Fast half of the export-into-a-used-directory check (the slow half, through train.py
+    with transformers loading each export: test_lora.py's adapter export)."""
+    from trainer.hf.export import main
+
+    _, _, ckpt, _ = _checkpoint(tmp_path, ["--config=configs/debug_qwen3_moe.toml"], "run")
+    out = tmp_path / "hf"
+    export = ["--checkpoint", str(ckpt), "--out", str(out), "--dtype=fp32"]
+    assert main([*export, "--max-shard-gb=0.0001"]) == 0  # sharded
+    assert main(export) == 0  # one file: no shard or index of the first is left
+    first = _files(out)
+    assert sorted(first) == ["config.json", "model.safetensors"]
+
+    # Cut short while reading the checkpoint: the earlier export is left as it was.
+    data = next(ckpt.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(CheckpointException):  # DCP's, for a file it cannot read
+        main([*export, "--max-shard-gb=0.0001"])
+    assert _files(out) == first and sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]
+    # Killed between the swap's two renames: the next export puts the old one back first.
+    out.rename(tmp_path / ".hf.replaced")
+    with pytest.raises(CheckpointException):
+        main(export)
+    assert _files(out) == first and not (tmp_path / ".hf.replaced").exists()
+
+    # A directory with files an export does not write is refused, naming one; kept.
+    (out / "tokenizer.json").write_text("{}")
+    capsys.readouterr()
+    assert main(export) == 2
+    err = capsys.readouterr().err
+    assert f"export directory {out} holds files an export does not write (tokenizer.json)" in err
+    assert "Export to a new or empty directory (--out)" in err
+    assert _files(out) == {**first, "tokenizer.json": b"{}"}

@@ -197,8 +197,15 @@ def test_resume_is_exact_and_the_merged_export_reloads_with_the_adapted_logits(t
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def _export(step, out, *extra: str) -> None:
+    cmd = [sys.executable, "-m", "trainer.hf.export", "--checkpoint", str(step), "--out",
+           str(out), "--dtype", "fp32", *extra]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
 @pytest.mark.slow
-def test_the_adapter_export_is_what_peft_loads_onto_the_hugging_face_base(
+def test_the_adapter_export_is_what_peft_loads_and_a_later_export_replaces_it(
     tmp_path, capsys, monkeypatch
 ):
     transformers = pytest.importorskip("transformers", reason="needs the [hf] extra")
@@ -214,7 +221,7 @@ def test_the_adapter_export_is_what_peft_loads_onto_the_hugging_face_base(
         '[data]\nsource = "stdlib"\ntokenizer = "byte"\nseq_len = 64\nmax_tokens = 100000\n'
         "[train]\nsteps = 2\nglobal_batch_size = 4\nmicro_batch_size = 2\nlr = 1e-2\n"
         'warmup_steps = 1\ndevice = "cpu"\nmixed_precision = "fp32"\n'
-        "[checkpoint]\ninterval = 2\n"
+        "[checkpoint]\ninterval = 1\n"
         '[peft]\nmethod = "lora"\ntargets = ["attention"]\n'
     )
     run = tmp_path / "run"
@@ -224,10 +231,7 @@ def test_the_adapter_export_is_what_peft_loads_onto_the_hugging_face_base(
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     out = tmp_path / "adapters"
-    cmd = [sys.executable, "-m", "trainer.hf.export", "--checkpoint", str(step), "--out",
-           str(out), "--dtype", "fp32", "--adapters"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    _export(step, out, "--adapters")
 
     ours, _, _ = load_checkpoint_model(str(step))  # the base from init_from_hf, its adapters
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir).eval()
@@ -241,6 +245,23 @@ def test_the_adapter_export_is_what_peft_loads_onto_the_hugging_face_base(
         want, got = ours(ids).logits, theirs(input_ids=ids).logits
     assert (want - plain).abs().max() > 1e-4  # the adapters trained
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+    # Exports into the same directory: each loads as itself, nothing of the one before.
+    # Merged weights over the adapters (a stale adapter_config.json would make transformers
+    # put the adapters on the base named in it), then sharded over one file (a stale
+    # model.safetensors is what transformers would load instead of the index).
+    for checkpoint, extra in (("step-1", ()), ("step-2", ("--max-shard-gb=0.00005",))):
+        _export(run / "checkpoints" / checkpoint, out, *extra)
+        model, _, _ = load_checkpoint_model(str(run / "checkpoints" / checkpoint))
+        _export(run / "checkpoints" / checkpoint, tmp_path / "fresh", *extra)  # a new dir
+        assert sorted(p.name for p in out.iterdir()) == sorted(
+            p.name for p in (tmp_path / "fresh").iterdir()
+        )
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        with torch.no_grad():
+            want, got = model(ids).logits, theirs(input_ids=ids).logits
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        shutil.rmtree(tmp_path / "fresh")
 
     # Other weights at the base's path: the adapters would apply to another model, so a
     # resume, an evaluation and the export refuse, naming the path (its content fingerprint).

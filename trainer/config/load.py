@@ -8,6 +8,7 @@ in one ConfigError so that a config is fixed in one round, not one error per lau
 from __future__ import annotations
 
 import math
+import re
 import types
 from dataclasses import fields, is_dataclass
 from typing import Any, NamedTuple, Union, get_args, get_origin
@@ -186,6 +187,7 @@ def _convert_items(
             expected = type_name(hints[key])
             errors.append(
                 f"{where}: expected {expected}, got {_show(item.value)} (from {item.origin})"
+                + _list_hint(where, hints[key], meta[key].get("choices"), item.from_cli)
             )
             continue
         # Checked here although `field_problems` checks choices too: only here is the
@@ -209,7 +211,7 @@ def _convert(value: Any, tp: Any, from_cli: bool) -> Any:
         return None if is_none else _convert(value, inner[0], from_cli)
     if get_origin(tp) is list:
         if from_cli and text.startswith("["):  # TOML-style list: [1, 2, 3] or ["a", "b"]
-            value, from_cli = tomllib.loads(f"v = {text}")["v"], False
+            value, from_cli = _cli_list(text, get_args(tp)[0]), False
         elif from_cli:  # comma-separated: 1,2,3 (an empty string is an empty list)
             value = [part.strip() for part in text.split(",")] if text else []
         if not isinstance(value, list):
@@ -236,6 +238,41 @@ def _convert(value: Any, tp: Any, from_cli: bool) -> Any:
     if tp is float and not math.isfinite(value):
         raise ValueError(value)
     return float(value) if tp is float else value
+
+
+# A word that stands for itself as a string in a bracketed list: no quote, bracket, comma or
+# space, so that nothing is guessed at.
+_BARE_WORD = re.compile(r"^[\w.\-/:+]+$")
+
+
+def _cli_list(text: str, item_type: Any) -> list[Any]:
+    """A bracketed list from the command line: TOML (`[1, 2]`, `["a", "b"]`), or, for a
+    list of strings, bare words (`[a, b]`): what the shell leaves of `["a", "b"]` unquoted."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        words = [w.strip() for w in text[1:-1].split(",")] if text.endswith("]") else []
+        if item_type is str and words and all(_BARE_WORD.match(w) for w in words):
+            return words
+        raise ValueError(text) from None
+
+
+def _list_hint(where: str, tp: Any, choices: Any, from_cli: bool) -> str:
+    """How a list key is written, for a list value that did not convert ("" for others)."""
+    inner = [a for a in get_args(tp) if a is not type(None)] if get_origin(tp) is not list else [tp]
+    if len(inner) != 1 or get_origin(inner[0]) is not list:
+        return ""
+    item = get_args(inner[0])[0]
+    if item is str:
+        a, b = list(choices)[:2] if choices and len(choices) > 1 else ("a", "b")
+        plain, toml = f"{a},{b}", f'["{a}", "{b}"]'
+    elif item in (int, float):
+        plain, toml = "1,2", "[1, 2]"
+    else:  # a list of tables: only a config file writes those
+        return ""
+    if from_cli:
+        return f"; write a list as --{where}={plain}, or --{where}='{toml}' (quoted for the shell)"
+    return f"; write a list as {where.split('.', 1)[1]} = {toml}"
 
 
 class _TableError(ValueError):

@@ -28,6 +28,7 @@ from parallelisms.init import named_weights
 from trainer.checkpoint.markers import check_checkpoint, read_trainer_state
 from trainer.config.moe_peft import PeftSection
 from trainer.errors import CheckpointError
+from trainer.hf.export_dir import staged_export
 from trainer.hf.weights import SafetensorsWriter, hf_entries
 
 
@@ -114,13 +115,21 @@ def export_checkpoint(
     path: str, out_dir: str, dtype: torch.dtype, max_shard_bytes: int = 4 << 30
 ) -> None:
     """Write checkpoint `path` as an HF directory, holding about one read group (at most
-    `max_shard_bytes` of parameters, or one larger parameter) and one output shard."""
+    `max_shard_bytes` of parameters, or one larger parameter) and one output shard.
+    `out_dir` is replaced whole (see export_dir.py): no file of an earlier export remains."""
     spec, args = checkpoint_spec(path)
     if spec.hf_adapter is None:
         raise HFFormatError(f"model {spec.name!r} has no Hugging Face adapter to export with")
-    writer = SafetensorsWriter(
-        out_dir, spec.hf_adapter.hf_config_dict(args, dtype), max_shard_bytes
-    )
+    config = spec.hf_adapter.hf_config_dict(args, dtype)  # may refuse: before any work
+    with staged_export(out_dir) as staging:  # replaces out_dir whole, once complete
+        _write(path, spec, args, SafetensorsWriter(staging, config, max_shard_bytes), dtype)
+
+
+def _write(
+    path: str, spec: ModelSpec, args: Any, writer: SafetensorsWriter, dtype: torch.dtype
+) -> None:
+    """Stream checkpoint `path`'s weights, merged where LoRA, through `writer`."""
+    max_shard_bytes = writer.max_shard_bytes
     with torch.device("meta"):  # names, global shapes and dtypes; no memory
         model = _build(path, spec, args)
     buffers = {name for name, _ in model.named_buffers()}
@@ -151,7 +160,11 @@ def export_checkpoint(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="a step-<N> checkpoint directory")
-    parser.add_argument("--out", required=True, help="output directory (created)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="output directory: new, empty, or an earlier export (replaced whole)",
+    )
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument(
         "--max-shard-gb", type=float, default=4.0, help="size of each safetensors file"

@@ -12,6 +12,9 @@ NOTE: the routed experts' adapters have no peft form here: transformers fuses ea
 experts into stacked parameters, which peft's `nn.Linear` LoRA cannot target; such a
 checkpoint is refused with the fix (the merged export, or targets without experts). So is
 a weight whose Hugging Face form rearranges ours (its adapter would need the same).
+
+The directory is replaced whole (export_dir.py): no merged weights of an earlier export stay
+beside the adapters for transformers to load instead of the base.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from safetensors.torch import save_file
 from models import HFFormatError
 from models.common.lora import LoRAGroupedExperts, adapted_weights
 from trainer.checkpoint.markers import read_trainer_state
+from trainer.hf.export_dir import staged_export
 
 
 def _hf_key(adapter, name: str, shape: tuple[int, ...], args) -> str:
@@ -68,13 +72,6 @@ def export_adapters(path: str, out_dir: str, dtype: torch.dtype) -> None:
         tensors[f"base_model.model.{module}.lora_A.weight"] = a
         tensors[f"base_model.model.{module}.lora_B.weight"] = b
     values = {n: torch.empty(params[n].shape, dtype=params[n].dtype) for n in tensors.values()}
-    _read(path, values)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(
-        {key: values[n].to(dtype).contiguous() for key, n in tensors.items()},
-        os.path.join(out_dir, "adapter_model.safetensors"),
-        metadata={"format": "pt"},
-    )
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -88,5 +85,12 @@ def export_adapters(path: str, out_dir: str, dtype: torch.dtype) -> None:
         "base_model_name_or_path": config["model"].get("init_from_hf"),
         "target_modules": "^(" + "|".join(re.escape(m) for m in modules) + ")$",
     }
-    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-        json.dump(adapter_config, f, indent=2)
+    with staged_export(out_dir) as staging:  # replaces out_dir whole, once complete
+        _read(path, values)
+        save_file(
+            {key: values[n].to(dtype).contiguous() for key, n in tensors.items()},
+            os.path.join(staging, "adapter_model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        with open(os.path.join(staging, "adapter_config.json"), "w") as f:
+            json.dump(adapter_config, f, indent=2)

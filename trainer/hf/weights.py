@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from models import HFFormatError
 from models.spec import HFAdapter
 from parallelisms.init import local_index, named_weights
 from trainer.fileio import write_atomic
+from trainer.hf.export_dir import staged_export
 
 
 def _open_safetensors(path: str):
@@ -202,19 +204,21 @@ def save_hf_checkpoint(
 
     Each parameter is gathered to full size (`full_tensor`) one at a time, and rank 0 writes
     each file as soon as it is full: its memory holds one parameter and one shard.
+    `out_dir` is replaced whole once written (export_dir.py).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     config = adapter.hf_config_dict(args, dtype)  # may refuse: before any work is done
-    writer = SafetensorsWriter(out_dir, config, max_shard_bytes) if rank == 0 else None
-    buffers = {name for name, _ in model.named_buffers()}
-    for name, param in named_weights(model):
-        full = param.full_tensor() if isinstance(param, DTensor) else param
+    with staged_export(out_dir) if rank == 0 else nullcontext() as staging:
+        writer = SafetensorsWriter(staging, config, max_shard_bytes) if rank == 0 else None
+        buffers = {name for name, _ in model.named_buffers()}
+        for name, param in named_weights(model):
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            if writer is not None:
+                for key, tensor in hf_entries(
+                    adapter, name, full, args, dtype, name in buffers
+                ).items():
+                    writer.add(key, tensor)
         if writer is not None:
-            for key, tensor in hf_entries(
-                adapter, name, full, args, dtype, name in buffers
-            ).items():
-                writer.add(key, tensor)
-    if writer is not None:
-        writer.close()
+            writer.close()
     if dist.is_initialized():
         dist.barrier()

@@ -35,8 +35,31 @@ from typing import Any
 import numpy as np
 
 from trainer.errors import DataError
+from trainer.prepare.chat_template import check_syntax, read_template, rendering, template_origin
+from trainer.prepare.chat_tokens import Tokens
 
 FORMATS = ("text", "chat", "prompt_completion")
+
+# A longer line (one conversation, or prompt/completion pair) is refused before it is read
+# whole: a worker holds a few copies of one (the line, its text, the renderings) and its
+# tokens (in pieces: chat_tokens.py), about 12 bytes per byte of the line measured
+# (benchmarks/long_docs.py --chat), which this keeps, with the ~300 MiB of transformers,
+# well within a worker's 1 GiB (docs/data.md), even at a token per byte of text.
+MAX_LINE_BYTES = 32 << 20
+
+
+def too_long(fmt: str, where: str) -> DataError:
+    """The refusal of a `--format chat|prompt_completion` line over MAX_LINE_BYTES."""
+    what = "conversation" if fmt == "chat" else "prompt/completion pair"
+    return DataError(
+        f"{where}: this {what} is longer than {MAX_LINE_BYTES / 2**20:g} MiB, the most one line "
+        "of instruction data may hold (a prepare worker's memory stays within 1 GiB); at "
+        "millions of tokens it is longer than any sample it could be packed into (instruction "
+        "data is never cut, so it would be left out): split it into several lines (e.g. one "
+        "per round of the conversation), or remove it"
+    )
+
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -73,14 +96,7 @@ def chat_tokenizer(path: str, template_file: str | None = None) -> Any:
             "(tokenizer.json and tokenizer_config.json)"
         ) from None
     if template_file is not None:
-        try:
-            with open(template_file, encoding="utf-8") as f:
-                tok.chat_template = f.read()
-        except OSError as err:
-            raise DataError(
-                f"--chat-template {template_file!r}: cannot read it ({err.strerror}); give "
-                "the path of a Jinja chat template file"
-            ) from None
+        tok.chat_template = read_template(template_file)
     if not getattr(tok, "chat_template", None):
         raise DataError(
             f"the tokenizer in {directory} has no chat template (no chat_template in its "
@@ -88,14 +104,24 @@ def chat_tokenizer(path: str, template_file: str | None = None) -> Any:
             "conversations with it; use the model's own directory, or --format "
             "prompt_completion"
         )
+    check_syntax(tok, template_origin(path, template_file))
     return tok
 
 
-def _problem(where: str, what: str) -> DataError:
-    return DataError(f"{where}: {what}")
+# Where a line is (file:line), or how to find out: counting a line's number reads its unit
+# up to it, so a worker asks only when it refuses the line.
+Where = str | Callable[[], str]
 
 
-def check_messages(record: Any, where: str) -> list[dict[str, str]]:
+def at(where: Where) -> str:
+    return where() if callable(where) else where
+
+
+def _problem(where: Where, what: str) -> DataError:
+    return DataError(f"{at(where)}: {what}")
+
+
+def check_messages(record: Any, where: Where) -> list[dict[str, str]]:
     if not isinstance(record, dict) or "messages" not in record:
         has = list(record)[:10] if isinstance(record, dict) else type(record).__name__
         raise _problem(where, f"no 'messages' field (the line has {has}); --format chat reads "
@@ -133,14 +159,31 @@ def has_generation_markers(template: str) -> bool:
 
 
 def render_chat(
-    tok: Any, messages: list[dict[str, str]], where: str
+    tok: Any, messages: list[dict[str, str]], where: Where, origin: str = "its template"
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, mask) of one conversation: int64 [T] and uint8 [T], EOS not included."""
+    """(ids, mask) of one conversation: int64 [T] and uint8 [T], EOS not included. What the
+    template raises is refused naming `where` and the template (`origin`)."""
+    with rendering(origin, where):
+        return _render_chat(tok, messages, where)
+
+
+def _render_chat(
+    tok: Any, messages: list[dict[str, str]], where: Where
+) -> tuple[np.ndarray, np.ndarray]:
     if has_generation_markers(tok.chat_template):
-        out = tok.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        # What apply_chat_template(..., return_assistant_tokens_mask=True) renders, its
+        # tokens and mask then taken in pieces (chat_tokens.py: not the whole at once).
+        (full,), (spans,) = render_jinja_template(
+            conversations=[messages],
+            chat_template=tok.get_chat_template(),
+            return_assistant_tokens_mask=True,
+            **tok.special_tokens_map,
         )
-        mask = np.asarray(out["assistant_masks"], dtype=np.uint8)
+        tokens = Tokens(tok, full, lambda: at(where))
+        del full
+        mask = tokens.generation_mask(spans)
         if not mask.any():
             raise _problem(
                 where,
@@ -148,7 +191,7 @@ def render_chat(
                 "conversation; put each assistant turn's text (and its end-of-turn token) "
                 "inside {% generation %} ... {% endgeneration %}",
             )
-        return np.asarray(out["input_ids"], dtype=np.int64), mask
+        return tokens.all_ids(), mask
 
     def text(msgs: list[dict[str, str]], prompt: bool = False) -> str:
         return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt)
@@ -161,13 +204,8 @@ def render_chat(
         for i, m in enumerate(messages)
         if m["role"] == "assistant"
     ]
-    encoded = tok(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(encoded["input_ids"], dtype=np.int64)
-    starts = np.asarray([s for s, _ in encoded["offset_mapping"]], dtype=np.int64)
-    mask = np.zeros(len(ids), dtype=np.uint8)
-    for a, b in spans:
-        mask[(starts >= a) & (starts < b)] = 1
-    return ids, mask
+    tokens = Tokens(tok, full, lambda: at(where))  # tok(full)'s ids, in pieces (chat_tokens.py)
+    return tokens.all_ids(), tokens.located_mask(spans)
 
 
 _FIX = (
@@ -177,7 +215,7 @@ _FIX = (
 
 
 def _assistant_span(
-    text: Callable[..., str], messages: list[dict[str, str]], i: int, full: str, where: str
+    text: Callable[..., str], messages: list[dict[str, str]], i: int, full: str, where: Where
 ) -> tuple[int, int]:
     """Character span [a, b) of assistant turn i in the full rendering `full`: from the end
     of its prompt to the end of its content plus the template's end-of-turn text."""
@@ -226,7 +264,7 @@ def _assistant_span(
     return len(prompt), end + len(closing)
 
 
-def check_prompt_completion(record: Any, where: str) -> tuple[str, str]:
+def check_prompt_completion(record: Any, where: Where) -> tuple[str, str]:
     if not isinstance(record, dict):
         raise _problem(where, f"a JSON {type(record).__name__}, not an object")
     missing = [k for k in ("prompt", "completion") if k not in record]
@@ -255,24 +293,20 @@ def _tokenizer(job: dict) -> Any:
     return _TOKENIZERS[key]
 
 
-def _encode(tok: Any, text: str) -> list[int]:
-    """Token ids of plain text, as HFTokenizer.encode (no special tokens)."""
-    return tok.encode(text, add_special_tokens=False).ids
-
-
 def document(job: dict, line: str, where: Callable[[], str]) -> tuple[np.ndarray, np.ndarray]:
     """(ids, mask) of one non-blank JSON line, EOS not included: int64 [T], uint8 [T]."""
     record = parse(line, where)
     if job["format"] == "chat":
-        return render_chat(_tokenizer(job), check_messages(record, where()), where())
-    prompt, completion = check_prompt_completion(record, where())
+        origin = template_origin(job["tokenizer_arg"], job.get("chat_template"))
+        return render_chat(_tokenizer(job), check_messages(record, where), where, origin)
+    prompt, completion = check_prompt_completion(record, where)
     if job["tokenizer_path"] is None:  # the byte tokenizer: ids are the UTF-8 bytes
-        p, c = list(prompt.encode("utf-8")), list(completion.encode("utf-8"))
-    else:
+        p, c = (np.frombuffer(t.encode("utf-8"), np.uint8) for t in (prompt, completion))
+    else:  # as HFTokenizer.encode (no special tokens), in pieces as a chat (chat_tokens.py)
         tok = _tokenizer(job)
-        p, c = _encode(tok, prompt), _encode(tok, completion)
+        p, c = (Tokens(tok, t, lambda: at(where)).all_ids() for t in (prompt, completion))
     mask = np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(c), np.uint8)])
-    return np.asarray(p + c, dtype=np.int64), mask
+    return np.concatenate([p, c]).astype(np.int64), mask
 
 
 def eos_in_loss(fmt: str) -> int:

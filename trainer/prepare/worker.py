@@ -67,7 +67,10 @@ def _instruction_documents(job: Job, unit: dict, replaced: OnReplaced) -> Iterat
     for file_index, start, end in unit["pieces"]:
         path = job["files"][file_index]
         lineno = 0
-        for chunk in reader._chunks(path, start, end):
+        for chunk in reader._chunks(path, start, end, instructions.MAX_LINE_BYTES):
+            if not isinstance(chunk, bytes):  # a line over the limit: refused, never read whole
+                where = f"{path}:{_line_number(path, start, lineno + 1)}"
+                raise instructions.too_long(job["format"], where)
 
             def replaced_line(
                 index: int, n: int = lineno, path: str = path, a: int = start
