@@ -180,7 +180,8 @@ def test_a_conversation_no_rendering_can_mask_is_refused_by_turn(tmp_path, capsy
     assert prepare(argv) == 2
     err = capsys.readouterr().err
     assert f"{path}:1" in err and "assistant turn 1 (message 1)" in err
-    assert "renders the earlier turns differently" in err and "--chat-template FILE" in err
+    assert "renders the prompt differently once the answer follows" in err
+    assert "--chat-template FILE" in err
 
     # The fix it names: another template for the same tokenizer, a Qwen2.5-like one.
     fixed = tmp_path / "template.jinja"

@@ -187,7 +187,9 @@ def _refused(argv: list[str], capsys) -> str:
     [
         ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "unknown role 'robot'"),
-        ({"text": "hi"}, "no 'messages' field"),
+        ({"text": "hi"}, "no conversation in this record (its fields: 'text')"),
+        ({"conversations": [{"from": "bot", "value": "hi"}]}, "is from 'bot'"),
+        ({"messages": [{"role": "assistant", "content": None}]}, "content is NoneType"),
         ({"messages": [{"role": "user"}]}, "not an object with 'role' and 'content'"),
     ],
 )

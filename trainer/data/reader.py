@@ -341,8 +341,34 @@ def jsonl_documents(
 # --- Hugging Face datasets ----------------------------------------------------------------
 
 
-def load_hf_dataset(path: str, split: str, field: str, opts: Options) -> Any:
-    """The `datasets.Dataset` of one column: a saved directory, or load_dataset's name."""
+def load_hf_dataset(path: str, split: str, field: str | None, opts: Options) -> Any:
+    """The `datasets.Dataset` of one column (a saved directory, or load_dataset's name); for
+    `field` None, the columns of a conversation (`chat_columns`)."""
+    ds = _open_hf_dataset(path, split, opts)
+    if field is None:
+        return ds.select_columns(chat_columns(ds.column_names, f"{opts.path}={path!r}"))
+    if field not in ds.column_names:
+        raise DataError(
+            f"{opts.path}={path!r} has columns {ds.column_names}, no {field!r}: set "
+            f"{opts.text_field}"
+        )
+    return ds.select_columns([field])
+
+
+def chat_columns(columns: list[str], where: str) -> list[str]:
+    """The columns that hold a conversation: `messages` or ShareGPT's `conversations`, and
+    `tools` if there is one (trainer/prepare/chat_messages.py reads them)."""
+    for name in ("messages", "conversations"):
+        if name in columns:
+            return [name] + (["tools"] if "tools" in columns else [])
+    raise DataError(
+        f"{where} has the columns {columns}, none of which holds conversations: --format chat "
+        "reads a 'messages' column (a list of {role, content}) or ShareGPT's 'conversations' "
+        "(a list of {from, value}), with an optional 'tools' column"
+    )
+
+
+def _open_hf_dataset(path: str, split: str, opts: Options) -> Any:
     try:
         import datasets
     except ImportError:
@@ -370,12 +396,7 @@ def load_hf_dataset(path: str, split: str, field: str, opts: Options) -> Any:
                 f"datasets.load_dataset({opts.path}={path!r}, split={split!r}) failed: {err}; "
                 f"check {opts.path} and {opts.split}"
             ) from None
-    if field not in ds.column_names:
-        raise DataError(
-            f"{opts.path}={path!r} has columns {ds.column_names}, no {field!r}: set "
-            f"{opts.text_field}"
-        )
-    return ds.select_columns([field])
+    return ds
 
 
 def hf_documents(ds: Any, field: str, name: str, lo: int, hi: int) -> Iterator[tuple[str, int]]:

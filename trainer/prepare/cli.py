@@ -12,6 +12,7 @@ input or a failed --verify (one message on stderr naming the file and the fix).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 # Worker processes re-import this module as their __main__: the heavy imports (torch comes
@@ -43,6 +44,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="--format chat: render with the Jinja chat template in FILE instead of the "
         "tokenizer's (e.g. a training template that keeps every turn's think block)",
     )
+    parser.add_argument(
+        "--chat-turns",
+        choices=("auto", "full", "per_turn", "last"),
+        default="auto",
+        help="--format chat: which renderings train the answers: full (one document per "
+        "conversation), per_turn (one per answer, the conversation cut after it), last (the "
+        "last answer), auto (full where the full rendering holds every answer as the "
+        "conversation cut after it renders it, per_turn elsewhere)",
+    )
+    parser.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help='--format chat: options passed to the chat template, e.g. \'{"enable_thinking": '
+        "false}' (Qwen3's non-thinking mode) or '{\"thinking\": true}' (DeepSeek-V3.1)",
+    )
     parser.add_argument("--text-field", default="text", help="jsonl/dataset field of the text")
     parser.add_argument("--split", default="train", help="hf_datasets split")
     parser.add_argument("--eos-token", default=None, help="token that ends each document")
@@ -57,10 +74,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.verify and (args.source is None or args.path is None):
         parser.error("--source and --path are required (unless --verify)")
-    if args.format != "text" and args.source != "jsonl":
-        parser.error(f"--format {args.format} reads JSON lines: use --source jsonl")
-    if args.chat_template is not None and args.format != "chat":
-        parser.error("--chat-template renders conversations: it needs --format chat")
+    if args.format == "prompt_completion" and args.source != "jsonl":
+        parser.error("--format prompt_completion reads JSON lines: use --source jsonl")
+    if args.format == "chat" and args.source == "text":
+        parser.error(
+            "--format chat reads JSON lines or dataset rows: use --source jsonl or hf_datasets"
+        )
+    for flag, value, default in (("--chat-template", args.chat_template, None),
+                                 ("--chat-turns", args.chat_turns, "auto"),
+                                 ("--chat-template-kwargs", args.chat_template_kwargs, None)):  # fmt: skip
+        if value != default and args.format != "chat":
+            parser.error(f"{flag} renders conversations: it needs --format chat")
+    if args.chat_template_kwargs is not None:
+        try:
+            options = json.loads(args.chat_template_kwargs)
+        except json.JSONDecodeError as err:
+            parser.error(f"--chat-template-kwargs is not JSON ({err.msg} at column {err.colno})")
+        if not isinstance(options, dict):
+            parser.error(
+                f"--chat-template-kwargs must be a JSON object of the template's options, e.g. "
+                f"'{{\"enable_thinking\": false}}', not a {type(options).__name__}"
+            )
     return args
 
 
@@ -90,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                 shard_mb=args.shard_mb,
                 format=args.format,
                 chat_template=args.chat_template,
+                chat_turns=args.chat_turns,
+                chat_template_kwargs=args.chat_template_kwargs,
                 overwrite=args.overwrite,
                 progress=args.progress or sys.stderr.isatty(),
             )
@@ -101,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted: run the same command again to resume", file=sys.stderr)
         return 130
     print(summary.line())
+    if (chat := summary.chat_line()) is not None:
+        print(chat)
     if (note := summary.note()) is not None:
         print(note, file=sys.stderr)
     return 0

@@ -8,6 +8,7 @@ grouped), text units are whole files grouped up to --shard-mb, hf_datasets units
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shlex
 from dataclasses import dataclass
@@ -38,6 +39,11 @@ class PrepareArgs:
     progress: bool = False
     format: str = "text"  # text | chat | prompt_completion (trainer/prepare/instructions.py)
     chat_template: str | None = None  # --format chat: a Jinja file instead of the tokenizer's
+    chat_turns: str = "auto"  # --format chat: which renderings train the answers (chat_turns.py)
+    chat_template_kwargs: str | None = None  # --format chat: the template's options, JSON
+
+    def template_options(self) -> dict[str, Any]:
+        return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
 
 def repeat_command(args: PrepareArgs) -> str:
@@ -56,6 +62,11 @@ def repeat_command(args: PrepareArgs) -> str:
         words += ["--format", args.format]
     if args.chat_template is not None:
         words += ["--chat-template", absolute(args.chat_template)]
+    if args.format == "chat":
+        words += ["--chat-turns", args.chat_turns]
+    if args.chat_template_kwargs is not None:  # compact and ordered: one text per meaning
+        options = json.dumps(args.template_options(), sort_keys=True, separators=(",", ":"))
+        words += ["--chat-template-kwargs", options]
     if args.source == "hf_datasets":
         words += ["--split", args.split]
     if args.eos_token is not None:
@@ -135,6 +146,20 @@ def plan_file_units(files: list[str], sizes: list[int], target: int, split: bool
     return units
 
 
+def _chat_source(args: PrepareArgs) -> dict[str, Any]:
+    """What decides a chat corpus' tokens besides its files: the template (a changed one is
+    new data), its options, and which renderings train the answers."""
+    if args.format != "chat":
+        return {}
+    template = instructions.chat_tokenizer(args.tokenizer, args.chat_template).chat_template
+    return {
+        "format": "chat",
+        "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest(),
+        "chat_turns": args.chat_turns,
+        "chat_template_kwargs": args.template_options(),
+    }
+
+
 def plan_source(args: PrepareArgs, target: int) -> tuple[dict, list[str], list[dict]]:
     """(the manifest's "source", the files workers read, the units)."""
     if args.source in ("jsonl", "text"):
@@ -152,20 +177,20 @@ def plan_source(args: PrepareArgs, target: int) -> tuple[dict, list[str], list[d
             source["text_field"] = args.text_field
         if args.format != "text":
             source["format"] = args.format
-        if args.format == "chat":  # the template decides the tokens: a changed one is new data
-            template = instructions.chat_tokenizer(args.tokenizer, args.chat_template).chat_template
-            source["chat_template_sha256"] = hashlib.sha256(str(template).encode()).hexdigest()
+        source.update(_chat_source(args))
         sizes = [s.st_size for s in stats]
         return source, files, plan_file_units(files, sizes, target, args.source == "jsonl")
     if args.source == "hf_datasets":
-        ds = worker.load_hf(args.path, args.split, args.text_field)
+        chat = args.format == "chat"  # the conversation's columns, not one text column
+        ds = worker.load_hf(args.path, args.split, None if chat else args.text_field)
         cache = sorted({c["filename"] for c in ds.cache_files})
         local = os.path.expanduser(args.path)
         source = {
             "kind": "hf_datasets",
             "path": os.path.abspath(local) if os.path.exists(local) else args.path,
             "split": args.split,
-            "text_field": args.text_field,
+            **({"columns": ds.column_names} if chat else {"text_field": args.text_field}),
+            **_chat_source(args),
             "fingerprint": ds._fingerprint,  # what datasets itself uses to name a version
             "num_rows": ds.num_rows,
             "files": [

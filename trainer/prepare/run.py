@@ -43,6 +43,7 @@ class Summary:
     seconds: float
     replaced: int = 0  # documents with bytes that are not UTF-8 (replaced by U+FFFD)
     replaced_first: str | None = None  # the first of them, in corpus order: file[:line]
+    chat_turns: dict | None = None  # --format chat: conversations per mode, and their cost
 
     def line(self) -> str:
         mb = self.bytes_read / 1e6
@@ -51,6 +52,19 @@ class Summary:
         return (
             f"prepared {self.documents:,} documents, {self.tokens:,} tokens, {self.shards} "
             f"shards: {mb:,.1f} MB in {self.seconds:.1f} s, {rate:,.1f} MB/s{reused}"
+        )
+
+    def chat_line(self) -> str | None:
+        """--format chat: which rendering trained the conversations, and what it cost."""
+        c = self.chat_turns
+        if not c or not c["conversations"]:
+            return None
+        modes = ", ".join(f"{n:,} {mode}" for mode, n in sorted(c["conversations"].items()))
+        total = sum(c["conversations"].values())
+        return (
+            f"chat turns: {total:,} conversations ({modes}) in {c['documents']:,} documents, "
+            f"{c['tokens']:,} tokens: {c['tokens'] / max(c['one_rendering'], 1):.2f}x the tokens "
+            "of one rendering per conversation"
         )
 
     def note(self) -> str | None:
@@ -247,6 +261,8 @@ def prepare(args: PrepareArgs) -> Summary:
         "format": args.format,
         "tokenizer_arg": args.tokenizer,  # --format chat: the directory with the template
         "chat_template": args.chat_template,  # --format chat: or this template file
+        "chat_turns": args.chat_turns,
+        "chat_template_kwargs": args.template_options(),
     }  # fmt: skip
     progress = Progress(sum(u["bytes"] for u in units), args.progress)
     workers = min(args.workers or os.cpu_count() or 1, len(units))
@@ -289,7 +305,20 @@ def prepare(args: PrepareArgs) -> Summary:
         replaced_first=next(
             (r["replaced_first"] for r in results if r.get("replaced_first")), None
         ),
+        chat_turns=_chat_turns(results) if args.format == "chat" else None,
     )
+
+
+def _chat_turns(results: list[dict]) -> dict:
+    """The units' `chat_turns` counts added up (instruction_unit.py)."""
+    total: dict = {"conversations": {}, "documents": 0, "tokens": 0, "one_rendering": 0}
+    for r in results:
+        c = r.get("chat_turns") or {}
+        for mode, n in c.get("conversations", {}).items():
+            total["conversations"][mode] = total["conversations"].get(mode, 0) + n
+        for key in ("documents", "tokens", "one_rendering"):
+            total[key] += c.get(key, 0)
+    return total
 
 
 def verify(out: str) -> Manifest:

@@ -24,10 +24,10 @@ import numpy as np
 from trainer.data import reader, shards
 from trainer.data.reader import COMMAND_LINE
 from trainer.data.shards import file_sha256
-from trainer.data.utf8 import OnReplaced, Replaced, decode_lines
+from trainer.data.utf8 import OnReplaced, Replaced
 from trainer.errors import DataError
 from trainer.fileio import fsync_path, read_json, write_atomic
-from trainer.prepare import instructions, long_docs
+from trainer.prepare import long_docs
 from trainer.prepare.encode import BATCH_CHARS, Encoder, encode_or_explain, encoder_of
 
 WORK_DIR = ".work"  # plan.json and one done-NNNNN.json per finished unit
@@ -61,46 +61,16 @@ def _text_documents(job: Job, unit: dict, replaced: OnReplaced) -> Iterator[tupl
         yield reader.text_document(path, long_docs.STREAM_BYTES, replaced), end - start
 
 
-def _instruction_documents(job: Job, unit: dict, replaced: OnReplaced) -> Iterator[tuple[Any, int]]:
-    """(ids and mask, input bytes consumed) of `--format chat|prompt_completion` lines;
-    None carries only progress. Lines are read as `reader.jsonl_documents` reads them."""
-    for file_index, start, end in unit["pieces"]:
-        path = job["files"][file_index]
-        lineno = 0
-        for chunk in reader._chunks(path, start, end, instructions.MAX_LINE_BYTES):
-            if not isinstance(chunk, bytes):  # a line over the limit: refused, never read whole
-                where = f"{path}:{_line_number(path, start, lineno + 1)}"
-                raise instructions.too_long(job["format"], where)
-
-            def replaced_line(
-                index: int, n: int = lineno, path: str = path, a: int = start
-            ) -> None:
-                replaced(lambda: f"{path}:{_line_number(path, a, n + index + 1)}")
-
-            text = decode_lines(chunk, replaced_line)
-            if "\r" in text:  # universal newlines, as in text mode
-                text = text.replace("\r\n", "\n").replace("\r", "\n")
-            for line in text.split("\n")[: -1 if text.endswith("\n") else None]:
-                lineno += 1
-                if line.strip():
-
-                    def where(n: int = lineno, path: str = path, start: int = start) -> str:
-                        return f"{path}:{_line_number(path, start, n)}"
-
-                    yield instructions.document(job, line, where), 0
-            yield None, len(chunk)
-
-
 def _line_number(path: str, start: int, n: int) -> int:
     """The file's line number of line `n` (from 1) of a piece that starts at byte `start`."""
     return (reader._lines_before(path, start) if start else 0) + n
 
 
-_HF_CACHE: dict[tuple[str, str, str], Any] = {}
+_HF_CACHE: dict[tuple[str, str, str | None], Any] = {}
 
 
-def load_hf(path: str, split: str, field: str) -> Any:
-    """The one-column dataset, loaded once per process."""
+def load_hf(path: str, split: str, field: str | None) -> Any:
+    """The one-column dataset (None: a conversation's columns), loaded once per process."""
     key = (path, split, field)
     if key not in _HF_CACHE:
         _HF_CACHE[key] = reader.load_hf_dataset(path, split, field, COMMAND_LINE)
@@ -179,10 +149,11 @@ class ShardWriter:
         flat: np.ndarray,
         lengths: np.ndarray,
         mask: np.ndarray | None = None,
-        eos_mask: int = 0,
+        eos_mask: int | np.ndarray = 0,
     ) -> int:
         """Append documents (their ids concatenated in `flat`), each followed by EOS; with a
-        loss mask (aligned with `flat`; `eos_mask` for each EOS) when the shard has one."""
+        loss mask (aligned with `flat`; `eos_mask` for each EOS, or per document) when the
+        shard has one."""
         ends = np.cumsum(lengths + 1)  # end offset of each document, its EOS included
         tokens = np.full(int(ends[-1]), self.eos_id, dtype=self.dtype)
         not_eos = np.ones(len(tokens), dtype=bool)
@@ -192,8 +163,9 @@ class ShardWriter:
         self._write(0, data)
         self.blocks[0].update(data)
         if self.masked:
-            full = np.full(len(tokens), eos_mask, dtype=np.uint8)
+            full = np.zeros(len(tokens), dtype=np.uint8)
             full[not_eos] = mask
+            full[ends - 1] = eos_mask
             self._write(2, full.tobytes())
             self.blocks[1].update(full.tobytes())
         self._write(1, (ends + self.tokens).astype("<u8").tobytes())
@@ -287,7 +259,9 @@ def run_unit(
     with contextlib.suppress(FileNotFoundError):
         os.remove(marker_path(job["out"], index))  # its files are about to be replaced
     if job["format"] != "text":
-        return _run_instruction_unit(job, index, report, alive)
+        from trainer.prepare.instruction_unit import run_instruction_unit
+
+        return run_instruction_unit(job, index, report, alive)
     read = {"jsonl": _jsonl_documents, "text": _text_documents, "hf_datasets": _hf_documents}
     replaced = Replaced()
     documents = read[job["kind"]](job, unit, replaced)
@@ -317,48 +291,6 @@ def run_unit(
                 batch.append(text)
                 chars += len(text)
             if chars >= BATCH_CHARS:
-                flush()
-        flush()
-        marker = {"unit": unit, **writer.finish(), **_replaced_fields(replaced)}
-    except DataError as err:
-        writer.abort()
-        return {"error": str(err)}
-    except BaseException:
-        writer.abort()
-        raise
-    write_atomic(marker_path(job["out"], index), json.dumps(marker, indent=1))
-    return {**marker, "reused": False}
-
-
-def _run_instruction_unit(job: Job, index: int, report: Report, alive: Callable[[], bool]) -> dict:
-    """`run_unit` for `--format chat|prompt_completion`: each line is tokenized with its loss
-    mask by `trainer.prepare.instructions`, and written with it."""
-    unit = job["units"][index]
-    name, eos_mask = shard_name(index), instructions.eos_in_loss(job["format"])
-    replaced = Replaced()
-    writer = ShardWriter(job["out"], name, job["dtype"], job["eos_id"], job["block_bytes"], True)
-    docs: list[tuple[np.ndarray, np.ndarray]] = []
-    pending = nbytes = 0
-
-    def flush() -> None:
-        nonlocal docs, pending, nbytes
-        tokens = 0
-        if docs:
-            lengths = np.fromiter((len(ids) for ids, _ in docs), np.int64, len(docs))
-            flat = np.concatenate([ids for ids, _ in docs])
-            tokens = writer.add(flat, lengths, np.concatenate([m for _, m in docs]), eos_mask)
-        report(nbytes, len(docs), tokens, True)
-        docs, pending, nbytes = [], 0, 0
-        if not alive():
-            raise SystemExit(1)
-
-    try:
-        for doc, consumed in _instruction_documents(job, unit, replaced):
-            nbytes += consumed
-            if doc is not None:
-                docs.append(doc)
-                pending += len(doc[0])
-            if pending >= BATCH_CHARS // 4:  # ~1 MB of text's tokens at a time
                 flush()
         flush()
         marker = {"unit": unit, **writer.finish(), **_replaced_fields(replaced)}

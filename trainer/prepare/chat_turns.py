@@ -1,0 +1,249 @@
+"""A conversation to the documents that train it (`prepare --format chat --chat-turns`).
+
+Invariant: every assistant answer is trained in a rendering that ends with it, or in one
+that holds it exactly so (the same characters as the rendering cut after it), together with
+its stop target: the end-of-turn text the template writes after it (`<|im_end|>`,
+`<|eot_id|>`, `<|return|>`, DeepSeek's and Mixtral's EOS), or, for a template that writes
+none (GLM-4.5), the token that begins the next turn, on which generation stops, and the EOS
+after the last answer.
+
+Answer i's span is found by rendering, never by searching the text: `prompt_i` is the
+conversation before it with the generation prompt, `cut_i` the conversation cut after it;
+the answer is `cut_i[len(prompt_i):]` less trailing whitespace, and `prompt_i` must begin
+`cut_i` (else the template renders the prompt differently once the answer follows: refused).
+
+- `full`: one document, the whole rendering. Where it holds every `cut_i` as its prefix,
+  the spans are those; otherwise each answer is located as the full rendering shows it
+  (`_located`: a marker appended to its content), e.g. Qwen3's answers without their think
+  blocks once a later question follows.
+- `per_turn`: one document per answer, `cut_i`, its last answer alone trained: each answer
+  as the model generates it, at the cost of repeating the prompt (GPT-OSS ends its last
+  answer with `<|return|>` and earlier ones with `<|end|>`; Mistral-Nemo puts the system
+  prompt in the last user turn only; Qwen3 keeps the last answer's think block).
+- `last`: the last answer alone, in the rendering cut after it.
+- `auto`: `full` where the full rendering holds every `cut_i`, else `per_turn`.
+
+A template with `{% generation %}` blocks marks the answers itself; the spans it marks are
+kept (in `per_turn` and `last`, those of the last answer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trainer.errors import DataError
+from trainer.prepare.chat_messages import Conversation
+from trainer.prepare.chat_tokens import Tokens
+
+TURNS = ("auto", "full", "per_turn", "last")
+Where = str | Callable[[], str]
+
+# Appended to one assistant turn's content to find where the template puts that content's
+# end in `full` mode when no cut is a prefix: text no template rewrites (checked).
+_MARK = "\u2063<moetrain:end-of-content>\u2063"
+_FIX = "use --chat-turns per_turn, or --chat-template FILE with a template that renders every turn alike"
+
+
+@dataclass
+class ChatDocument:
+    ids: np.ndarray  # int64 [T]: apply_chat_template(messages[:rendered], ...)'s ids
+    mask: np.ndarray  # uint8 [T]: the trained tokens
+    eos_target: bool  # the EOS the shard writes after it is its last answer's stop target
+    rendered: int  # how many of the conversation's messages it renders
+
+
+def _where(where: Where) -> str:
+    return where() if callable(where) else where
+
+
+class Renderer:
+    """One tokenizer's template, with its options (`--chat-template-kwargs`)."""
+
+    def __init__(self, tok: Any, kwargs: dict[str, Any] | None = None) -> None:
+        self.tok, self.kwargs = tok, dict(kwargs or {})
+        self.generation = _has_generation(str(tok.chat_template))
+        self.closes = self._writes_end_of_turn()
+
+    def text(self, conv: Conversation, upto: int, prompt: bool = False) -> str:
+        messages = conv.messages[:upto]
+        try:
+            return self._apply(messages, conv.tools, prompt)
+        except Exception:
+            # A template that cannot take a call's null content (Qwen3's) gets "": the form
+            # its own examples write, rendered the same.
+            if not any(m.get("content", "") is None for m in messages):
+                raise
+            blank = [dict(m, content="") if m.get("content", "") is None else m for m in messages]
+            return self._apply(blank, conv.tools, prompt)
+
+    def _apply(self, messages: list, tools: list | None, prompt: bool) -> str:
+        return self.tok.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=prompt, **self.kwargs
+        )
+
+    def _writes_end_of_turn(self) -> bool:
+        probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        try:
+            text = self._apply(probe, None, False)
+        except Exception:  # a template that needs more (a system turn, ...): assume it closes
+            return True
+        return bool(text[text.rfind("hello") + len("hello") :].strip())
+
+    def generation_spans(self, conv: Conversation, upto: int) -> tuple[str, list[tuple[int, int]]]:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        (text,), (spans,) = render_jinja_template(
+            conversations=[conv.messages[:upto]],
+            tools=conv.tools,
+            chat_template=self.tok.get_chat_template(),
+            return_assistant_tokens_mask=True,
+            **self.tok.special_tokens_map,
+            **self.kwargs,
+        )
+        return text, [tuple(s) for s in spans]
+
+
+def _has_generation(template: str) -> bool:
+    import re
+
+    return re.search(r"{%-?\s*generation\s*-?%}", template) is not None
+
+
+def _answers(conv: Conversation, where: Where) -> list[int]:
+    answers = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
+    if answers[0] == 0:
+        raise DataError(
+            f"{_where(where)}: the first message is an assistant turn: there is no prompt"
+        )
+    return answers
+
+
+def _span(r: Renderer, conv: Conversation, i: int, where: Where) -> tuple[str, int, int]:
+    """(cut_i, a, b): the rendering cut after answer i, and the answer's span in it."""
+    prompt, cut = r.text(conv, i, prompt=True), r.text(conv, i + 1)
+    if not cut.startswith(prompt):
+        at = next((k for k, (x, y) in enumerate(zip(prompt, cut, strict=False)) if x != y),
+                  min(len(prompt), len(cut)))  # fmt: skip
+        raise DataError(
+            f"{_where(where)}: assistant turn {i} (message {i}): the conversation before it, "
+            f"rendered with the generation prompt, is not how the rendering that ends with it "
+            f"begins (they differ at character {at}: {prompt[at : at + 30]!r} against "
+            f"{cut[at : at + 30]!r}): the chat template renders the prompt differently once the "
+            "answer follows, so the answer cannot be told from it; use --chat-template FILE "
+            "with a template whose generation prompt begins the answer"
+        )
+    return cut, len(prompt), len(cut.rstrip())
+
+
+def render_conversation(
+    r: Renderer, conv: Conversation, turns: str, where: Where
+) -> tuple[list[ChatDocument], str]:
+    """The documents that train `conv` under `--chat-turns turns`, and the mode used."""
+    answers = _answers(conv, where)
+    if turns == "last":
+        return [_cut_document(r, conv, answers[-1], where)], "last"
+    if turns in ("auto", "full"):
+        full = r.text(conv, len(conv.messages))
+        cuts = [_span(r, conv, i, where) for i in answers]
+        if all(full.startswith(cut[:b]) for cut, _, b in cuts):
+            spans = [(a, b) for _, a, b in cuts]
+            return [_document(r, conv, len(conv.messages), full, spans, where)], "full"
+        if turns == "full":
+            spans = [_located(r, conv, i, full, where) for i in answers]
+            return [_document(r, conv, len(conv.messages), full, spans, where)], "full"
+    return [_cut_document(r, conv, i, where) for i in answers], "per_turn"
+
+
+def _cut_document(r: Renderer, conv: Conversation, i: int, where: Where) -> ChatDocument:
+    cut, a, b = _span(r, conv, i, where)
+    return _document(r, conv, i + 1, cut, [(a, b)], where)
+
+
+def _document(
+    r: Renderer,
+    conv: Conversation,
+    upto: int,
+    text: str,
+    spans: list[tuple[int, int]],
+    where: Where,
+) -> ChatDocument:
+    """The tokens of `text` (the rendering of the first `upto` messages) and the mask of the
+    answers at `spans`, with their stop targets."""
+    if r.generation:  # the template's own marks, of the answers at `spans`
+        text, marked = r.generation_spans(conv, upto)
+        first = min(a for a, _ in spans)
+        spans = [(a, b) for a, b in marked if a >= first] if len(spans) == 1 else marked
+        tokens = Tokens(r.tok, text, lambda: _where(where))
+        mask = tokens.generation_mask(spans)
+        if not mask.any():
+            raise DataError(
+                f"{_where(where)}: the chat template's {{% generation %}} blocks mark no token "
+                "of this conversation; put each assistant turn's text (and its end-of-turn "
+                "token) inside {% generation %} ... {% endgeneration %}"
+            )
+        return ChatDocument(tokens.all_ids(), mask, False, upto)
+    eos_target = False
+    if not r.closes:  # no end-of-turn text: the next turn's first token, or the EOS
+        targets = []
+        for _, b in spans:
+            rest = text[b:]
+            start = b + len(rest) - len(rest.lstrip())
+            if start < len(text):
+                targets.append((start, start + 1))
+            else:
+                eos_target = True
+        spans = spans + targets
+    tokens = Tokens(r.tok, text, lambda: _where(where))
+    return ChatDocument(tokens.all_ids(), tokens.located_mask(spans), eos_target, upto)
+
+
+def _located(r: Renderer, conv: Conversation, i: int, full: str, where: Where) -> tuple[int, int]:
+    """Answer i's span in the full rendering as it shows there: from the end of its prompt to
+    the end of its content (found by a marker appended to it) and its end-of-turn text."""
+    turn = f"{_where(where)}: assistant turn {i} (message {i})"
+    prompt = r.text(conv, i, prompt=True)
+    if not full.startswith(prompt):
+        raise DataError(
+            f"{turn}: the chat template renders the earlier turns differently when this turn "
+            f"follows, so --chat-turns full cannot train it in the full rendering; {_FIX}"
+        )
+    content = conv.messages[i].get("content")
+    if not isinstance(content, str) or any(_MARK in str(m.get("content")) for m in conv.messages):
+        raise DataError(f"{turn}: its content cannot be located in the full rendering; {_FIX}")
+    messages = list(conv.messages)
+    messages[i] = dict(messages[i], content=content + _MARK)
+    marked = Conversation(messages, conv.tools)
+    full_marked = r.text(marked, len(messages))
+    if full_marked.count(_MARK) != 1:
+        raise DataError(
+            f"{turn}: the chat template shows its content {full_marked.count(_MARK)} times in "
+            f"the rendering, not once, so the turn cannot be located; {_FIX}"
+        )
+    after = full_marked[full_marked.index(_MARK) + len(_MARK) :]
+    end = len(full) - len(after)
+    if not full.endswith(after) or end < len(prompt):
+        raise DataError(
+            f"{turn}: the chat template renders the rest of the conversation differently when "
+            f"the turn's content changes, so its end cannot be located; {_FIX}"
+        )
+    last = r.text(marked, i + 1)
+    closing = last[last.index(_MARK) + len(_MARK) :].rstrip()
+    if not full.startswith(closing, end):
+        raise DataError(
+            f"{turn}: its end-of-turn text {closing!r} does not follow its content in the full "
+            f"rendering ({full[end : end + 30]!r}); {_FIX}"
+        )
+    return len(prompt), end + len(closing)
+
+
+def render_chat(
+    tok: Any, messages: list[dict[str, Any]], where: Where
+) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) of one conversation in one document (`--chat-turns full`), EOS not
+    included: what the tests of the published templates compare with."""
+    (doc,), _ = render_conversation(Renderer(tok), Conversation(messages), "full", where)
+    return doc.ids, doc.mask
