@@ -4,7 +4,7 @@
     -> PackedDataset (sample i = tokens[i * seq_len : i * seq_len + seq_len + 1], a `Batch`)
     -> GlobalBatchSampler (which samples each rank reads at each step) -> StatefulDataLoader
 
-- `reader`: the corpus reading rules (files, JSON lines, datasets), shared with `prepare`;
+- `reader` (and `hf_rows` for datasets): the corpus reading rules, shared with `prepare`;
 - `tokenizers`, `sources` (documents of the in-memory sources), `packing`, `batch`;
 - `shards`: the prepared-token format and its reader (`python -m trainer.prepare` writes it);
 - `corpus`: which token stream a run trains on, checked before any process group;

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from trainer.config import DataSection
-from trainer.data import reader
+from trainer.data import hf_rows, reader
 from trainer.data.reader import CONFIG
 from trainer.errors import DataError
 
@@ -66,6 +66,6 @@ def iter_documents(data_cfg: DataSection) -> Iterator[str]:
                 "data.source='hf_datasets' needs data.path: a dataset name or directory"
             )
         field = data_cfg.text_field
-        ds = reader.load_hf_dataset(data_cfg.path, data_cfg.hf_split, field, CONFIG)
-        return (t for t, _ in reader.hf_documents(ds, field, data_cfg.path, 0, len(ds)) if t)
+        ds = hf_rows.load_hf_dataset(data_cfg.path, data_cfg.hf_split, field, CONFIG)
+        return (t for t, _ in hf_rows.hf_documents(ds, field, data_cfg.path, 0, len(ds)) if t)
     raise DataError(f"unknown data.source={source!r}; use stdlib, text, jsonl or hf_datasets")

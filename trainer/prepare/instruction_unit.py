@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.data import reader
+from trainer.data import hf_rows, reader
 from trainer.data.utf8 import OnReplaced, Replaced, decode_lines
 from trainer.errors import DataError
 from trainer.fileio import write_atomic
@@ -75,8 +75,8 @@ def _rows(job: Job, unit: dict, replaced: OnReplaced) -> Iterator[tuple[Any, int
     ds = load_hf(path, job["hf"]["split"], None)  # the conversation's columns
     per_row = unit["bytes"] / max(1, hi - lo)  # rows have no byte size: the unit's estimate
     done = 0
-    for a in range(lo, hi, reader.HF_ROWS):
-        b = min(a + reader.HF_ROWS, hi)
+    for a in range(lo, hi, hf_rows.HF_ROWS):
+        b = min(a + hf_rows.HF_ROWS, hi)
         columns = ds[a:b]
         for k in range(b - a):
             record = {name: values[k] for name, values in columns.items()}

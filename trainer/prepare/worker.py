@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.data import reader, shards
+from trainer.data import hf_rows, reader, shards
 from trainer.data.reader import COMMAND_LINE
 from trainer.data.shards import file_sha256
 from trainer.data.utf8 import OnReplaced, Replaced
@@ -73,7 +73,7 @@ def load_hf(path: str, split: str, field: str | None) -> Any:
     """The one-column dataset (None: a conversation's columns), loaded once per process."""
     key = (path, split, field)
     if key not in _HF_CACHE:
-        _HF_CACHE[key] = reader.load_hf_dataset(path, split, field, COMMAND_LINE)
+        _HF_CACHE[key] = hf_rows.load_hf_dataset(path, split, field, COMMAND_LINE)
     return _HF_CACHE[key]
 
 
@@ -85,7 +85,7 @@ def _hf_documents(job: Job, unit: dict, replaced: OnReplaced) -> Iterator[tuple[
     per_row = unit["bytes"] / max(1, hi - lo)
     done = 0
     ds = load_hf(path, job["hf"]["split"], field)
-    for row, (text, _) in enumerate(reader.hf_documents(ds, field, path, lo, hi), start=1):
+    for row, (text, _) in enumerate(hf_rows.hf_documents(ds, field, path, lo, hi), start=1):
         yield text, int(per_row * row) - done
         done = int(per_row * row)
 
