@@ -168,9 +168,12 @@ def test_qwen3_trains_on_the_think_block_the_full_rendering_shows(tokenizers):
 
 
 def test_a_conversation_no_rendering_can_mask_is_refused_by_turn(tmp_path, capsys):
-    # The header counts the messages: every prompt renders another first line than the
-    # full conversation does.
-    template = "{{- messages | length }} messages\n" + CASES["qwen2.5"][0]
+    # The generation prompt opens a think block that no rendering of an answer shows: the
+    # model would be trained on an answer after another text than it generates it from.
+    template = CASES["qwen2.5"][0].replace(
+        "{{- '<|im_start|>assistant\\n' -}}", "{{- '<|im_start|>assistant\\n<think>' -}}"
+    )
+    assert "<think>" in template
     directory = tmp_path / "tok"
     save_chat_tokenizer(directory, template, CHATML_SPECIALS)
     path = tmp_path / "c.jsonl"
@@ -180,8 +183,7 @@ def test_a_conversation_no_rendering_can_mask_is_refused_by_turn(tmp_path, capsy
     assert prepare(argv) == 2
     err = capsys.readouterr().err
     assert f"{path}:1" in err and "assistant turn 1 (message 1)" in err
-    assert "renders the prompt differently once the answer follows" in err
-    assert "--chat-template FILE" in err
+    assert "the answer cannot be cut out" in err and "--chat-template FILE" in err
 
     # The fix it names: another template for the same tokenizer, a Qwen2.5-like one.
     fixed = tmp_path / "template.jinja"
@@ -190,6 +192,30 @@ def test_a_conversation_no_rendering_can_mask_is_refused_by_turn(tmp_path, capsy
     mask = np.fromfile(tmp_path / "o" / "shard-00000.mask", dtype=np.uint8)
     tok = chat_tokenizer(str(directory), str(fixed))
     assert mask[:-1].tolist() == render_chat(tok, CONVERSATIONS[4], "x")[1].tolist()  # + EOS
+
+
+def test_a_prompt_written_otherwise_once_the_answer_follows_trains_after_that_prompt(tmp_path):
+    """A header that counts the messages: each answer's cut renders another first line than
+    its prompt. The answer is trained after the prompt it is generated from, as the cut
+    writes it (--chat-turns per_turn, spliced)."""
+    from trainer.prepare.chat_messages import Conversation
+    from trainer.prepare.chat_turns import Renderer, render_conversation
+
+    template = "{{- messages | length }} messages\n" + CASES["qwen2.5"][0]
+    directory = tmp_path / "tok"
+    tok = save_chat_tokenizer(directory, template, CHATML_SPECIALS)
+    conv = CONVERSATIONS[0]
+    docs, mode = render_conversation(Renderer(tok), Conversation(conv), "auto", "x:1")
+    answers = [i for i, m in enumerate(conv) if m["role"] == "assistant"]
+    assert mode == "per_turn" and [d.spliced for d in docs] == [True] * len(answers)
+    for i, doc in zip(answers, docs, strict=True):
+        prompt = tok.apply_chat_template(conv[:i], tokenize=False, add_generation_prompt=True)
+        assert prompt.startswith(f"{i} messages")
+        text = prompt + conv[i]["content"] + "<|im_end|>"
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        start = len(tok(prompt, add_special_tokens=False)["input_ids"])
+        assert doc.ids.tolist() == ids
+        assert doc.mask.tolist() == [0] * start + [1] * (len(ids) - start)
 
 
 def test_the_byte_tokenizer_has_no_chat_template_and_reads_no_file_it_was_not_given(

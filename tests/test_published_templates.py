@@ -233,20 +233,26 @@ def test_documents_are_apply_chat_templates_and_train_every_answer_once(toks, na
                 assert [_stops_trained(tok, fam, [d]) for d in docs] == [1] * answers
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mistral_nemo.jinja writes the system prompt only into a user turn that is the "
-    "conversation's last message (`loop.last`), so every rendering that ends with an answer "
-    "drops it while the generation prompt holds it: chat_turns._span refuses the first "
-    "answer of any conversation with a system prompt (DataError 'renders the prompt "
-    "differently once the answer follows'), in auto, per_turn and last alike, where the "
-    "issue expects auto to train it per_turn",
-)
-def test_mistral_nemo_with_a_system_prompt_trains_per_turn(toks):
+def test_mistral_nemo_with_a_system_prompt_trains_each_answer_after_its_prompt(toks):
+    """mistral_nemo.jinja writes the system prompt into a user turn only when it is the
+    conversation's last message, so no rendering that ends with an answer holds it: each
+    answer is trained after the prompt the model generates it from (the conversation
+    before it with the generation prompt: system prompt included), then the answer and
+    its "</s>" as the template writes them."""
     tok, conv = toks["mistral_nemo"], CONVERSATIONS[0]
+    assert conv[0]["role"] == "system"
     docs, mode = render_conversation(Renderer(tok), Conversation(conv), "auto", "x:1")
-    assert mode == "per_turn"
-    _check_documents(tok, "mistral_nemo", conv, docs, mode)
+    assert mode == "per_turn" and all(d.spliced for d in docs)
+    answers = [i for i, m in enumerate(conv) if m["role"] == "assistant"]
+    for i, doc in zip(answers, docs, strict=True):
+        prompt = tok.apply_chat_template(conv[:i], tokenize=False, add_generation_prompt=True)
+        assert conv[0]["content"] in prompt  # the system prompt the model answers under
+        text = prompt + conv[i]["content"] + "</s>"
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert doc.ids.tolist() == ids
+        start = len(tok(prompt, add_special_tokens=False)["input_ids"])
+        assert doc.mask.tolist() == [0] * start + [1] * (len(ids) - start)
+        assert not doc.eos_target
 
 
 # name: (the call's text in the rendering, the mode auto picks)
@@ -298,7 +304,7 @@ def test_qwen3_without_thinking_renders_as_apply_chat_template_with_enable_think
                 assert "<think>" not in tok.decode(d.ids[d.mask == 1])
                 assert tok.decode(e.ids[e.mask == 1]).startswith("<think>\n\n</think>\n\n")
     # Data with reasoning is not what enable_thinking=False generates: refused by turn.
-    with pytest.raises(DataError, match="assistant turn 1 .* renders the prompt differently"):
+    with pytest.raises(DataError, match="assistant turn 1 .* cannot be cut out"):
         render_conversation(off, Conversation(CONVERSATIONS[1]), "auto", "x:1")
 
 
@@ -315,7 +321,7 @@ def test_deepseek_v3_1_thinking_option_reaches_the_template(toks):
     assert tok.apply_chat_template(conv[:2], add_generation_prompt=True, tokenize=False,
                                    thinking=True).endswith("<｜Assistant｜><think>")  # fmt: skip
     for turns in ("auto", "per_turn", "last"):
-        with pytest.raises(DataError, match="renders the prompt differently once the answer"):
+        with pytest.raises(DataError, match="the answer cannot be cut out"):
             render_conversation(Renderer(tok, {"thinking": True}), Conversation(conv), turns, "x")
 
 

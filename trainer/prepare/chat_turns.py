@@ -9,8 +9,13 @@ after the last answer.
 
 Answer i's span is found by rendering, never by searching the text: `prompt_i` is the
 conversation before it with the generation prompt, `cut_i` the conversation cut after it;
-the answer is `cut_i[len(prompt_i):]` less trailing whitespace, and `prompt_i` must begin
-`cut_i` (else the template renders the prompt differently once the answer follows: refused).
+the answer is `cut_i[len(prompt_i):]` less trailing whitespace. Where `prompt_i` does not
+begin `cut_i` (the template writes the prompt otherwise once the answer follows:
+Mistral-Nemo puts the system prompt into the last user turn only), the answer is trained
+after `prompt_i`, the text the model generates it from, as `cut_i` writes it (`_splice`: a
+document of `prompt_i` and the answer, `spliced`), provided `cut_i` writes the generation
+prompt's own text right before it; else it is refused (DeepSeek-V3.1 with `thinking`: its
+prompt opens `<think>`, its renderings of answers `</think>`).
 
 - `full`: one document, the whole rendering. Where it holds every `cut_i` as its prefix,
   the spans are those; otherwise each answer is located as the full rendering shows it
@@ -54,6 +59,7 @@ class ChatDocument:
     mask: np.ndarray  # uint8 [T]: the trained tokens
     eos_target: bool  # the EOS the shard writes after it is its last answer's stop target
     rendered: int  # how many of the conversation's messages it renders
+    spliced: bool = False  # the prompt then the answer, not a rendering of the messages
 
 
 def _where(where: Where) -> str:
@@ -122,21 +128,51 @@ def _answers(conv: Conversation, where: Where) -> list[int]:
     return answers
 
 
-def _span(r: Renderer, conv: Conversation, i: int, where: Where) -> tuple[str, int, int]:
-    """(cut_i, a, b): the rendering cut after answer i, and the answer's span in it."""
+def _span(r: Renderer, conv: Conversation, i: int, where: Where) -> tuple[str, int, int, bool]:
+    """(text, a, b, spliced): the rendering that ends with answer i, and the answer's span
+    in it. That is the conversation cut after the answer, when its prompt begins it; else
+    (`spliced`) the prompt followed by the answer as the cut writes it (`_splice`)."""
     prompt, cut = r.text(conv, i, prompt=True), r.text(conv, i + 1)
-    if not cut.startswith(prompt):
+    if cut.startswith(prompt):
+        return cut, len(prompt), len(cut.rstrip()), False
+    answer = _splice(r, conv, i, cut)
+    if answer is None:
         at = next((k for k, (x, y) in enumerate(zip(prompt, cut, strict=False)) if x != y),
                   min(len(prompt), len(cut)))  # fmt: skip
         raise DataError(
             f"{_where(where)}: assistant turn {i} (message {i}): the conversation before it, "
             f"rendered with the generation prompt, is not how the rendering that ends with it "
             f"begins (they differ at character {at}: {prompt[at : at + 30]!r} against "
-            f"{cut[at : at + 30]!r}): the chat template renders the prompt differently once the "
-            "answer follows, so the answer cannot be told from it; use --chat-template FILE "
-            "with a template whose generation prompt begins the answer"
+            f"{cut[at : at + 30]!r}), and the answer cannot be cut out of the latter: use "
+            "--chat-template FILE with a template whose generation prompt begins the answer"
         )
-    return cut, len(prompt), len(cut.rstrip())
+    return prompt + answer, len(prompt), len(prompt) + len(answer), True
+
+
+def _splice(r: Renderer, conv: Conversation, i: int, cut: str) -> str | None:
+    """Answer i as the rendering cut after it writes it (its content and end-of-turn text,
+    less trailing whitespace), to follow the prompt the model sees when it generates it:
+    what a template that writes the prompt otherwise once the answer follows trains on
+    (Mistral-Nemo puts the system prompt into the last user turn only, so the cut has
+    none). None when it cannot be cut out: a content that is not text (a tool call), or a
+    template that shows it otherwise behind a mark."""
+    content = conv.messages[i].get("content")
+    if not isinstance(content, str) or any(_MARK in str(m.get("content")) for m in conv.messages):
+        return None
+    # What the generation prompt adds after the conversation before the answer (e.g.
+    # "<|im_start|>assistant\n"): the cut must write it right before the answer too, or the
+    # model would be trained on an answer that follows another text than it sees.
+    before, prompt = r.text(conv, i), r.text(conv, i, prompt=True)
+    if not prompt.startswith(before):
+        return None
+    opening = prompt[len(before) :]
+    messages = list(conv.messages[: i + 1])
+    messages[i] = dict(messages[i], content=_MARK + content)
+    marked = r.text(Conversation(messages, conv.tools), i + 1)
+    if marked.count(_MARK) != 1 or not marked[: marked.index(_MARK)].endswith(opening):
+        return None
+    answer = marked[marked.index(_MARK) + len(_MARK) :].rstrip()
+    return answer if answer and cut.rstrip().endswith(answer) else None
 
 
 def render_conversation(
@@ -149,8 +185,8 @@ def render_conversation(
     if turns in ("auto", "full"):
         full = r.text(conv, len(conv.messages))
         cuts = [_span(r, conv, i, where) for i in answers]
-        if all(full.startswith(cut[:b]) for cut, _, b in cuts):
-            spans = [(a, b) for _, a, b in cuts]
+        if all(full.startswith(cut[:b]) for cut, _, b, _ in cuts):
+            spans = [(a, b) for _, a, b, _ in cuts]
             return [_document(r, conv, len(conv.messages), full, spans, where)], "full"
         if turns == "full":
             spans = [_located(r, conv, i, full, where) for i in answers]
@@ -159,8 +195,10 @@ def render_conversation(
 
 
 def _cut_document(r: Renderer, conv: Conversation, i: int, where: Where) -> ChatDocument:
-    cut, a, b = _span(r, conv, i, where)
-    return _document(r, conv, i + 1, cut, [(a, b)], where)
+    text, a, b, spliced = _span(r, conv, i, where)
+    doc = _document(r, conv, i + 1, text, [(a, b)], where, spliced)
+    doc.spliced = spliced
+    return doc
 
 
 def _document(
@@ -170,10 +208,11 @@ def _document(
     text: str,
     spans: list[tuple[int, int]],
     where: Where,
+    spliced: bool = False,
 ) -> ChatDocument:
-    """The tokens of `text` (the rendering of the first `upto` messages) and the mask of the
-    answers at `spans`, with their stop targets."""
-    if r.generation:  # the template's own marks, of the answers at `spans`
+    """The tokens of `text` (the rendering of the first `upto` messages, or a spliced one)
+    and the mask of the answers at `spans`, with their stop targets."""
+    if r.generation and not spliced:  # the template's own marks, of the answers at `spans`
         text, marked = r.generation_spans(conv, upto)
         first = min(a for a, _ in spans)
         spans = [(a, b) for a, b in marked if a >= first] if len(spans) == 1 else marked
