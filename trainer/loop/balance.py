@@ -38,6 +38,9 @@ class BiasUpdate:
         self.rate = rate
         self.group = group
         self.last_load: torch.Tensor | None = None
+        # The device guard's verdict of the step whose update runs next (trainer.loop.step):
+        # a skipped step moves no bias, without the host reading the verdict.
+        self.skip: torch.Tensor | None = None
 
     @torch.no_grad()
     def __call__(self, _optimizer: Any = None, _args: Any = None, _kwargs: Any = None) -> None:
@@ -49,6 +52,8 @@ class BiasUpdate:
         if dist.is_initialized():
             dist.all_reduce(load, group=self.group)  # the global batch's assignments
         step = self.rate * torch.sign(load.double().mean(-1, keepdim=True) - load.double())
+        if self.skip is not None:
+            step = torch.where(self.skip, 0.0, step)
         for router, delta in zip(self.routers, step):
             router.e_score_correction_bias.add_(delta.to(router.e_score_correction_bias.dtype))
             router.tokens_per_expert.zero_()

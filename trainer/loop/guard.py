@@ -137,6 +137,28 @@ class StepGuard:
         self.norms.append(grad_norm)
         return Verdict(False)
 
+    def observe(self, loss: float, grad_norm: float, skipped: bool) -> Verdict:
+        """Record a step the device guard (`DeviceGuard`) judged: the same counts as
+        `judge`, by its verdict, and the reason it skipped, for the console."""
+        if not skipped:
+            self.consecutive = 0
+            self.losses.append(loss)
+            self.norms.append(grad_norm)
+            return Verdict(False)
+        figures = (("loss", loss), ("grad norm", grad_norm))
+        reasons = [f"{name} {value}" for name, value in figures if not math.isfinite(value)]
+        if not reasons and self.spike_sigma > 0 and len(self.losses) >= MIN_SPIKE_HISTORY:
+            spikes = (
+                _spike("loss", loss, self.losses, self.spike_sigma),
+                _spike("grad norm", grad_norm, self.norms, self.spike_sigma),
+            )
+            reasons = [r for r in spikes if r]
+        if not reasons and self.limit_reached:
+            reasons = [f"past train.max_skipped_steps={self.max_consecutive}"]
+        self.skipped_total += 1
+        self.consecutive += 1
+        return Verdict(True, "; ".join(reasons) or "judged a spike on the device")
+
     @property
     def limit_reached(self) -> bool:
         return self.max_consecutive > 0 and self.consecutive >= self.max_consecutive
@@ -183,6 +205,73 @@ class StepGuard:
         self.losses.extend(float(v) for v in state["losses"])
         self.norms.clear()
         self.norms.extend(float(v) for v in state["norms"])
+
+
+class DeviceGuard:
+    """`StepGuard.judge` on the device: the verdict is a bool tensor, so the update can be
+    skipped (fused AdamW's `found_inf`, the bias update's `skip`) without the host reading
+    the loss or the norm inside the step. The host's `StepGuard` then `observe`s each
+    verdict once the step's figures are read, after the next step is queued.
+
+    Its state (the window of applied steps' figures, the skipped and consecutive counts) is
+    the host guard's, as float64 and int64 tensors: built from it (`load`, also after a
+    resume), they judge alike. Past `train.max_skipped_steps` consecutive skips it skips
+    every step: the host stops the run at the step that reached the limit, and what the
+    device queued after it must not move the weights.
+    """
+
+    def __init__(self, guard: StepGuard, device: torch.device) -> None:
+        self.sigma, self.max_consecutive = guard.spike_sigma, guard.max_consecutive
+        window = guard.losses.maxlen or 1
+        f64 = {"dtype": torch.float64, "device": device}
+        i64 = {"dtype": torch.int64, "device": device}
+        self.losses, self.norms = torch.zeros(window, **f64), torch.zeros(window, **f64)
+        self.slots = torch.arange(window, **i64)
+        self.filled, self.next = torch.zeros((), **i64), torch.zeros((), **i64)
+        self.skipped, self.consecutive = torch.zeros((), **i64), torch.zeros((), **i64)
+        self.load(guard)
+
+    def load(self, guard: StepGuard) -> None:
+        """Take the host guard's state (its window in order, then its counts)."""
+        n = len(guard.losses)
+        self.losses.zero_()
+        self.norms.zero_()
+        if n:
+            self.losses[:n] = torch.tensor(list(guard.losses), dtype=torch.float64)
+            self.norms[:n] = torch.tensor(list(guard.norms), dtype=torch.float64)
+        self.filled.fill_(n)
+        self.next.fill_(n % len(self.slots))
+        self.skipped.fill_(guard.skipped_total)
+        self.consecutive.fill_(guard.consecutive)
+
+    def _spike(self, value: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        valid = self.slots < self.filled
+        n = self.filled.clamp(min=1).double()
+        mean = torch.where(valid, window, 0.0).sum() / n
+        sd = (torch.where(valid, window - mean, 0.0).square().sum() / n).sqrt()
+        return value > mean + self.sigma * sd
+
+    @torch.no_grad()
+    def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """Whether to skip this step (a bool tensor); updates the state (once per step)."""
+        loss, grad_norm = loss.double(), grad_norm.double()
+        skip = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        if self.sigma > 0:
+            spike = self._spike(loss, self.losses) | self._spike(grad_norm, self.norms)
+            skip = skip | ((self.filled >= MIN_SPIKE_HISTORY) & spike)
+        if self.max_consecutive > 0:
+            skip = skip | (self.consecutive >= self.max_consecutive)
+        keep = ~skip
+        at = self.next.view(1)
+        self.losses.index_copy_(0, at, torch.where(keep, loss, self.losses[at]))
+        self.norms.index_copy_(0, at, torch.where(keep, grad_norm, self.norms[at]))
+        self.next.copy_(torch.where(keep, (self.next + 1) % len(self.slots), self.next))
+        self.filled.copy_(
+            torch.where(keep, (self.filled + 1).clamp(max=len(self.slots)), self.filled)
+        )
+        self.skipped.add_(skip.long())
+        self.consecutive.copy_(torch.where(skip, self.consecutive + 1, 0))
+        return skip
 
 
 def poison_one_gradient(params: list[torch.Tensor]) -> None:

@@ -144,9 +144,10 @@ def global_counts(
     mtp_depth: int,
     device: torch.device,
     group: dist.ProcessGroup | None = None,
-) -> GlobalCounts:
-    """One int64 all-reduce over the ranks that hold the global batch, `group` (None: the
-    world; fp32 counts are exact only to 2^24)."""
+) -> torch.Tensor:
+    """`GlobalCounts`' figures as an int64 tensor on the device, [tokens, inputs,
+    fingerprint, *mtp_tokens]: one all-reduce over the ranks that hold the global batch,
+    `group` (None: the world; fp32 counts are exact only to 2^24)."""
     local = sum(
         torch.stack(
             [
@@ -160,9 +161,7 @@ def global_counts(
     )
     counts = local.to(device, torch.int64)
     dist.all_reduce(counts, group=group)
-    tokens, inputs, fingerprint, *mtp_tokens = counts.tolist()
-    # Sequences shorter than a depth leave it no label: no division by zero.
-    return GlobalCounts(tokens, inputs, fingerprint, [max(n, 1) for n in mtp_tokens])
+    return counts  # read with the step's record, never inside the step
 
 
 class StepLoss:
@@ -201,9 +200,17 @@ class StepLoss:
         counts = global_counts(micro_batches, self.terms.mtp_depth, self.device, self.batch_group)
         self.start(counts)
 
-    def start(self, counts: GlobalCounts) -> None:
-        """Begin a step whose global counts are known (the dry-run planner's meta trace)."""
-        self.counts = counts
+    def start(self, counts: GlobalCounts | torch.Tensor) -> None:
+        """Begin a step with its global counts (as `global_counts` gives them, or known: the
+        dry-run planner's meta trace)."""
+        if isinstance(counts, GlobalCounts):
+            figures = [counts.tokens, counts.inputs, counts.fingerprint, *counts.mtp_tokens]
+            counts = torch.tensor(figures, dtype=torch.int64, device=self.device)
+        self.counts = counts  # int64 [3 + mtp depth], on the device
+        # NOTE: divisors on the device: dividing by them queues no host read. max(, 1): a
+        # global batch whose loss mask keeps no token (instruction data) has no token loss
+        # at all, 0 and not 0/0; a sequence shorter than an MTP depth leaves it no label.
+        self._divisors = counts.clamp(min=1)
         # [sum of token losses, sum of aux shares, sum over depths of mean MTP losses,
         #  sum of z-loss shares]
         self._sums = torch.zeros(4, device=self.device)
@@ -224,14 +231,12 @@ class StepLoss:
         mtp_labels: torch.Tensor | None,
     ) -> torch.Tensor:
         """The token loss share of one forward (and its MTP depths'), from its logits."""
-        counts, terms = self.counts, self.terms
+        divisors, terms = self._divisors, self.terms
         ce_sum = token_loss_sum(logits, labels)
-        # NOTE: max(, 1): a global batch whose loss mask keeps no token (instruction data)
-        # has no token loss at all: 0, not 0/0; its aux loss still trains the routers.
-        loss = ce_sum / max(counts.tokens, 1)
+        loss = ce_sum / divisors[0]  # the global token count (its aux loss still trains)
         self._sums[0] += ce_sum.detach()
         for k, logits_k in enumerate(mtp_logits or []):
-            mtp_mean = token_loss_sum(logits_k, mtp_labels[..., k]) / counts.mtp_tokens[k]
+            mtp_mean = token_loss_sum(logits_k, mtp_labels[..., k]) / divisors[3 + k]
             loss = loss + terms.mtp_weight / terms.mtp_depth * mtp_mean
             self._sums[2] += mtp_mean.detach()
         return loss
@@ -244,7 +249,7 @@ class StepLoss:
             stats, balance.mode, self.dims, self.cp_group, self.global_batch_size,
             self.rounds, balance.pooled, self.batch_group,
         )  # fmt: skip
-        z = z_loss_sum(stats) / self.counts.inputs  # every token routed, masked-in or not
+        z = z_loss_sum(stats) / self.counts[1]  # every token routed, masked-in or not
         if self.moe_layers:  # a stage's layers: their part of the mean over all layers
             part = len(stats.prob_sum) / self.moe_layers
             aux, z = aux * part, z * part
@@ -259,18 +264,20 @@ class StepLoss:
         return loss
 
     def end(self) -> dict:
-        sums = self._sums
-        dist.all_reduce(sums)  # over the world: every rank holds a distinct part of the batch
-        loss_sum, aux, mtp_sum, z = sums.tolist()
+        """The step's record, its figures as tensors on the device (`read_record` reads
+        them): no host read here."""
+        dist.all_reduce(self._sums)  # over the world: every rank holds a distinct part of it
+        sums = self._sums.double()  # as the host read them: fp32 values, float64 arithmetic
         # NOTE: under pipeline stages, by the whole model: a stage may hold no MoE layer
         routed = bool(self.stage_loads) or self.moe_layers > 0
         record = {
-            "loss": loss_sum / max(self.counts.tokens, 1),
-            "aux_loss": aux if routed else None,
-            "z_loss": z if routed else None,
-            "tokens": self.counts.tokens,  # in the loss (a loss mask may leave some out)
-            "tokens_all": self.counts.inputs,  # computed on
-            "data_fingerprint": self.counts.fingerprint,
+            # float64, as the host divided it: the guard judges this value
+            "loss": sums[0] / self._divisors[0].double(),
+            "aux_loss": sums[1] if routed else None,
+            "z_loss": sums[3] if routed else None,
+            "tokens": self.counts[0],  # in the loss (a loss mask may leave some out)
+            "tokens_all": self.counts[1],  # computed on
+            "data_fingerprint": self.counts[2],
             "expert_load": (
                 torch.cat([self.stage_loads[k] for k in sorted(self.stage_loads)])
                 if self.stage_loads
@@ -278,5 +285,20 @@ class StepLoss:
             ),
         }
         if self.terms.mtp_depth:
-            record["mtp_loss"] = mtp_sum / self.terms.mtp_depth  # mean over depths
+            record["mtp_loss"] = sums[2] / self.terms.mtp_depth  # mean over depths
         return record
+
+
+def read_record(record: dict) -> dict:
+    """`record` with its one-element device figures read into Python numbers (floats as
+    float64, counts as int64: one transfer each). Larger tensors (the expert load) are
+    left as they are."""
+    out = dict(record)
+    scalars = [k for k, v in record.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
+    for floating in (True, False):
+        keys = [k for k in scalars if record[k].is_floating_point() == floating]
+        if keys:
+            dtype = torch.float64 if floating else torch.int64
+            values = torch.stack([record[k].reshape(()).to(dtype) for k in keys]).tolist()
+            out.update(zip(keys, values, strict=True))
+    return out

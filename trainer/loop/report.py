@@ -86,21 +86,25 @@ def source_tokens(blend: BlendedOrder, consumed_samples: int, cfg: JobConfig) ->
 STARVED_SHARE = 0.1
 
 
-def balance_figures(load: torch.Tensor, group: dist.ProcessGroup | None = None) -> dict:
-    """The routers' balance over the step's global batch, from this rank's load [L, E]
-    (assignments per MoE layer and expert, summed over its forwards): all-reduced over
-    `group`, the ranks that hold the global batch once (each a distinct part of it): the
-    world, or under pipeline stages one stage's ranks (`Meshes.batch_group`), since every
-    stage's ranks hold the whole model's load by then (over the world it would count pp
-    times).
+def global_load(load: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The step's global expert load [L, E], from this rank's (assignments per MoE layer
+    and expert, summed over its forwards): all-reduced over `group`, the ranks that hold the
+    global batch once (each a distinct part of it): the world, or under pipeline stages one
+    stage's ranks (`Meshes.batch_group`), since every stage's ranks hold the whole model's
+    load by then (over the world it would count pp times). Queued, not read."""
+    load = load.clone()
+    dist.all_reduce(load, group=group)
+    return load
+
+
+def balance_figures(load: torch.Tensor) -> dict:
+    """The routers' balance over the step's global batch, from `global_load`'s [L, E].
 
     expert_load_max_over_mean: per layer, the busiest expert's load over the mean, from 1
     (even) to E / k (every token on the same k experts: top-k of E). expert_load_starved:
     per layer, the experts under 10% of the mean load. Together they say what no pooled
     figure can: which layer is unbalanced, and whether experts sit idle in it.
     """
-    load = load.clone()
-    dist.all_reduce(load, group=group)  # [L, E] over the whole global batch
     mean = load.mean(1, keepdim=True)  # [L, 1]
     return {
         "expert_load": load.int().tolist(),

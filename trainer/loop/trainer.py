@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from models import get_model_spec
-from parallelisms.clip import clip_grads_, grad_norm
 from parallelisms.context_parallel import use_cp_table
 from parallelisms.dims import ParallelDims
 from parallelisms.fsdp import gather_once_per_step
@@ -34,19 +33,20 @@ from trainer.data.tokenizers import build_tokenizer
 from trainer.errors import DataError
 from trainer.loop.balance import attach_bias_update
 from trainer.loop.evaluation import Evaluator, batch_preparer
-from trainer.loop.guard import StepGuard, likely_cause, poison_one_gradient
+from trainer.loop.guard import DeviceGuard, StepGuard, likely_cause
 from trainer.loop.losses import BalanceTerms, StepLoss, model_inputs
-from trainer.loop.optim import build_optimizer, set_lr
+from trainer.loop.optim import build_optimizer
 from trainer.loop.pipelined import PipelinedSteps
 from trainer.loop.profiling import StepProfiler
-from trainer.loop.report import balance_figures, source_tokens, startup_lines, step_figures
+from trainer.loop.report import source_tokens, startup_lines, step_figures
 from trainer.loop.run_start import RunStart
 from trainer.loop.setup import build_model, init_distributed, resolve_device
+from trainer.loop.step import Queued, StepQueue, agree_to_stop, on_device_path
 from trainer.metrics.logger import MetricsLogger, peak_flops
 from trainer.metrics.sinks import build_sinks
 
 
-class Trainer(RunStart, PipelinedSteps):
+class Trainer(RunStart, PipelinedSteps, StepQueue):
     def __init__(self, cfg: JobConfig, dims: ParallelDims, corpora: Corpora | None = None) -> None:
         """`corpora`: the config's prepared directories as `preflight` opened them (None:
         opened here)."""
@@ -94,6 +94,11 @@ class Trainer(RunStart, PipelinedSteps):
         )
         t = cfg.train
         self.guard = StepGuard(t.max_skipped_steps, t.skip_spike_sigma, t.skip_spike_window)
+        self.device_guard: DeviceGuard | None = None  # built from `guard` at the first step
+        # SIGTERM's flag is agreed on the CPU: a collective of the accelerator's backend
+        # would make the host wait for the step's work (trainer.loop.step.agree_to_stop).
+        gloo = dist.get_backend() == "gloo"
+        self._host_group = None if gloo else dist.new_group(backend="gloo")
         self.terms = self.spec.loss_terms(self.args)
         self.grad_accum = self.dims.grad_accum(
             cfg.train.global_batch_size, cfg.train.micro_batch_size
@@ -189,71 +194,6 @@ class Trainer(RunStart, PipelinedSteps):
             self.step_loss(out, mb).backward()
         return self.step_loss.end()
 
-    def optimizer_step(self, loss: float) -> dict:
-        """Clip and update, or skip a bad step (`trainer.loop.guard`); returns the pre-clip
-        grad norm, the lr and whether the step was skipped.
-
-        NOTE: the step's host syncs are the global counts (`StepLoss.begin`), the loss
-        (`StepLoss.end`) and the norm's `.item()` here, plus the EP split sizes (one per MoE
-        layer and micro-batch, forward and backward) and the SIGTERM flag; the guard adds
-        none: it judges the loss and norm the step reads anyway, all-reduced, so every rank
-        decides the same from the same bits.
-        """
-        debug = self.cfg.debug
-        first = debug.inject_nonfinite_step
-        if 0 < first <= self.step + 1 < first + debug.inject_nonfinite_count:
-            poison_one_gradient(self.params)
-        # All-reduced (over the pipeline stages too): every rank holds the global norm.
-        stages = self.meshes.pp.get_group() if self.meshes.pp else None
-        norm = grad_norm(self.norm_params, stages, self.device)
-        # The schedule counts applied updates: a skipped step does not advance it.
-        lr = set_lr(self.optimizer, self.step - self.guard.skipped_total, self.cfg.train)
-        verdict = self.guard.judge(loss, norm.item())
-        if verdict.skip:
-            if self.bias_update is not None:
-                self.bias_update.discard()
-        else:
-            clip_grads_(self.params, self.cfg.train.max_grad_norm, norm)
-            if self.optimizer is not None:
-                self.optimizer.step()
-            elif self.bias_update is not None:  # no optimizer to run it as its pre-step hook
-                self.bias_update()
-            if self.shared_embedding is not None:
-                self.shared_embedding.sync()
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        record = {"step": self.step, "grad_norm": norm.item(), "lr": lr}
-        record["skipped_steps"] = self.guard.skipped_total
-        if verdict.skip:
-            record["skipped"] = verdict.reason
-        return record
-
-    def train_step(self, micro_batches: list[Batch]) -> dict:
-        """One optimizer step over this rank's micro-batches of the global batch."""
-        self.seed_step()
-        record = self.forward_backward(micro_batches)
-        with named_range("optimizer.step"):
-            record.update(self.optimizer_step(record["loss"]))
-        load = record.pop("expert_load")
-        interval = self.cfg.metrics.expert_load_interval
-        # The first step of a run too: its forward routes with the weights the run began
-        # from (the init's routing, "step 0", on a fresh run).
-        first, self._first_step_of_run = self._first_step_of_run, False
-        due = interval and (first or self.step % interval == 0)
-        if due and self.pipeline is not None:  # every stage's layers, in model order
-            load = self._whole_model_load()
-        if load is not None and due:
-            record.update(balance_figures(load, self.meshes.batch_group()))
-        if self.dispatchers:
-            traffic = [d.reset_traffic() for d in self.dispatchers]
-            record["a2a_bytes"] = sum(t.sent for t in traffic)
-            if 0 < self.meshes.ranks_per_node < self.dims.world_size:  # several nodes
-                record["a2a_internode_bytes"] = sum(
-                    t.internode + t.internode_routing for t in traffic
-                )
-        return record
-
     def next_micro_batches(self) -> list[Batch]:
         """This rank's micro-batches of the next global batch, on the training device."""
         if self._data_iter is None:
@@ -281,9 +221,7 @@ class Trainer(RunStart, PipelinedSteps):
 
     def _stop_agreed(self) -> bool:
         """Whether any rank got SIGTERM: all ranks must stop (and save) at the same step."""
-        flag = torch.tensor([float(self._stop_requested)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return agree_to_stop(self._stop_requested, self._host_group)
 
     def fit(self) -> list[dict]:
         """Train to train.steps; on SIGTERM, finish the step, save, and return early."""
@@ -300,14 +238,42 @@ class Trainer(RunStart, PipelinedSteps):
         coefs = {"aux_loss": self.terms.aux_loss_coef, "z_loss": self.cfg.moe.z_loss_coef}
         return likely_cause(record, coefs, untouched=weights_step == self._start_step)
 
-    def _on_skipped(self, record: dict) -> None:
+    def _on_skipped(self, record: dict, queued: Queued) -> None:
         reason = record["skipped"]
-        self.logger.info(self.guard.note(self.step, reason))
+        self.logger.info(self.guard.note(queued.step, reason))
         if self.guard.limit_reached:  # the weights are the last good ones: nothing moved
+            # NOTE: the device may have queued the next step already; it skips every step
+            # past the limit (guard.DeviceGuard), so the state to save is this step's, with
+            # the data position after its batch.
+            self.step, self.consumed_samples = queued.step, queued.consumed_samples
             self.save_checkpoint()
             self.checkpointer.wait()
-            cause = self._skip_cause(record, self.step - self.guard.consecutive)
-            raise self.guard.limit_error(self.step, reason, cause)
+            cause = self._skip_cause(record, queued.step - self.guard.consecutive)
+            raise self.guard.limit_error(queued.step, reason, cause)
+
+    def _finish(self, queued: Queued, evaluate: bool = False) -> None:
+        """Read, log and act on a queued step's record (`settle`); `evaluate`: add the
+        held-out loss of the current weights, which must be that step's."""
+        cfg = self.cfg
+        record = self.settle(queued)
+        now = time.perf_counter()
+        elapsed, self._ready_at = now - self._ready_at, now  # from the previous step's end
+        record.update(
+            step_figures(
+                cfg, elapsed, self.device, self.flops_per_token, self.peak_flops, self.dims
+            )
+        )
+        if self.sampler.blend is not None:  # exact global counts: every rank has the blend
+            record.update(source_tokens(self.sampler.blend, queued.consumed_samples, cfg))
+        if evaluate:
+            record.update(self.evaluate())
+        self.history.append(record)
+        step = queued.step
+        due = step % cfg.metrics.log_interval == 0 or step == cfg.train.steps
+        if due or {"expert_load", "skipped", "eval_loss"} & record.keys():
+            self.logger.log(record)  # expert load is computed for logging only
+        if "skipped" in record:
+            self._on_skipped(record, queued)
 
     def _fit(self) -> list[dict]:
         cfg = self.cfg
@@ -324,41 +290,37 @@ class Trainer(RunStart, PipelinedSteps):
                 f"nothing to do: this run already reached train.steps={cfg.train.steps} (step "
                 f"{self.step}); raise train.steps to train further, or use a new job.output_dir"
             )
+        # Step k's record is read once step k + 1 is queued (trainer.loop.step), unless the
+        # host needs step k's state first: its evaluation, its checkpoint, the run's end, a
+        # stop; or it judges on the host (foreach AdamW), where reading is what decides.
+        defer = on_device_path(self.optimizer)
+        pending: Queued | None = None
+        self._ready_at = time.perf_counter()
         while self.step < cfg.train.steps:
             self.profiler.before_step(self.step + 1)
-            start = time.perf_counter()
             with named_range(f"step {self.step + 1}"):
                 with named_range("data.wait"):
                     micro_batches = self.next_micro_batches()
-                record = self.train_step(micro_batches)
-            elapsed = time.perf_counter() - start
+                queued = self.queue_step(micro_batches)
+            if pending is not None:
+                self._finish(pending)
+            pending = queued
             self.profiler.after_step(self.step)
-            record.update(
-                step_figures(
-                    cfg, elapsed, self.device, self.flops_per_token, self.peak_flops, self.dims
-                )
-            )
-            if self.sampler.blend is not None:  # exact global counts: every rank has the blend
-                record.update(source_tokens(self.sampler.blend, self.consumed_samples, cfg))
-            every = cfg.eval.interval
-            if self.evaluator and (
-                self.step == cfg.train.steps or every and self.step % every == 0
-            ):
-                record.update(self.evaluate())
-            self.history.append(record)
-            due = self.step % cfg.metrics.log_interval == 0 or self.step == cfg.train.steps
-            if due or {"expert_load", "skipped", "eval_loss"} & record.keys():
-                self.logger.log(record)  # expert load is computed for logging only
-            if "skipped" in record:
-                self._on_skipped(record)
+            every, interval = cfg.eval.interval, cfg.checkpoint.interval
+            last = self.step == cfg.train.steps
+            evaluate = bool(self.evaluator) and (last or every and self.step % every == 0)
+            save = interval and (self.step % interval == 0 or last)
             self.checkpointer.poll()
-            if self._stop_agreed():
+            stop = self._stop_agreed()
+            if not defer or evaluate or save or last or stop:
+                self._finish(pending, evaluate)
+                pending = None
+            if stop:
                 self.logger.info(f"SIGTERM: saving step {self.step} and stopping")
                 self.save_checkpoint()
                 stopped = True  # to be resumed: not judged as a finished run
                 break
-            interval = cfg.checkpoint.interval
-            if interval and (self.step % interval == 0 or self.step == cfg.train.steps):
+            if save:
                 self.save_checkpoint()
         self.checkpointer.wait()
         applied = [r for r in self.history if "skipped" not in r]

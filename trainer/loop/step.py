@@ -1,0 +1,178 @@
+"""One optimizer step, queued without reading the device: `queue_step` then `settle`.
+
+Invariant: from a step's first forward op until the next step's forward is queued, the host
+reads nothing the device computes, on the default path (fused AdamW). The only reads are
+the expert all-to-all's split sizes (drop-less expert parallelism needs them to size its
+buffers) and what the pipeline schedules need. So:
+
+- the global token counts normalise the loss on the device (`StepLoss`);
+- the guard judges on the device (`guard.DeviceGuard`): its verdict is a bool tensor, and a
+  skipped update moves nothing, by fused AdamW's `found_inf` (parameters, moments and step
+  count stay) and the bias update's `skip`; the learning rate of the update is read from a
+  table on the device at the count of updates applied so far (`lr_table`), since the
+  schedule counts applied updates and the host does not know yet which were;
+- the step's figures (loss, norm, verdict, counts, expert load) are read by `settle`, which
+  the training loop calls for step k once step k + 1 is queued; the host guard then
+  `observe`s the device's verdict, and every record is what a synchronous step would log.
+
+With `train.optimizer_impl=foreach` (no `found_inf`), the host reads the verdict before
+the update, as it always did. `train_step` (queue then settle at once) serves callers that
+want the record of the step they just ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from parallelisms.clip import clip_grads_, grad_norm
+from parallelisms.trace import named_range
+from trainer.data.batch import Batch
+from trainer.loop.guard import DeviceGuard, poison_one_gradient
+from trainer.loop.losses import read_record
+from trainer.loop.optim import lr_factor, set_lr
+from trainer.loop.report import balance_figures, global_load
+
+
+@dataclass
+class Queued:
+    """A step queued on the device: its record, figures still on the device."""
+
+    step: int
+    consumed_samples: int
+    record: dict = field(default_factory=dict)
+    load: torch.Tensor | None = None  # the global batch's expert load, when due
+
+
+def on_device_path(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether skips are applied on the device: fused AdamW (its `found_inf`), or no
+    optimizer at all (a pipeline stage that trains nothing)."""
+    return optimizer is None or bool(optimizer.defaults.get("fused"))
+
+
+class StepQueue:
+    """The step side of `Trainer` (trainer.loop.trainer), split off along this seam: it
+    reads and writes the trainer's own attributes."""
+
+    def queue_step(self, micro_batches: list[Batch]) -> Queued:
+        """Forward, backward and the (maybe skipped) update of one global batch, queued."""
+        self.seed_step()
+        record = self.forward_backward(micro_batches)
+        with named_range("optimizer.step"):
+            record.update(self.optimizer_step(record["loss"]))
+        queued = Queued(self.step, self.consumed_samples, record)
+        load = record.pop("expert_load")
+        interval = self.cfg.metrics.expert_load_interval
+        # The first step of a run too: its forward routes with the weights the run began
+        # from (the init's routing, "step 0", on a fresh run).
+        first, self._first_step_of_run = self._first_step_of_run, False
+        due = interval and (first or self.step % interval == 0)
+        if due and self.pipeline is not None:  # every stage's layers, in model order
+            load = self._whole_model_load()
+        if load is not None and due:
+            queued.load = global_load(load, self.meshes.batch_group())
+        if self.dispatchers:  # host counters: the split sizes the dispatch read anyway
+            traffic = [d.reset_traffic() for d in self.dispatchers]
+            record["a2a_bytes"] = sum(t.sent for t in traffic)
+            if 0 < self.meshes.ranks_per_node < self.dims.world_size:  # several nodes
+                record["a2a_internode_bytes"] = sum(
+                    t.internode + t.internode_routing for t in traffic
+                )
+        return queued
+
+    def settle(self, queued: Queued) -> dict:
+        """The record of a queued step, read from the device (`read_record`); the host guard
+        takes the device's verdict."""
+        record = read_record(queued.record)
+        skipped = bool(record.pop("skip"))
+        if "judged" not in record:  # the device judged: the host guard follows its verdict
+            verdict = self.guard.observe(record["loss"], record["grad_norm"], skipped)
+            record["skipped_steps"] = self.guard.skipped_total
+            if verdict.skip:
+                record["skipped"] = verdict.reason
+        record.pop("judged", None)
+        if queued.load is not None:
+            record.update(balance_figures(queued.load))
+        return record
+
+    def train_step(self, micro_batches: list[Batch]) -> dict:
+        """One optimizer step over this rank's micro-batches of the global batch, and its
+        record (read at once: a sync, for callers that want the step they just ran)."""
+        return self.settle(self.queue_step(micro_batches))
+
+    def optimizer_step(self, loss: torch.Tensor) -> dict:
+        """Clip and update, or skip a bad step (`trainer.loop.guard`); returns the pre-clip
+        grad norm, the lr and the verdict (`skip`), as device tensors on the device path."""
+        debug = self.cfg.debug
+        first = debug.inject_nonfinite_step
+        if 0 < first <= self.step + 1 < first + debug.inject_nonfinite_count:
+            poison_one_gradient(self.params)
+        # All-reduced (over the pipeline stages too): every rank holds the global norm.
+        stages = self.meshes.pp.get_group() if self.meshes.pp else None
+        norm = grad_norm(self.norm_params, stages, self.device)
+        if on_device_path(self.optimizer):
+            record = self._update_on_device(loss, norm)
+        else:
+            record = self._update_on_host(float(loss), norm)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"step": self.step, "grad_norm": norm, **record}
+
+    def _update_on_device(self, loss: torch.Tensor, norm: torch.Tensor) -> dict:
+        if self.device_guard is None:  # built from the host guard (a resume loaded it)
+            self.device_guard = DeviceGuard(self.guard, self.device)
+            self.lr_table = torch.tensor(
+                [
+                    self.cfg.train.lr * lr_factor(k, self.cfg.train)
+                    for k in range(self.cfg.train.steps + 1)
+                ],
+                dtype=torch.float32,
+                device=self.device,
+            )
+        guard = self.device_guard
+        # The schedule counts applied updates: a skipped step does not advance it.
+        applied = (self.step - guard.skipped).clamp(0, len(self.lr_table) - 1)
+        lr = self.lr_table[applied]
+        skip = guard.judge(loss, norm)
+        clip_grads_(self.params, self.cfg.train.max_grad_norm, norm)
+        if self.bias_update is not None:
+            self.bias_update.skip = skip
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.found_inf = skip.float()  # fused AdamW: a skip moves nothing
+            self.optimizer.step()
+        elif self.bias_update is not None:  # no optimizer to run it as its pre-step hook
+            self.bias_update()
+        if self.shared_embedding is not None:  # unchanged when skipped: the same copy
+            self.shared_embedding.sync()
+        return {"lr": lr, "skip": skip, "loss": loss}
+
+    def _update_on_host(self, loss: float, norm: torch.Tensor) -> dict:
+        """The foreach path: the verdict is read before the update (a host sync)."""
+        lr = set_lr(self.optimizer, self.step - self.guard.skipped_total, self.cfg.train)
+        verdict = self.guard.judge(loss, norm.item())
+        if verdict.skip:
+            if self.bias_update is not None:
+                self.bias_update.discard()
+        else:
+            clip_grads_(self.params, self.cfg.train.max_grad_norm, norm)
+            self.optimizer.step()
+            if self.shared_embedding is not None:
+                self.shared_embedding.sync()
+        record = {"lr": lr, "skip": verdict.skip, "judged": True, "loss": loss}
+        record["skipped_steps"] = self.guard.skipped_total
+        if verdict.skip:
+            record["skipped"] = verdict.reason
+        return record
+
+
+def agree_to_stop(flag: bool, group: dist.ProcessGroup | None) -> bool:
+    """Whether any rank asks to stop: a CPU all-reduce over `group` (gloo), which queues
+    nothing on the accelerator and so never waits for it."""
+    tensor = torch.tensor([float(flag)])
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return bool(tensor.item())
