@@ -144,10 +144,10 @@ def test_an_export_replaces_an_earlier_one_whole_or_not_at_all(tmp_path, capsys)
     assert _files(out) == first and not (tmp_path / ".hf.replaced").exists()
 
     # A directory with files an export does not write is refused, naming one; kept.
-    (out / "tokenizer.json").write_text("{}")
+    (out / "notes.txt").write_text("{}")
     capsys.readouterr()
     assert main(export) == 2
     err = capsys.readouterr().err
-    assert f"export directory {out} holds files an export does not write (tokenizer.json)" in err
+    assert f"export directory {out} holds files an export does not write (notes.txt)" in err
     assert "Export to a new or empty directory (--out)" in err
-    assert _files(out) == {**first, "tokenizer.json": b"{}"}
+    assert _files(out) == {**first, "notes.txt": b"{}"}

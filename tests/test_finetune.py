@@ -253,7 +253,10 @@ def test_every_layout_gives_the_same_masked_losses(chat_model, prepared, tmp_pat
 
 
 @pytest.mark.slow
-def test_from_hugging_face_weights_to_an_export_transformers_reloads(chat_model, tmp_path):
+def test_from_hugging_face_weights_to_an_export_transformers_reloads(chat_model, tmp_path, capsys):
+    """LoRA (adapters saved alone) on chat data from HF weights; the merged export holds the
+    run's held-out loss, its tokenizer and template, and generation stops on the template's
+    stop tokens; trainer.generate on the checkpoint is transformers' greedy on the export."""
     held = conversations()[-4:]
     train_file, held_file = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     train_file.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations()[:-4]))
@@ -278,6 +281,7 @@ def test_from_hugging_face_weights_to_an_export_transformers_reloads(chat_model,
         "--train.lr=1e-3",
         "--train.warmup_steps=1",
         "--checkpoint.interval=4",
+        "--peft.method=lora",
         f"--eval.path={tmp_path / 'held'}",
         f"--eval.samples={windows}",  # every held-out conversation
     ]
@@ -285,11 +289,15 @@ def test_from_hugging_face_weights_to_an_export_transformers_reloads(chat_model,
     assert records[-1]["loss"] < records[0]["loss"]
     ours = records[-1]["eval_loss"]
     export = tmp_path / "export"
-    subprocess.run(
-        [sys.executable, "-m", "trainer.hf.export", "--checkpoint", str(out / "checkpoints" / "step-4"),
+    step = out / "checkpoints" / "step-4"
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.hf.export", "--checkpoint", str(step),
          "--out", str(export), "--dtype", "fp32"],
-        cwd=ROOT, check=True, capture_output=True, timeout=300,
+        cwd=ROOT, check=True, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
+    template = chat_model / "chat_template.jinja"
+    assert f"tokenizer of {chat_model} with the chat template of {template}" in proc.stdout
+    assert "generation stops on <|im_end|> (2)" in proc.stdout
     model = transformers.AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager")
     total, count = 0.0, 0
     with torch.no_grad():
@@ -302,6 +310,27 @@ def test_from_hugging_face_weights_to_an_export_transformers_reloads(chat_model,
             total += ce[targets].double().sum().item()
             count += int(targets.sum())
     assert ours == pytest.approx(total / count, rel=1e-4)
+
+    # transformers with the export's own tokenizer, template and stop tokens, against
+    # trainer.generate on the checkpoint: the same greedy tokens.
+    from trainer.generate.cli import main as generate
+
+    exported = transformers.AutoTokenizer.from_pretrained(export)
+    assert exported.chat_template == template.read_text()
+    stops = model.generation_config.eos_token_id
+    for conv in held[:3]:
+        inputs = exported.apply_chat_template(
+            conv[:-1], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        with torch.no_grad():
+            theirs = model.generate(**inputs, do_sample=False, max_new_tokens=24)
+        theirs = theirs[0, inputs["input_ids"].shape[1] :].tolist()
+        assert len(theirs) == 24 or theirs[-1] in stops  # it stops on a stop token
+        capsys.readouterr()
+        argv = ["--checkpoint", str(step), "--chat", str(tmp_path / "chat.json"), "--json"]
+        (tmp_path / "chat.json").write_text(json.dumps(conv[:-1]))
+        assert generate([*argv, "--max-new-tokens", "24", "--device", "cpu"]) == 0
+        assert json.loads(capsys.readouterr().out.splitlines()[-1])["ids"] == theirs
 
 
 def test_a_global_batch_without_a_masked_in_token_has_no_nan():

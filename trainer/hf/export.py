@@ -29,6 +29,7 @@ from trainer.checkpoint.markers import check_checkpoint, read_trainer_state
 from trainer.config.moe_peft import PeftSection
 from trainer.errors import CheckpointError
 from trainer.hf.export_dir import staged_export
+from trainer.hf.export_tokenizer import recorded_tokenizer, write_tokenizer
 from trainer.hf.weights import SafetensorsWriter, hf_entries
 
 
@@ -112,17 +113,27 @@ def _base(path: str, spec: ModelSpec, args: Any) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def export_checkpoint(
-    path: str, out_dir: str, dtype: torch.dtype, max_shard_bytes: int = 4 << 30
-) -> None:
+    path: str,
+    out_dir: str,
+    dtype: torch.dtype,
+    max_shard_bytes: int = 4 << 30,
+    tokenizer: bool = True,
+) -> str | None:
     """Write checkpoint `path` as an HF directory, holding about one read group (at most
-    `max_shard_bytes` of parameters, or one larger parameter) and one output shard.
-    `out_dir` is replaced whole (see export_dir.py): no file of an earlier export remains."""
+    `max_shard_bytes` of parameters, or one larger parameter) and one output shard, with
+    the tokenizer its data was prepared with (`tokenizer`; export_tokenizer.py).
+    `out_dir` is replaced whole (see export_dir.py): no file of an earlier export remains.
+    Returns the line that says which tokenizer the export carries, or why none."""
     spec, args = checkpoint_spec(path)
     if spec.hf_adapter is None:
         raise HFFormatError(f"model {spec.name!r} has no Hugging Face adapter to export with")
     config = spec.hf_adapter.hf_config_dict(args, dtype)  # may refuse: before any work
+    record, line = recorded_tokenizer(path) if tokenizer else (None, None)  # so may this
     with staged_export(out_dir) as staging:  # replaces out_dir whole, once complete
         _write(path, spec, args, SafetensorsWriter(staging, config, max_shard_bytes), dtype)
+        if record is not None:
+            line = write_tokenizer(record, staging, path)
+    return line
 
 
 def _write(
@@ -175,18 +186,29 @@ def main(argv: list[str] | None = None) -> int:
         help="a LoRA checkpoint's adapters alone, in the format peft loads (default: merged "
         "weights, a plain Hugging Face directory)",
     )
+    parser.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        help="leave out the tokenizer the data was prepared with (default: its files, the "
+        "chat template used and generation_config.json are written beside the weights)",
+    )
     args = parser.parse_args(argv)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     try:
         if args.adapters:
             from trainer.hf.peft_export import export_adapters
 
-            export_adapters(args.checkpoint, args.out, dtype)
+            line = export_adapters(args.checkpoint, args.out, dtype, not args.no_tokenizer)
         else:
-            export_checkpoint(args.checkpoint, args.out, dtype, int(args.max_shard_gb * 2**30))
+            shard_bytes = int(args.max_shard_gb * 2**30)
+            line = export_checkpoint(
+                args.checkpoint, args.out, dtype, shard_bytes, not args.no_tokenizer
+            )
     except (HFFormatError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if line is not None:
+        print(line)
     print(f"wrote {args.out} ({args.dtype}) from {args.checkpoint}")
     return 0
 

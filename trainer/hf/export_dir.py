@@ -12,8 +12,7 @@ A failure while writing leaves the old export as it was (the staging directory i
 A process killed between the two renames leaves the old export in `.<name>.replaced`; the
 next export into `<name>` puts it back before starting, so it is never lost unreplaced.
 
-A directory holding anything an export does not write (a tokenizer copied in, a user's
-notes, a training run) is refused before any work: replacing it would delete those files.
+A directory holding anything an export does not write (a user's notes, a training run) is refused before any work: replacing it would delete those files.
 """
 
 from __future__ import annotations
@@ -32,6 +31,8 @@ from trainer.fileio import fsync_path
 EXPORT_FILE = re.compile(
     r"^(config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors"
     r"|model\.safetensors\.index\.json|adapter_model\.safetensors|adapter_config\.json"
+    r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|chat_template\.jinja"
+    r"|generation_config\.json"
     r"|model-\d+\.safetensors\.partial|[\w.-]+\.json\.tmp)$"
 )
 

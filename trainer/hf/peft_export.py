@@ -46,8 +46,13 @@ def _hf_key(adapter, name: str, shape: tuple[int, ...], args) -> str:
 
 
 @torch.no_grad()
-def export_adapters(path: str, out_dir: str, dtype: torch.dtype) -> None:
+def export_adapters(
+    path: str, out_dir: str, dtype: torch.dtype, tokenizer: bool = True
+) -> str | None:
+    """Write checkpoint `path`'s adapters into `out_dir`, with the tokenizer its data was
+    prepared with (`tokenizer`); returns the line that says which, or why none."""
     from trainer.hf.export import _build, _read, checkpoint_spec
+    from trainer.hf.export_tokenizer import recorded_tokenizer, write_tokenizer
 
     spec, args = checkpoint_spec(path)
     config = read_trainer_state(path)["config"]
@@ -85,7 +90,10 @@ def export_adapters(path: str, out_dir: str, dtype: torch.dtype) -> None:
         "base_model_name_or_path": config["model"].get("init_from_hf"),
         "target_modules": "^(" + "|".join(re.escape(m) for m in modules) + ")$",
     }
+    record, line = recorded_tokenizer(path) if tokenizer else (None, None)  # before any work
     with staged_export(out_dir) as staging:  # replaces out_dir whole, once complete
+        if record is not None:
+            line = write_tokenizer(record, staging, path)
         _read(path, values)
         save_file(
             {key: values[n].to(dtype).contiguous() for key, n in tensors.items()},
@@ -94,3 +102,4 @@ def export_adapters(path: str, out_dir: str, dtype: torch.dtype) -> None:
         )
         with open(os.path.join(staging, "adapter_config.json"), "w") as f:
             json.dump(adapter_config, f, indent=2)
+    return line

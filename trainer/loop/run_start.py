@@ -19,12 +19,14 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from models.spec import ModelSpec
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import JobConfig, config_to_dict, resume_notes
+from trainer.data.prepared import Corpora
 from trainer.data.sampler import GlobalBatchSampler
 from trainer.loop.frozen_base import check_base, load_base, recorded_base, run_base
 from trainer.loop.guard import StepGuard
 from trainer.loop.peft import init_adapters
 from trainer.loop.resume import accept_checkpoint, data_identity
 from trainer.loop.stages import Stage, resolve_stage
+from trainer.loop.tokenizer_record import tokenizer_record
 
 
 class RunStart:
@@ -48,12 +50,18 @@ class RunStart:
     # Where the frozen weights came from (trainer.loop.frozen_base): saved with checkpoints
     # that omit them, so every resume, evaluation and export rebuilds the same base.
     base: dict
+    corpora: Corpora | None
+    # The tokenizer (and chat template) the data was prepared with, for the export and
+    # `trainer.generate` (trainer.loop.tokenizer_record); rank 0's, which saves the state.
+    tokenizer: dict | None
 
     def _begin(self) -> str | None:
         """The weights (and, resuming, the whole state) this run starts from: its own
         newest checkpoint, else checkpoint.init_from's, else the init. Returns the
         checkpoint resumed, if any."""
         cfg = self.cfg
+        # Rank 0 alone reads the files: preflight refused what would fail here, on every rank.
+        self.tokenizer = tokenizer_record(cfg, self.corpora) if self.rank == 0 else None
         resume_from = self._resume_path()
         if resume_from is not None:  # every weight (and the data position) from it
             self._restore(resume_from)
@@ -114,6 +122,7 @@ class RunStart:
             "config": config_to_dict(self.cfg),
             "data_identity": data_identity(self.loader.dataset),
             "base": self.base,
+            "tokenizer": self.tokenizer,
         }
 
     def save_checkpoint(self) -> None:

@@ -44,6 +44,7 @@ from trainer.errors import DataError
 from trainer.loop.peft import apply_lora
 from trainer.loop.resume import check_resume, resume_candidate
 from trainer.loop.stages import check_stage, check_stage_keys, resolve_stage
+from trainer.loop.tokenizer_record import tokenizer_record
 from trainer.metrics.sinks import check_sinks
 
 
@@ -156,6 +157,9 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> Corpora:
     corpora = Corpora(cfg.data, cfg.eval)
     check_corpus(cfg.data, tokenizer, corpora)
     check_held_out(cfg.data, cfg.eval, tokenizer, corpora)
+    # A chat template changed since the data was rendered is refused here, on every rank:
+    # the checkpoints record it for the export (trainer.loop.tokenizer_record).
+    tokenizer_record(cfg, corpora)
     resolve_document_flags(cfg.data, corpora)
     validate(cfg)  # again: the rules that read the flags just resolved
     return corpora

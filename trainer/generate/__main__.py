@@ -1,0 +1,5 @@
+import sys
+
+from trainer.generate.cli import main
+
+sys.exit(main())
