@@ -75,6 +75,9 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
         if self.shared_embedding is not None:  # a stage's copy of the embedding, as loaded
             self.shared_embedding.sync()
         self._build_metrics(resume_from)
+        self._start_step = self.step  # the step of the weights this run started from
+        self._pending: Queued | None = None  # a step queued, its record not read yet
+        self._ready_at = time.perf_counter()  # when the last step's record was read
 
     # --- phases of __init__ ------------------------------------------------------------
     def _build_model(self) -> None:
@@ -275,6 +278,39 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
         if "skipped" in record:
             self._on_skipped(record, queued)
 
+    def advance(self, micro_batches: list[Batch]) -> bool:
+        """Queue one step and do what the loop does around it (the loop's body, also what
+        benchmarks/vs_torchtitan.py times): the previous step's record is read once this one
+        is queued, unless the host needs this step's state first (its evaluation, its
+        checkpoint, the run's end, a stop) or judges on the host (foreach AdamW, where the
+        read decides the update). Returns whether SIGTERM stopped the run (saved)."""
+        cfg = self.cfg
+        queued = self.queue_step(micro_batches)
+        if self._pending is not None:
+            self._finish(self._pending)
+        self._pending = queued
+        every, interval = cfg.eval.interval, cfg.checkpoint.interval
+        last = self.step == cfg.train.steps
+        evaluate = bool(self.evaluator) and (last or every and self.step % every == 0)
+        save = interval and (self.step % interval == 0 or last)
+        self.checkpointer.poll()
+        stop = self._stop_agreed()
+        if not on_device_path(self.optimizer) or evaluate or save or last or stop:
+            self.drain(evaluate)
+        if stop:
+            self.logger.info(f"SIGTERM: saving step {self.step} and stopping")
+            self.save_checkpoint()
+            return True
+        if save:
+            self.save_checkpoint()
+        return False
+
+    def drain(self, evaluate: bool = False) -> None:
+        """Read and act on the step still queued, if any (`_finish`)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._finish(pending, evaluate)
+
     def _fit(self) -> list[dict]:
         cfg = self.cfg
         parallel = self.parallel
@@ -290,38 +326,17 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
                 f"nothing to do: this run already reached train.steps={cfg.train.steps} (step "
                 f"{self.step}); raise train.steps to train further, or use a new job.output_dir"
             )
-        # Step k's record is read once step k + 1 is queued (trainer.loop.step), unless the
-        # host needs step k's state first: its evaluation, its checkpoint, the run's end, a
-        # stop; or it judges on the host (foreach AdamW), where reading is what decides.
-        defer = on_device_path(self.optimizer)
-        pending: Queued | None = None
         self._ready_at = time.perf_counter()
+        self._pending = None
         while self.step < cfg.train.steps:
             self.profiler.before_step(self.step + 1)
             with named_range(f"step {self.step + 1}"):
                 with named_range("data.wait"):
                     micro_batches = self.next_micro_batches()
-                queued = self.queue_step(micro_batches)
-            if pending is not None:
-                self._finish(pending)
-            pending = queued
+                stopped = self.advance(micro_batches)
             self.profiler.after_step(self.step)
-            every, interval = cfg.eval.interval, cfg.checkpoint.interval
-            last = self.step == cfg.train.steps
-            evaluate = bool(self.evaluator) and (last or every and self.step % every == 0)
-            save = interval and (self.step % interval == 0 or last)
-            self.checkpointer.poll()
-            stop = self._stop_agreed()
-            if not defer or evaluate or save or last or stop:
-                self._finish(pending, evaluate)
-                pending = None
-            if stop:
-                self.logger.info(f"SIGTERM: saving step {self.step} and stopping")
-                self.save_checkpoint()
-                stopped = True  # to be resumed: not judged as a finished run
+            if stopped:
                 break
-            if save:
-                self.save_checkpoint()
         self.checkpointer.wait()
         applied = [r for r in self.history if "skipped" not in r]
         if self.history and not applied and not stopped:  # every rank: the verdicts are global
