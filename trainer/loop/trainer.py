@@ -309,6 +309,38 @@ class Trainer(RunStart, PipelinedSteps):
             cause = self._skip_cause(record, self.step - self.guard.consecutive)
             raise self.guard.limit_error(self.step, reason, cause)
 
+    def end_step(self, record: dict, elapsed: float) -> bool:
+        """What the loop does with step `record` (its train_step took `elapsed` s): figures,
+        evaluation when due, the record kept and logged, the guard's limit, checkpoints and
+        SIGTERM. Returns whether SIGTERM stopped the run (saved). Its own method so that
+        benchmarks/vs_torchtitan.py times the same per-step work as train.py."""
+        cfg = self.cfg
+        record.update(
+            step_figures(
+                cfg, elapsed, self.device, self.flops_per_token, self.peak_flops, self.dims
+            )
+        )
+        if self.sampler.blend is not None:  # exact global counts: every rank has the blend
+            record.update(source_tokens(self.sampler.blend, self.consumed_samples, cfg))
+        every = cfg.eval.interval
+        if self.evaluator and (self.step == cfg.train.steps or every and self.step % every == 0):
+            record.update(self.evaluate())
+        self.history.append(record)
+        due = self.step % cfg.metrics.log_interval == 0 or self.step == cfg.train.steps
+        if due or {"expert_load", "skipped", "eval_loss"} & record.keys():
+            self.logger.log(record)  # expert load is computed for logging only
+        if "skipped" in record:
+            self._on_skipped(record)
+        self.checkpointer.poll()
+        if self._stop_agreed():
+            self.logger.info(f"SIGTERM: saving step {self.step} and stopping")
+            self.save_checkpoint()
+            return True
+        interval = cfg.checkpoint.interval
+        if interval and (self.step % interval == 0 or self.step == cfg.train.steps):
+            self.save_checkpoint()
+        return False
+
     def _fit(self) -> list[dict]:
         cfg = self.cfg
         parallel = self.parallel
@@ -333,33 +365,9 @@ class Trainer(RunStart, PipelinedSteps):
                 record = self.train_step(micro_batches)
             elapsed = time.perf_counter() - start
             self.profiler.after_step(self.step)
-            record.update(
-                step_figures(
-                    cfg, elapsed, self.device, self.flops_per_token, self.peak_flops, self.dims
-                )
-            )
-            if self.sampler.blend is not None:  # exact global counts: every rank has the blend
-                record.update(source_tokens(self.sampler.blend, self.consumed_samples, cfg))
-            every = cfg.eval.interval
-            if self.evaluator and (
-                self.step == cfg.train.steps or every and self.step % every == 0
-            ):
-                record.update(self.evaluate())
-            self.history.append(record)
-            due = self.step % cfg.metrics.log_interval == 0 or self.step == cfg.train.steps
-            if due or {"expert_load", "skipped", "eval_loss"} & record.keys():
-                self.logger.log(record)  # expert load is computed for logging only
-            if "skipped" in record:
-                self._on_skipped(record)
-            self.checkpointer.poll()
-            if self._stop_agreed():
-                self.logger.info(f"SIGTERM: saving step {self.step} and stopping")
-                self.save_checkpoint()
+            if self.end_step(record, elapsed):
                 stopped = True  # to be resumed: not judged as a finished run
                 break
-            interval = cfg.checkpoint.interval
-            if interval and (self.step % interval == 0 or self.step == cfg.train.steps):
-                self.save_checkpoint()
         self.checkpointer.wait()
         applied = [r for r in self.history if "skipped" not in r]
         if self.history and not applied and not stopped:  # every rank: the verdicts are global
