@@ -7,7 +7,8 @@
 #     flex_training  debug GPT-OSS with document masks: eager, selective, compiled
 #     proxy          Qwen3-30B-A3B proxy: the planner's peak, then training (PROXY_MODES)
 #     gemm           GEMM rates by shape (benchmarks/gemm_rates.py), MoE host syncs
-#     titan          the proxy against torchtitan's Qwen3 MoE (benchmarks/vs_torchtitan.py)
+#     titan          the proxy against torchtitan's Qwen3 MoE (benchmarks/vs_torchtitan.py):
+#                    eager, compiled, and 8 micro-batches a step
 #     balance        the proxy's routing: aux loss pooled over layers against per layer,
 #                    and per layer with the z-loss (BALANCE_STEPS 60, BALANCE_AUX weights,
 #                    BALANCE_VARIANTS)
@@ -125,10 +126,18 @@ lora() { # LoRA (rank 8, attention and routed experts) against full fine-tuning 
         --peft.method=lora
     train proxy_full 120 configs/qwen3_30b_a3b.toml --train.steps="$PROXY_STEPS" "${PROXY[@]}"
 }
-titan() {
-    step vs_torchtitan 400 "$PY" benchmarks/vs_torchtitan.py --layers "$PROXY_LAYERS" \
-        --seq 4096 --warmup 3 --steps 10 --json "$RUNS/titan.json"
-    merge bench.vs_torchtitan file "$RUNS/titan.json"
+titan() { # eager, compiled, then 8 micro-batches a step: each side's real step, 8 min at most
+    # (about 0.2 s a step: most of each limit is two processes building, and compiling)
+    local common=(benchmarks/vs_torchtitan.py --layers "$PROXY_LAYERS" --seq 4096)
+    step vs_torchtitan_eager 120 "$PY" "${common[@]}" --warmup 3 --steps 10 \
+        --json "$RUNS/titan_eager.json"
+    merge bench.vs_torchtitan.eager file "$RUNS/titan_eager.json"
+    step vs_torchtitan_compiled 240 "$PY" "${common[@]}" --warmup 3 --steps 10 --compile \
+        --json "$RUNS/titan_compiled.json"
+    merge bench.vs_torchtitan.compiled file "$RUNS/titan_compiled.json"
+    step vs_torchtitan_accum8 120 "$PY" "${common[@]}" --warmup 1 --steps 3 --profile-steps 1 \
+        --accum 8 --json "$RUNS/titan_accum8.json"
+    merge bench.vs_torchtitan.accum8 file "$RUNS/titan_accum8.json"
 }
 
 for part in "$@"; do
