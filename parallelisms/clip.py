@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+
+def _local_grads(params: Iterable[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    """This rank's gradient tensors, grouped by (mesh, mesh dims they are sharded or
+    partial on); plain tensors (no mesh) under (None, ())."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard() or pl.is_partial())
+            groups.setdefault((g.device_mesh, dims), []).append(g.to_local())
+        else:
+            groups.setdefault((None, ()), []).append(g)
+    return groups
 
 
 @torch.no_grad()
@@ -24,36 +39,42 @@ def grad_norm(
     Squared sums of local shards are grouped by (mesh, sharded mesh dims), and each group
     is all-reduced once over exactly the dims its tensors are sharded on: replicated dims
     already hold the same values and must not be counted twice.
+
+    NOTE: one `_foreach_norm` per group (per-tensor norms in fp32, read from the gradients
+    in their own dtype: no fp32 copy of a bf16 gradient, no squared copy of any), then the
+    group's squared sum from those few scalars. Nothing is made on the host and moved:
+    every tensor of the step is born on the gradients' device, so the norm needs no host
+    sync (a CPU zero moved to the device per parameter once cost one per step).
     """
-    groups: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float32))
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        if isinstance(g, DTensor):
-            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard() or pl.is_partial())
-            key, local = (g.device_mesh, dims), g.to_local()
-        else:
-            key, local = (None, ()), g
-        device = local.device
-        groups[key] = groups[key].to(device) + local.float().pow(2).sum()
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for (mesh, dims), sq in groups.items():
+    squares = []
+    for (mesh, dims), local in _local_grads(params).items():
+        norms = torch._foreach_norm(local, 2.0, dtype=torch.float32)
+        sq = torch.stack(norms).square().sum()
         for dim in dims:
             dist.all_reduce(sq, group=mesh.get_group(dim))
-        total = total + sq
+        squares.append(sq)
+    if squares:
+        total = torch.stack(squares).sum() if len(squares) > 1 else squares[0]
+    else:  # nothing to count here; the pipeline's all-reduce still needs this rank's zero
+        total = torch.zeros((), dtype=torch.float32, device=device)
     if stages is not None:
         dist.all_reduce(total, group=stages)
     return total.sqrt()
 
 
 @torch.no_grad()
-def clip_grads_(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+def clip_grads_(params: Iterable[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
     """Scale gradients whose global L2 norm is `norm` (from `grad_norm`) to at most
-    max_norm (0 = leave them)."""
-    if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            if p.grad is not None:
-                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                g.mul_(scale.to(g.device))
+    max_norm (0 = leave them): one `_foreach_mul_` per device, by the scale as a tensor
+    (never read on the host)."""
+    if max_norm <= 0:
+        return
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for local in _local_grads(params).values():
+        for g in local:
+            by_device.setdefault(g.device, []).append(g)
+    for dev, grads in by_device.items():
+        # NOTE: the gradients live where the norm was computed; `.to` is then a no-op (a
+        # device-to-device copy otherwise, still no host read).
+        torch._foreach_mul_(grads, scale.to(dev))

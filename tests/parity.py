@@ -1,12 +1,14 @@
 """Layout-equivalence harness: a parallel run on real gloo ranks vs one plain process.
 
 The reference is independent of the parallel code: an unsharded model, torch's own
-clip_grad_norm_, the global batch read through a one-rank sampler, fp32. Both sides may
-install the same routing override (forward hooks on the routers, plain PyTorch API) to
-force a badly imbalanced routing.
+clip_grad_norm_, foreach AdamW, the global batch read through a one-rank sampler, fp32.
+Both sides may install the same routing override (forward hooks on the routers, plain
+PyTorch API) to force a badly imbalanced routing.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -235,7 +237,9 @@ def reference_run(
     if cfg.peft.method == "lora":
         init_adapters(model, cfg.train.seed)
     install_routing(model, routing)
-    opt = build_optimizer(model, cfg.train)
+    # foreach, whatever the row's train.optimizer_impl: every row's fused (the default)
+    # update is checked against it
+    opt = build_optimizer(model, replace(cfg.train, optimizer_impl="foreach"))
     # torch's own scheduler, driven by the same formula (the trainer sets lr per step itself)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg.train))
     t, args = cfg.train, cfg.model.args

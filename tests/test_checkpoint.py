@@ -29,11 +29,17 @@ def _resume_from(step_dir, out_dir):
     return out_dir
 
 
+# The reference saves with foreach AdamW; the resharding resumes below run the default,
+# fused: a checkpoint resumes across the two (tests/test_optimizer_step.py checks that the
+# resumed run keeps its own kernels).
+FOREACH = "--train.optimizer_impl=foreach"
+
+
 @pytest.fixture(scope="module")
 def ep_run(tmp_path_factory):
     """The uninterrupted reference: 4 ranks, EP 2 x efsdp 2, checkpoints at steps 2 and 4."""
     out = tmp_path_factory.mktemp("ep_run")
-    return out, run_train(FOUR_STEPS + ["--parallel.ep=2"], out, nproc=4)
+    return out, run_train(FOUR_STEPS + ["--parallel.ep=2", FOREACH], out, nproc=4)
 
 
 @pytest.mark.slow
@@ -41,7 +47,7 @@ def test_resume_on_the_same_layout_is_exact(ep_run, tmp_path):
     out, straight = ep_run
     assert sorted(os.listdir(out / "checkpoints")) == ["step-2", "step-4"]
     resumed_dir = _resume_from(out / "checkpoints" / "step-2", tmp_path / "resumed")
-    resumed = run_train(FOUR_STEPS + ["--parallel.ep=2"], resumed_dir, nproc=4)
+    resumed = run_train(FOUR_STEPS + ["--parallel.ep=2", FOREACH], resumed_dir, nproc=4)
     assert [r["step"] for r in resumed] == [3, 4]
     for ours, ref in zip(resumed, straight[2:], strict=True):
         assert ours["loss"] == ref["loss"] and ours["grad_norm"] == ref["grad_norm"]
@@ -57,7 +63,7 @@ def test_resume_on_another_layout(ep_run, nproc, layout, tmp_path):
     resumed_dir = _resume_from(out / "checkpoints" / "step-2", tmp_path / "resharded")
     resumed = run_train(FOUR_STEPS + layout, resumed_dir, nproc=nproc)
     assert [r["step"] for r in resumed] == [3, 4]
-    for ours, ref in zip(resumed, straight[2:], strict=True):
+    for ours, ref in zip(resumed, straight[2:], strict=True):  # fused after foreach
         assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-5)
         # The same samples, though the number of data-parallel ranks changed.
         assert ours["data_fingerprint"] == ref["data_fingerprint"]

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from functools import partial
 
 import pytest
 
@@ -16,36 +17,45 @@ from tests.distributed import run_distributed
 from tests.test_dry_run import CONFIG, ROOT, _dry_run
 
 GIB = 2**30
-# the proxy of benchmarks/gpu_smoke.sh: full width, 4 blocks, seq 4096, micro-batch 1, bf16
+# the proxy of benchmarks/gpu_smoke.sh: full width, 4 blocks, seq 4096, micro-batch 1, bf16,
+# foreach AdamW (as it was measured on the H100)
 PROXY = ["--config", os.path.join(ROOT, "configs", "qwen3_30b_a3b.toml"), "--train.device=cuda",
          "--train.mixed_precision=bf16", "--model.num_hidden_layers=4", "--data.seq_len=4096",
-         "--train.micro_batch_size=1", "--train.global_batch_size=1"]  # fmt: skip
+         "--train.micro_batch_size=1", "--train.global_batch_size=1",
+         "--train.optimizer_impl=foreach"]  # fmt: skip
+
+
+IMPLS = ("foreach", "fused")
+
+
+def _update(trainer, max_norm: float) -> None:
+    """Trainer.optimizer_step's order."""
+    from parallelisms.clip import clip_grads_, grad_norm
+
+    clip_grads_(trainer.params, max_norm, grad_norm(trainer.params))
+    trainer.optimizer.step()
 
 
 def _real_update_bytes(_rank: int, _world_size: int, out: str) -> None:
     """The allocator's peak above the level before it, over the trainer's update (norm,
-    clip, optimizer step) once the state exists, on one gloo rank."""
+    clip, optimizer step) once the state exists, on one gloo rank: {optimizer_impl: bytes}."""
     sys.path.insert(0, ROOT)
     from benchmarks.memory import peak_bytes
-    from parallelisms.clip import clip_grads_, grad_norm
     from parallelisms.dims import ParallelDims
     from trainer.config import load_config
     from trainer.loop.trainer import Trainer
 
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(
-            ["--config", CONFIG, f"--job.output_dir={tmp}", "--metrics.jsonl=false",
-             "--metrics.progress=false"]
-        )  # fmt: skip
-        trainer = Trainer(cfg, ParallelDims.of(cfg.parallel, 1))
-        trainer.train_step(trainer.next_micro_batches())  # the optimizer state exists
-        trainer.forward_backward(trainer.next_micro_batches())
-
-        def update() -> None:  # Trainer.optimizer_step's order
-            clip_grads_(trainer.params, cfg.train.max_grad_norm, grad_norm(trainer.params))
-            trainer.optimizer.step()
-
-        measured = peak_bytes(update)
+    measured = {}
+    for impl in IMPLS:
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = load_config(
+                ["--config", CONFIG, f"--job.output_dir={tmp}", "--metrics.jsonl=false",
+                 "--metrics.progress=false", f"--train.optimizer_impl={impl}"]
+            )  # fmt: skip
+            trainer = Trainer(cfg, ParallelDims.of(cfg.parallel, 1))
+            trainer.train_step(trainer.next_micro_batches())  # the optimizer state exists
+            trainer.forward_backward(trainer.next_micro_batches())
+            measured[impl] = peak_bytes(partial(_update, trainer, cfg.train.max_grad_norm))
     with open(out, "w") as f:
         json.dump(measured, f)
 
@@ -55,17 +65,27 @@ def test_planned_update_is_what_the_real_update_allocates():
     """AdamW's foreach step allocates a list the size of each parameter group; with the
     gradients and both moments alive, it sets the peak of a run whose activations are
     small. The planner runs the real step on meta shards: it must see what the CPU
-    allocator sees for the real one (to a few scalars)."""
-    plan = _dry_run(1)
-    planned = plan["update_increase_rank0"] - plan["per_rank"][0]["grads"]
+    allocator sees for the real one (to a few scalars). The fused step (the default)
+    updates in place: neither the planner nor the allocator sees a parameter-sized
+    temporary (the norm's and clipping's are scalars too)."""
+    plans = {impl: _dry_run(1, f"--train.optimizer_impl={impl}") for impl in IMPLS}
+    planned = {
+        impl: plan["update_increase_rank0"] - plan["per_rank"][0]["grads"]
+        for impl, plan in plans.items()
+    }
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "update.json")
         run_distributed(_real_update_bytes, 1, out)
         with open(out) as f:
             measured = json.load(f)
-    assert abs(planned / measured - 1) < 0.001, (planned, measured)
+    assert abs(planned["foreach"] / measured["foreach"] - 1) < 0.001, (planned, measured)
+    params = plans["foreach"]["per_rank"][0]["params"]
     # one fp32 copy of the 2-D weights: most of the parameters
-    assert 0.9 < planned / plan["per_rank"][0]["params"] <= 1.0
+    assert 0.9 < planned["foreach"] / params <= 1.0
+    assert planned["fused"] < 1e-3 * params and measured["fused"] < 1e-3 * params, (
+        planned,
+        measured,
+    )
 
 
 def _traces(_rank: int, _world_size: int, args: list[str], out: str) -> None:

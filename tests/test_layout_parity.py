@@ -2,10 +2,10 @@
 
 One table: each row is a layout (FSDP, HSDP, EP x FSDP, CP, CP x EP, pipeline stages) of a
 tiny model, run for 3 steps (LoRA rows 5) on real gloo ranks through `Trainer.train_step`
-and compared with
-`tests.parity.reference_run`, which has no parallel code: losses, aux and MTP losses, grad
-norms, every clipped gradient and updated parameter within 1e-5 relative, buffers (routing
-biases and counts) bit-equal. With expert parallelism, the all-to-all volume must equal the
+and compared with `tests.parity.reference_run`, which has no parallel code: losses, aux
+and MTP losses, grad norms, every clipped gradient and updated parameter (fused AdamW on
+most rows, the reference's foreach) within 1e-5 relative, buffers (routing biases and
+counts) bit-equal. With expert parallelism, the all-to-all volume must equal the
 drop-less minimum, counted independently from the routers' own outputs.
 """
 
@@ -35,6 +35,9 @@ class Layout(NamedTuple):
 EP2, CP2 = "--parallel.ep=2", "--parallel.cp=2"
 PP2, L4, TIED = "--parallel.pp=2", "--model.num_hidden_layers=4", "--model.tie_word_embeddings=true"
 AC = "--train.activation_checkpoint=selective"
+# The reference steps foreach AdamW; the rows step the default, fused, except these (dense
+# and expert meshes both).
+FOREACH = "--train.optimizer_impl=foreach"
 # Each layer's tokens in two chunks, one's all-to-all in flight under the other's experts;
 # the other EP rows run the default overlap (shared).
 CHUNKS = "--parallel.ep_overlap=chunks"
@@ -50,7 +53,7 @@ LORA_ALL = [*LORA, '--peft.targets=["attention", "experts", "shared_experts"]']
 LAYOUTS = {
     # grad accumulation 2; 5 experts the 2 fsdp ranks do not divide: sharded by rows (dim 1)
     "fsdp2_experts_by_rows": Layout(TINY, 2, ["--model.num_experts=5"], 2),
-    "hsdp2x2": Layout(TINY, 4, HSDP, 4),  # no accumulation
+    "hsdp2x2": Layout(TINY, 4, [*HSDP, FOREACH], 4),  # no accumulation
     "hsdp2x2_ep2_pooled_aux": Layout(TINY, 4, [*HSDP, EP2, POOLED], 4),
     # (Plain FSDP with LoRA, and EP x FSDP with the default aux: subsets of the LoRA rows
     # and of ep2_global_batch_aux_z below.)
@@ -66,7 +69,7 @@ LAYOUTS = {
     # DeepSeek-V3: MLA, group-limited routing with the bias update, MTP, sequence-wise aux.
     "dsv3_ep2_efsdp2_pooled_aux_chunks": Layout(TINY_DSV3, 4, [EP2, POOLED, CHUNKS], 4, steps=5),
     # ... the default overlap (the combine under the shared expert) over 5 steps
-    "dsv3_ep2_efsdp2_shared": Layout(TINY_DSV3, 4, [EP2], 4, steps=5),
+    "dsv3_ep2_efsdp2_shared": Layout(TINY_DSV3, 4, [EP2, FOREACH], 4, steps=5),
     "dsv3_ep4_2nodes_shared": Layout(
         TINY_DSV3, 4, ["--parallel.ep=4", "--parallel.ranks_per_node=2"], 4, steps=5
     ),

@@ -73,6 +73,11 @@ _TRAINED_ONLY = StateDictOptions(
 )
 
 
+def _kernel_key(key: str) -> bool:
+    """A flattened optimizer key naming a group's implementation, not its state."""
+    return key.startswith("param_groups.") and key.rsplit(".", 1)[-1] in ("fused", "foreach")
+
+
 def _options(frozen: bool) -> StateDictOptions:
     return _OPTIONS if frozen else _TRAINED_ONLY
 
@@ -343,21 +348,28 @@ class Checkpointer:
                 model, optimizer, {**optim_sd, **state["optim"]}, options=options
             )
 
+    @staticmethod
     def load_weights(
-        self,
         path: str,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         frozen: bool = True,
     ) -> None:
         """Restore model and optimizer in place from `path` (any layout; call `read` first);
-        `frozen` as in `load_model`; `optimizer` None: the model alone (see `_state`)."""
+        `frozen` as in `load_model`; `optimizer` None: the model alone (see `_state`). No
+        instance state: a single process can call it without a process group."""
         options = _options(frozen)
         state = _state(model, optimizer, options)
+        # NOTE: the param groups saved the kernels too ("param_groups.<fqn>.fused",
+        # ".foreach"); loaded as saved they would switch this run to the saving run's
+        # `train.optimizer_impl`. This run's choice stays: the state (moments, step) is the
+        # same for both implementations.
+        kernels = {k: v for k, v in state.get("optim", {}).items() if _kernel_key(k)}
         dcp.load(state, checkpoint_id=path)
         if optimizer is None:
             set_model_state_dict(model, state["model"], options=options)
             return
+        state["optim"].update(kernels)
         set_state_dict(
             model,
             optimizer,

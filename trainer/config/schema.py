@@ -138,6 +138,13 @@ class TrainSection:
     beta1: float = arg(0.9, "AdamW beta1", ge=0, lt=1)
     beta2: float = arg(0.95, "AdamW beta2", ge=0, lt=1)
     eps: float = arg(1e-8, "AdamW epsilon", gt=0)
+    optimizer_impl: str = arg(
+        "fused",
+        "AdamW's kernels: fused (one pass over each parameter; foreach where torch has no "
+        "fused AdamW for the parameters' device and dtype, said at start-up) | foreach "
+        "(torch's multi-tensor ops, several passes); checkpoints resume across the two",
+        choices=("fused", "foreach"),
+    )
     max_grad_norm: float = arg(
         1.0, "clip the global gradient L2 norm to this (0 = no clipping)", ge=0, note="0 = off"
     )

@@ -103,10 +103,7 @@ def sharded_state(
     padded, frozen_bytes = storage(params), round(storage(frozen))
     local = {id(p): nn.Parameter(torch.empty_like(local_tensor(p))) for p in params}
     groups = [
-        {
-            **{k: v for k, v in g.items() if k != "params"},
-            "params": [local[id(p)] for p in g["params"]],
-        }
+        {**_on_meta(g), "params": [local[id(p)] for p in g["params"]]}
         for g in optimizer.param_groups
     ]
     opt = type(optimizer)(groups)
@@ -134,23 +131,34 @@ def sharded_state(
     )
 
 
+def _on_meta(group: dict) -> dict:
+    """A param group's settings, less its parameters, for a copy of its optimizer over meta
+    tensors: foreach kernels, since torch refuses fused ones on meta. The state they create
+    is the fused kernels' (moments shaped like the parameter, a scalar step)."""
+    rest = {k: v for k, v in group.items() if k != "params"}
+    if rest.get("fused"):
+        rest.update(fused=None, foreach=True)
+    return rest
+
+
 def update_transient(optimizer: torch.optim.Optimizer, weight: dict[int, float]) -> int:
     """The bytes the update allocates above this rank's parameters, gradients and optimizer
     state at its highest point: the real gradient norm and clipping (`parallelisms.clip`)
     and the real optimizer's step, in the trainer's order, on meta copies of this rank's
     local shards, once the state exists.
 
-    NOTE: AdamW's foreach step allocates, per parameter group, a list shaped like the
-    group (the second moment's square root, in the state's dtype), and the norm squares
-    one gradient at a time in fp32. With the 2-D weights in one group that is one more fp32
-    copy of the rank's parameters while the gradients are alive: Qwen3-30B-A3B's 4-block
-    proxy on one H100 peaked there, 58.1 GiB, above its forward and backward. A parameter
-    that counts `weight` times (`sample_blocks`) counts int(weight) times and once more
-    for the fraction left.
+    NOTE: AdamW's foreach step (`train.optimizer_impl=foreach`) allocates, per parameter
+    group, a list shaped like the group (the second moment's square root, in the state's
+    dtype). With the 2-D weights in one group that is one more fp32 copy of the rank's
+    parameters while the gradients are alive: Qwen3-30B-A3B's 4-block proxy on one H100
+    peaked there, 58.1 GiB, above its forward and backward. The fused step updates in
+    place and allocates nothing of the parameters' size, so it is not run here (torch has
+    no fused kernel on meta); the norm and clipping (foreach norms, an in-place multiply)
+    allocate scalars. A parameter that counts `weight` times (`sample_blocks`) counts
+    int(weight) times and once more for the fraction left.
 
     NOTE: what the update allocates depends on each group's bytes per dtype (the foreach
-    lists) and its largest tensor (the norm's one-at-a-time square), not on how the bytes
-    are cut into tensors; so each group runs as flat tensors of its largest shard's size
+    lists), not on how the bytes are cut into tensors; so each group runs as flat tensors of its largest shard's size
     holding its bytes, not one copy per parameter and sampled block (DeepSeek-V3 on 2,048
     ranks: the same bytes, 0.7 s instead of 4.1 s per layout)."""
     from parallelisms.clip import clip_grads_, grad_norm
@@ -170,8 +178,7 @@ def update_transient(optimizer: torch.optim.Optimizer, weight: dict[int, float])
             copies += [torch.empty(largest, dtype=dtype, device="meta") for _ in range(whole)]
             if rest:
                 copies.append(torch.empty(rest, dtype=dtype, device="meta"))
-        rest_of_group = {k: v for k, v in g.items() if k != "params"}
-        groups.append({**rest_of_group, "params": [nn.Parameter(c) for c in copies]})
+        groups.append({**_on_meta(g), "params": [nn.Parameter(c) for c in copies]})
     opt = type(optimizer)(groups)
     params = [q for g in opt.param_groups for q in g["params"]]
     for q in params:
@@ -184,7 +191,8 @@ def update_transient(optimizer: torch.optim.Optimizer, weight: dict[int, float])
     )
     with timeline:
         clip_grads_(params, 1.0, grad_norm(params))
-        opt.step()
+        if not any(g.get("fused") for g in optimizer.param_groups):
+            opt.step()
         timeline.poll()
     return int(max(live_curve(timeline.spans, set(), 1.0)))
 

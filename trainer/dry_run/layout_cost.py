@@ -282,7 +282,9 @@ def sharded_model(model, plan, train, param_dtype, sampled, world_size: int):
         id(p): module_weight[id(b)] for blocks, _ in sampled for b in blocks for p in b.parameters()
     }
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    state = sharded_state(build_optimizer(model, train), world_size, param_weight, frozen)
+    # the kernels the launch's parameters get (auto: the launch this plans runs on GPUs)
+    optimizer = build_optimizer(model, train, device="cpu" if train.device == "cpu" else "cuda")
+    state = sharded_state(optimizer, world_size, param_weight, frozen)
     return state, _units(model, plan, param_dtype, module_weight)
 
 

@@ -10,15 +10,39 @@ from torch.distributed.tensor import DTensor
 
 from trainer.config import TrainSection
 
+# NOTE: the devices torch ships a fused AdamW kernel (`torch._fused_adamw_`) for, among
+# those a run can use (train.device): any floating dtype on either. torch refuses
+# fused=True elsewhere (`_device_dtype_check_for_fused`), so `fused_unsupported` asks
+# before building.
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")
 
-def build_optimizer(model: nn.Module, cfg: TrainSection) -> torch.optim.AdamW | None:
+
+def fused_unsupported(params: list[nn.Parameter], device: str | None = None) -> str | None:
+    """Why torch has no fused AdamW for `params` ("torch.bfloat16 on mps"), None when it has one.
+    `device`: the device type they will live on, where it is not theirs yet (the dry-run
+    planner's meta shards stand for the launch's parameters)."""
+    for p in params:
+        where = device or p.device.type
+        if where not in FUSED_ADAMW_DEVICES or not p.is_floating_point():
+            return f"{p.dtype} on {where}"
+    return None
+
+
+def build_optimizer(
+    model: nn.Module, cfg: TrainSection, device: str | None = None
+) -> torch.optim.AdamW | None:
     """AdamW; 1-D parameters (norm weights, biases) get no weight decay. None when `model`
     trains no parameter: a pipeline stage whose parameters LoRA all froze (e.g. a dense
     first layer with adapters on the experts alone), which torch's optimizers refuse.
+    `train.optimizer_impl=fused` builds the fused kernels where torch has them for the
+    parameters (`fused_unsupported`; `device` as there), foreach elsewhere;
+    `optimizer_impl` says which it built.
 
     NOTE: parameters are grouped by device mesh too: the foreach kernels take one list per
     group, and DTensor refuses one op over tensors of different meshes (dense params live
-    on the FSDP mesh, routed experts on the (efsdp, ep) mesh).
+    on the FSDP mesh, routed experts on the (efsdp, ep) mesh). The fused kernel runs on
+    each group's local shards the same way (DTensor dispatches `_fused_adamw_` as a
+    foreach op).
     """
     groups: dict[tuple, list[nn.Parameter]] = {}
     for p in model.parameters():
@@ -32,9 +56,21 @@ def build_optimizer(model: nn.Module, cfg: TrainSection) -> torch.optim.AdamW | 
     ]
     if not param_groups:
         return None
+    trained = [p for params in groups.values() for p in params]
+    fused = cfg.optimizer_impl == "fused" and fused_unsupported(trained, device) is None
     return torch.optim.AdamW(
-        param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True
+        param_groups,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        fused=fused or None,
+        foreach=None if fused else True,
     )
+
+
+def optimizer_impl(optimizer: torch.optim.Optimizer) -> str:
+    """The kernels `optimizer` (from `build_optimizer`) runs: "fused" or "foreach"."""
+    return "fused" if optimizer.defaults.get("fused") else "foreach"
 
 
 def warmup_steps(cfg: TrainSection) -> int:

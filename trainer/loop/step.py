@@ -145,6 +145,11 @@ class StepQueue:
                 group["lr"] = lr
             self.optimizer.found_inf = skip.float()  # fused AdamW: a skip moves nothing
             self.optimizer.step()
+            # NOTE: a float again for what a checkpoint saves of the groups: the schedule is
+            # a function of the applied count (never read back), and DCP would otherwise
+            # write a tensor where an older checkpoint holds a number.
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.cfg.train.lr
         elif self.bias_update is not None:  # no optimizer to run it as its pre-step hook
             self.bias_update()
         if self.shared_embedding is not None:  # unchanged when skipped: the same copy

@@ -35,7 +35,7 @@ from trainer.loop.balance import attach_bias_update
 from trainer.loop.evaluation import Evaluator, batch_preparer
 from trainer.loop.guard import DeviceGuard, StepGuard, likely_cause
 from trainer.loop.losses import BalanceTerms, StepLoss, model_inputs
-from trainer.loop.optim import build_optimizer
+from trainer.loop.optim import build_optimizer, fused_unsupported
 from trainer.loop.pipelined import PipelinedSteps
 from trainer.loop.profiling import StepProfiler
 from trainer.loop.report import source_tokens, startup_lines, step_figures
@@ -89,6 +89,12 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # None on a pipeline stage that trains no parameter (LoRA froze all it holds)
         self.optimizer = build_optimizer(self.model, cfg.train)
+        unsupported = fused_unsupported(self.params)
+        if self.optimizer is not None and cfg.train.optimizer_impl == "fused" and unsupported:
+            self.notes.append(
+                f"train.optimizer_impl=fused: torch has no fused AdamW for {unsupported}; "
+                "running foreach"
+            )
         # Routers with a correction bias move it before every update (their counts summed
         # over the ranks that hold the global batch: this pipeline stage's).
         batch_group = self.meshes.batch_group()
