@@ -132,9 +132,7 @@ def sharded_state(
 
 
 def _on_meta(group: dict) -> dict:
-    """A param group's settings, less its parameters, for a copy of its optimizer over meta
-    tensors: foreach kernels, since torch refuses fused ones on meta. The state they create
-    is the fused kernels' (moments shaped like the parameter, a scalar step)."""
+    """A group's settings but its parameters, for a copy on meta: foreach (no fused on meta)."""
     rest = {k: v for k, v in group.items() if k != "params"}
     if rest.get("fused"):
         rest.update(fused=None, foreach=True)
@@ -147,15 +145,13 @@ def update_transient(optimizer: torch.optim.Optimizer, weight: dict[int, float])
     and the real optimizer's step, in the trainer's order, on meta copies of this rank's
     local shards, once the state exists.
 
-    NOTE: AdamW's foreach step (`train.optimizer_impl=foreach`) allocates, per parameter
-    group, a list shaped like the group (the second moment's square root, in the state's
-    dtype). With the 2-D weights in one group that is one more fp32 copy of the rank's
-    parameters while the gradients are alive: Qwen3-30B-A3B's 4-block proxy on one H100
-    peaked there, 58.1 GiB, above its forward and backward. The fused step updates in
-    place and allocates nothing of the parameters' size, so it is not run here (torch has
-    no fused kernel on meta); the norm and clipping (foreach norms, an in-place multiply)
-    allocate scalars. A parameter that counts `weight` times (`sample_blocks`) counts
-    int(weight) times and once more for the fraction left.
+    NOTE: AdamW's foreach step allocates, per parameter group, a list shaped like the group
+    (the second moment's square root, in the state's dtype): with the 2-D weights in one
+    group, one more fp32 copy of the rank's parameters while the gradients are alive
+    (Qwen3-30B-A3B's 4-block proxy on one H100 peaked there, 58.1 GiB). The fused step
+    works in place, so it is not run (torch has no fused kernel on meta); the norm and
+    clipping allocate scalars. A parameter that counts `weight` times (`sample_blocks`)
+    counts int(weight) times and once more for the fraction left.
 
     NOTE: what the update allocates depends on each group's bytes per dtype (the foreach
     lists), not on how the bytes are cut into tensors; so each group runs as flat tensors of its largest shard's size
