@@ -229,6 +229,10 @@ class DeviceGuard:
         self.slots = torch.arange(window, **i64)
         self.filled, self.next = torch.zeros((), **i64), torch.zeros((), **i64)
         self.skipped, self.consecutive = torch.zeros((), **i64), torch.zeros((), **i64)
+        # Set by the step that reaches the limit: the host stops the run at that step, so
+        # what was queued after it is skipped. (Not by a resume at the limit: resumed, the
+        # run goes on, and its first step is judged as any other.)
+        self.stopped = torch.zeros((), dtype=torch.bool, device=device)
         self.load(guard)
 
     def load(self, guard: StepGuard) -> None:
@@ -243,6 +247,7 @@ class DeviceGuard:
         self.next.fill_(n % len(self.slots))
         self.skipped.fill_(guard.skipped_total)
         self.consecutive.fill_(guard.consecutive)
+        self.stopped.fill_(False)
 
     def _spike(self, value: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
         valid = self.slots < self.filled
@@ -259,8 +264,7 @@ class DeviceGuard:
         if self.sigma > 0:
             spike = self._spike(loss, self.losses) | self._spike(grad_norm, self.norms)
             skip = skip | ((self.filled >= MIN_SPIKE_HISTORY) & spike)
-        if self.max_consecutive > 0:
-            skip = skip | (self.consecutive >= self.max_consecutive)
+        skip = skip | self.stopped
         keep = ~skip
         at = self.next.view(1)
         self.losses.index_copy_(0, at, torch.where(keep, loss, self.losses[at]))
@@ -271,6 +275,8 @@ class DeviceGuard:
         )
         self.skipped.add_(skip.long())
         self.consecutive.copy_(torch.where(skip, self.consecutive + 1, 0))
+        if self.max_consecutive > 0:
+            self.stopped |= self.consecutive >= self.max_consecutive
         return skip
 
 
