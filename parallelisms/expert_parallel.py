@@ -85,17 +85,18 @@ class TokenDispatcher(Protocol):
         ...
 
 
-def _source_major_to_expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
+def _source_major_to_expert_major(recv_counts: torch.Tensor, rows: int) -> torch.Tensor:
     """Row permutation that reorders received tokens from (source rank, local expert) order
-    to (local expert, source rank) order. recv_counts: [ep, E_local]."""
+    to (local expert, source rank) order. recv_counts: [ep, E_local]; `rows`: their sum, as
+    the host already holds it (the split sizes): reading it again would be a device sync."""
     flat = recv_counts.flatten()  # chunk sizes in arrival order
     starts = torch.cumsum(flat, 0) - flat  # where each chunk starts in arrival order
     sizes = recv_counts.t().flatten()  # chunk sizes in expert-major order
     chunk_starts = starts.view_as(recv_counts).t().flatten()
-    chunk_of_row = torch.repeat_interleave(torch.arange(sizes.numel(), device=flat.device), sizes)
+    chunks = torch.arange(sizes.numel(), device=flat.device)
+    chunk_of_row = torch.repeat_interleave(chunks, sizes, output_size=rows)
     row_in_chunk = (
-        torch.arange(int(sizes.sum()), device=flat.device)
-        - (torch.cumsum(sizes, 0) - sizes)[chunk_of_row]
+        torch.arange(rows, device=flat.device) - (torch.cumsum(sizes, 0) - sizes)[chunk_of_row]
     )
     return chunk_starts[chunk_of_row] + row_in_chunk
 
@@ -128,7 +129,7 @@ class AllToAllDispatcher(Dispatcher):
 
     def arrive(self, sent):
         x_recv, (recv_counts, send_splits, recv_splits, weights), _ = self.arrived(sent)
-        perm = _source_major_to_expert_major(recv_counts)
+        perm = _source_major_to_expert_major(recv_counts, sum(recv_splits))
         self._pending.append((perm, send_splits, recv_splits, weights))
         return x_recv[perm], recv_counts.sum(0), None, None
 

@@ -18,6 +18,7 @@ import train
 from parallelisms.dims import ParallelDims
 from tests.distributed import ROOT, launch_train, read_metrics, run_distributed
 from tests.parity import TINY, TINY_DSV3, _full
+from tests.test_host_reads import HostReads
 from tests.test_mixture import DEBUG, _refused
 from trainer.config import load_config, resume_notes
 from trainer.loop.guard import MIN_SPIKE_HISTORY, StepGuard, likely_cause
@@ -160,11 +161,17 @@ def _guard_worker(rank: int, world: int, argv: list[str], out_path: str) -> None
         corpora = preflight(cfg, dims)
         return Trainer(cfg, dims, corpora)
 
-    # A: step INJECT gets a NaN gradient.
+    # A: step INJECT gets a NaN gradient. Each step is queued under a mode that counts the
+    # host reads of tensor values inside it (trainer/loop/step.py: none on the default path).
     a = trainer_for([f"--debug.inject_nonfinite_step={INJECT}"])
-    records, states = [], [_snapshot(a)]
+    assert a.optimizer.defaults.get("fused"), "the default path is fused AdamW"
+    records, states, reads = [], [_snapshot(a)], []
     for _ in range(STEPS):
-        records.append(a.train_step(a.next_micro_batches()))
+        batches = a.next_micro_batches()
+        with HostReads() as seen:
+            queued = a.queue_step(batches)
+        reads.append(seen.reads)
+        records.append(a.settle(queued))
         states.append(_snapshot(a))
     # B: the same run, but its data skips the batch of step INJECT.
     b = trainer_for([])
@@ -176,7 +183,8 @@ def _guard_worker(rank: int, world: int, argv: list[str], out_path: str) -> None
     flags = [None] * world
     dist.all_gather_object(flags, [r.get("skipped") for r in records])
     if rank == 0:
-        torch.save({"records": records, "states": states, "b": b_losses, "flags": flags}, out_path)
+        out = {"records": records, "states": states, "b": b_losses, "flags": flags}
+        torch.save({**out, "reads": reads}, out_path)
 
 
 GUARD_LAYOUTS = {
@@ -194,6 +202,9 @@ def test_injected_nan_step_is_skipped_on_every_rank_and_changes_nothing(name, tm
     run_distributed(_guard_worker, world, argv, str(tmp_path / "out.pt"))
     out = torch.load(tmp_path / "out.pt")
     records, states = out["records"], out["states"]
+    # No step read a tensor's value on the host while it was being queued, the skipped one
+    # included (`.tolist()` on CPU escapes the mode: test_host_reads.py checks the code).
+    assert out["reads"] == [[]] * STEPS
     # Every rank skipped step INJECT, and only it.
     for rank_flags in out["flags"]:
         assert [f is not None for f in rank_flags] == [s == INJECT for s in range(1, STEPS + 1)]

@@ -135,7 +135,7 @@ class StepQueue:
         guard = self.device_guard
         # The schedule counts applied updates: a skipped step does not advance it.
         applied = (self.step - guard.skipped).clamp(0, len(self.lr_table) - 1)
-        lr = self.lr_table[applied]
+        lr = self.lr_table.index_select(0, applied.view(1)).view(())  # (t[i] would read i)
         skip = guard.judge(loss, norm)
         clip_grads_(self.params, self.cfg.train.max_grad_norm, norm)
         if self.bias_update is not None:
