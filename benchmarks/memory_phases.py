@@ -112,7 +112,7 @@ class _MarkedLoss:
 
 def instrument(trainer, rec: Recorder, per_block: bool) -> None:
     """Hooks at every phase boundary of `Trainer.train_step` (see the module doc)."""
-    import trainer.loop.trainer as loop
+    import trainer.loop.step as loop
     from parallelisms.plan import match_modules
 
     opened = rec.opened
@@ -126,9 +126,9 @@ def instrument(trainer, rec: Recorder, per_block: bool) -> None:
     trainer.step_loss = _MarkedLoss(trainer.step_loss, rec)
     norm, clip = loop.grad_norm, loop.clip_grads_
 
-    def grad_norm(params):
+    def grad_norm(*args):
         rec.mark("end")
-        result = norm(params)
+        result = norm(*args)
         rec.mark("grad_norm")
         return result
 
