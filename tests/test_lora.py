@@ -6,6 +6,7 @@ tests/test_layout_parity.py's LoRA rows.)"""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -18,8 +19,10 @@ import train
 from models import get_model_spec
 from models.common.lora import adapted_weights, is_adapter, merged
 from tests.distributed import ROOT, run_train
-from trainer.config import load_config
+from trainer.config import ConfigError, load_config
+from trainer.config.moe_peft import PeftSection
 from trainer.loop.peft import apply_lora, init_adapters
+from trainer.loop.peft_init import load_peft_adapters
 
 ALL = '--peft.targets=["attention", "experts", "shared_experts"]'
 
@@ -182,11 +185,10 @@ def test_resume_is_exact_and_the_merged_export_reloads_with_the_adapted_logits(t
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "peft.method: checkpoint 'lora', this run 'none'" in proc.stderr
 
-    # The routed experts' adapters have no peft form: the adapter export says so.
-    cmd = [sys.executable, "-m", "trainer.hf.export", "--checkpoint", str(step), "--out",
-           str(tmp_path / "adapters"), "--adapters"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 2 and "which peft cannot load" in proc.stderr
+    # Trained on EP 2, the routed experts' adapters export as peft target_parameters.
+    _export(step, tmp_path / "adapters", "--adapters")
+    written = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
+    assert "model.layers.1.mlp.experts.gate_up_proj" in written["target_parameters"]
 
     ours, _, _ = load_checkpoint_model(str(step))  # the adapted model, adapters apart
     assert any(p.abs().max() > 0 for n, p in ours.named_parameters() if n.endswith("lora_B"))
@@ -222,7 +224,7 @@ def test_the_adapter_export_is_what_peft_loads_and_a_later_export_replaces_it(
         "[train]\nsteps = 2\nglobal_batch_size = 4\nmicro_batch_size = 2\nlr = 1e-2\n"
         'warmup_steps = 1\ndevice = "cpu"\nmixed_precision = "fp32"\n'
         "[checkpoint]\ninterval = 1\n"
-        '[peft]\nmethod = "lora"\ntargets = ["attention"]\n'
+        '[peft]\nmethod = "lora"\n'  # the default targets: attention and experts
     )
     run = tmp_path / "run"
     run_train([f"--config={config}", f"--model.init_from_hf={base_dir}"], run)
@@ -240,11 +242,31 @@ def test_the_adapter_export_is_what_peft_loads_and_a_later_export_replaces_it(
         plain = base(input_ids=ids).logits  # before peft puts the adapters into it
     theirs = peft.PeftModel.from_pretrained(base, out).eval()
     adapted = [n for n, _ in theirs.named_modules() if n.endswith(".lora_A")]
-    assert len(adapted) == 4 * ours.args.num_hidden_layers  # q, k, v, o of every layer
+    # q, k, v, o, and the experts' gate_up_proj and down_proj, of every layer
+    assert len(adapted) == 6 * ours.args.num_hidden_layers
     with torch.no_grad():
         want, got = ours(ids).logits, theirs(input_ids=ids).logits
-    assert (want - plain).abs().max() > 1e-4  # the adapters trained
+    assert (want - plain).abs().max() > 1e-4  # the adapters trained, the experts' too:
+    assert ours.get_parameter("layers.0.mlp.experts.down_lora_B").abs().max() > 0
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+    # peft.init_from: a model with fresh adapters, given the exported ones, is `ours`.
+    fresh, spec, args = load_checkpoint_model(str(step))
+    init_adapters(fresh, seed=7)
+    peft_cfg = PeftSection(method="lora", init_from=str(out))
+    load_peft_adapters(fresh, fresh, spec.hf_adapter, args, peft_cfg)
+    with torch.no_grad():
+        assert (fresh(ids).logits - want).abs().max() <= 1e-6 * want.abs().max()
+    for key, value in (("rank", 4), ("alpha", 8.0)):
+        other = PeftSection(method="lora", init_from=str(out), **{key: value})
+        with pytest.raises(ConfigError, match=f"peft.{key}={value}"):
+            load_peft_adapters(fresh, fresh, spec.hf_adapter, args, other)
+    other = PeftSection(method="lora", init_from=str(out), targets=["attention"])
+    with torch.device("meta"):
+        attention_only = spec.build(args)
+    apply_lora(attention_only, spec.plan, other, spec.name)
+    with pytest.raises(ConfigError, match=r"peft.targets=\['attention'\] \(it lacks \[\], has"):
+        load_peft_adapters(attention_only, attention_only, spec.hf_adapter, args, other)
 
     # Exports into the same directory: each loads as itself, nothing of the one before.
     # Merged weights over the adapters (a stale adapter_config.json would make transformers

@@ -107,6 +107,15 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
         "peft.method=lora with peft.targets=[] would train nothing: name what gets adapters "
         "(attention, experts, shared_experts), or set peft.method=none",
     )
+    need(
+        cfg.peft.init_from is None or cfg.peft.method == "lora",
+        "peft.init_from needs peft.method=lora (it holds LoRA adapters to start from)",
+    )
+    need(
+        cfg.peft.init_from is None or not cfg.checkpoint.init_from,
+        "peft.init_from and checkpoint.init_from both give this run's adapters: keep one "
+        "(a stage takes the checkpoint's adapters)",
+    )
     prof = cfg.profile.steps
     need(
         not prof or (len(prof) == 2 and prof[0] <= prof[1] <= t.steps),

@@ -71,3 +71,10 @@ class PeftSection:
         "shared_experts",
         choices=("attention", "experts", "shared_experts"),
     )
+    init_from: str | None = arg(
+        None,
+        "a peft adapter directory (adapter_config.json and adapter_model.safetensors: an "
+        "`--adapters` export, or peft's save_pretrained) whose adapters this run starts from "
+        "instead of the fresh init; its r, lora_alpha and targets must be this run's. Used "
+        "only on a fresh start: a resume of this job's checkpoint takes its adapters",
+    )

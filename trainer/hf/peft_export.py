@@ -2,16 +2,11 @@
 (`python -m trainer.hf.export --adapters`): `adapter_model.safetensors` and
 `adapter_config.json`, to put on the base model with `PeftModel.from_pretrained`.
 
-Keys: `base_model.model.<the base weight's Hugging Face key, less .weight>.lora_A.weight`
-([r, in]) and `.lora_B.weight` ([out, r]): peft's orientation is ours. `target_modules` is
-an exact pattern of the adapted modules, so peft adds no adapter elsewhere (a dense MLP's
-`gate_proj` where only the shared experts' were trained). `lora_alpha` and `r` give peft
-our scale, alpha / r.
-
-NOTE: the routed experts' adapters have no peft form here: transformers fuses each layer's
-experts into stacked parameters, which peft's `nn.Linear` LoRA cannot target; such a
-checkpoint is refused with the fix (the merged export, or targets without experts). So is
-a weight whose Hugging Face form rearranges ours (its adapter would need the same).
+Linear layers' adapters are peft `target_modules`, the routed experts' are
+`target_parameters` on transformers' stacked expert parameters, each expert with its own
+update as here (the map, both ways: `trainer.hf.peft_format`). A weight whose Hugging Face
+form rearranges ours is refused with the fix (its adapter would need the same), and so is a
+peft too old for `target_parameters` when the experts have adapters.
 
 The directory is replaced whole (export_dir.py): no merged weights of an earlier export stay
 beside the adapters for transformers to load instead of the base.
@@ -21,28 +16,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import torch
 from safetensors.torch import save_file
 
 from models import HFFormatError
-from models.common.lora import LoRAGroupedExperts, adapted_weights
 from trainer.checkpoint.markers import read_trainer_state
 from trainer.hf.export_dir import staged_export
+from trainer.hf.peft_format import CONFIG, WEIGHTS, adapter_config, check_peft_version, peft_layout
 
-
-def _hf_key(adapter, name: str, shape: tuple[int, ...], args) -> str:
-    """The one HF key of native weight `name`, when its HF form is the weight unchanged."""
-    probe = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
-    out = adapter.to_hf(name, probe, args)
-    (key, value), *rest = out.items()
-    if rest or not key.endswith(".weight") or not torch.equal(value, probe):
-        raise HFFormatError(
-            f"{name}: its Hugging Face form is not the weight as it is ({sorted(out)[:3]}), so "
-            "its adapter has no peft form; export merged weights instead (without --adapters)"
-        )
-    return key.removesuffix(".weight")
+PREFIX = "base_model.model."  # peft's keys: the PeftModel's path to the base's modules
 
 
 @torch.no_grad()
@@ -61,45 +44,24 @@ def export_adapters(
         raise HFFormatError(f"{path} holds no LoRA adapters (peft.method=none): nothing to export")
     with torch.device("meta"):
         model = _build(path, spec, args)
-    experts = [fqn for fqn, m in model.named_modules() if isinstance(m, LoRAGroupedExperts)]
-    if experts:
-        raise HFFormatError(
-            f"{path} has adapters on the routed experts ({experts[0]}, ...), which peft cannot "
-            "load: transformers stacks each layer's experts into fused parameters and peft's "
-            "LoRA targets nn.Linear modules; export merged weights (without --adapters), or "
-            "train with peft.targets without experts"
-        )
+    layout = peft_layout(model, spec.hf_adapter, args)
+    if layout.parameters:
+        check_peft_version()
     params = dict(model.named_parameters())
-    tensors, modules = {}, []
-    for name, (a, b, _) in adapted_weights(model).items():
-        module = _hf_key(spec.hf_adapter, name, tuple(params[name].shape), args)
-        modules.append(module)
-        tensors[f"base_model.model.{module}.lora_A.weight"] = a
-        tensors[f"base_model.model.{module}.lora_B.weight"] = b
-    values = {n: torch.empty(params[n].shape, dtype=params[n].dtype) for n in tensors.values()}
-    adapter_config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": peft["rank"],
-        "lora_alpha": peft["alpha"],
-        "lora_dropout": peft["dropout"],
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "inference_mode": True,
-        "base_model_name_or_path": config["model"].get("init_from_hf"),
-        "target_modules": "^(" + "|".join(re.escape(m) for m in modules) + ")$",
-    }
+    values = {e.native: torch.empty(params[e.native].shape, dtype=params[e.native].dtype)
+              for e in layout.entries.values()}  # fmt: skip
+    entries = layout.entries.items()
     record, line = recorded_tokenizer(path) if tokenizer else (None, None)  # before any work
     with staged_export(out_dir) as staging:  # replaces out_dir whole, once complete
         if record is not None:
             line = write_tokenizer(record, staging, path)
         _read(path, values)
         save_file(
-            {key: values[n].to(dtype).contiguous() for key, n in tensors.items()},
-            os.path.join(staging, "adapter_model.safetensors"),
+            {PREFIX + k: e.to_peft(values[e.native]).to(dtype).contiguous() for k, e in entries},
+            os.path.join(staging, WEIGHTS),
             metadata={"format": "pt"},
         )
-        with open(os.path.join(staging, "adapter_config.json"), "w") as f:
-            json.dump(adapter_config, f, indent=2)
+        with open(os.path.join(staging, CONFIG), "w") as f:
+            base = config["model"].get("init_from_hf")
+            json.dump(adapter_config(peft, layout, base), f, indent=2)
     return line

@@ -24,6 +24,7 @@ from trainer.data.sampler import GlobalBatchSampler
 from trainer.loop.frozen_base import check_base, load_base, recorded_base, run_base
 from trainer.loop.guard import StepGuard
 from trainer.loop.peft import init_adapters
+from trainer.loop.peft_init import load_peft_adapters
 from trainer.loop.resume import accept_checkpoint, data_identity
 from trainer.loop.stages import Stage, resolve_stage
 from trainer.loop.tokenizer_record import tokenizer_record
@@ -65,6 +66,10 @@ class RunStart:
         resume_from = self._resume_path()
         if resume_from is not None:  # every weight (and the data position) from it
             self._restore(resume_from)
+            if cfg.peft.init_from:
+                self.notes.append(
+                    f"peft.init_from is not used: this job resumes its own {resume_from}"
+                )
             if cfg.checkpoint.init_from:
                 self.notes.append(
                     f"checkpoint.init_from is not used: this job resumes its own {resume_from} "
@@ -75,6 +80,9 @@ class RunStart:
         else:
             self.base = run_base(cfg, None, None)
             self._init_weights()
+            if cfg.peft.init_from:  # after the fresh init, which it overwrites
+                whole = self.parallel.whole or self.model
+                load_peft_adapters(self.model, whole, self.spec.hf_adapter, self.args, cfg.peft)
         return resume_from
 
     def _resume_path(self) -> str | None:
