@@ -268,6 +268,15 @@ def test_the_adapter_export_is_what_peft_loads_and_a_later_export_replaces_it(
     with pytest.raises(ConfigError, match=r"peft.targets=\['attention'\] \(it lacks \[\], has"):
         load_peft_adapters(attention_only, attention_only, spec.hf_adapter, args, other)
 
+    # Through train.py on 2 ranks (each loads its shards of the adapters): a run that starts
+    # from the exported adapters takes the same first step as a stage from the checkpoint.
+    one = [f"--config={config}", f"--model.init_from_hf={base_dir}", "--train.steps=1",
+           "--checkpoint.interval=0", "--metrics.log_interval=1"]  # fmt: skip
+    from_peft = run_train([*one, f"--peft.init_from={out}"], tmp_path / "from_peft", nproc=2)
+    stage = run_train([*one, f"--checkpoint.init_from={step}"], tmp_path / "stage", nproc=2)
+    assert from_peft[0]["loss"] == pytest.approx(stage[0]["loss"], rel=1e-6)
+    assert from_peft[0]["grad_norm"] == pytest.approx(stage[0]["grad_norm"], rel=1e-5)
+
     # Exports into the same directory: each loads as itself, nothing of the one before.
     # Merged weights over the adapters (a stale adapter_config.json would make transformers
     # put the adapters on the base named in it), then sharded over one file (a stale
