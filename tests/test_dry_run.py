@@ -263,3 +263,28 @@ def test_pipeline_stages_with_lora_plan_the_adapters_alone_as_trained():
     step = big["fsdp_gather"]["step"]
     assert 0 < step["reduce_scatter"] < step["all_gather"] / 100
     assert all(r["grads"] < r["params"] / 100 for r in big["per_rank"])
+
+
+def test_a_bf16_lora_base_halves_the_frozen_bytes_and_says_so(capsys):
+    """peft.base_dtype=bf16: the frozen weights at 2 bytes each, but the routers (fp32 under
+    bf16, trainer.loop.peft.hold_frozen_base); the adapters' state unchanged. One rank: no
+    shard padding, so the bytes are the parameters' exactly."""
+    import torch
+
+    from models import get_model_spec
+    from parallelisms.plan import match_modules
+    from trainer.config import load_config
+
+    lora = ["--peft.method=lora"]
+    fp32 = _plan_in_process(1, CONFIG, *lora)["per_rank"][0]
+    bf16 = _plan_in_process(1, CONFIG, *lora, "--peft.base_dtype=bf16")["per_rank"][0]
+    assert "the frozen base in bf16: ranks 0" in capsys.readouterr().out
+    spec = get_model_spec(load_config(["--config", CONFIG]).model.name)
+    with torch.device("meta"):
+        model = spec.build(load_config(["--config", CONFIG]).model.args)
+    routers = match_modules(model, spec.plan.fp32_modules, "fp32_modules")
+    router_bytes = 4 * sum(p.numel() for _, m in routers for p in m.parameters())
+    assert fp32["frozen"] == 4 * sum(p.numel() for p in model.parameters())
+    assert bf16["frozen"] == (fp32["frozen"] - router_bytes) // 2 + router_bytes
+    assert fp32["params"] - bf16["params"] == fp32["frozen"] - bf16["frozen"]
+    assert (bf16["grads"], bf16["optimizer"]) == (fp32["grads"], fp32["optimizer"])

@@ -306,3 +306,11 @@ def test_the_adapter_export_is_what_peft_loads_and_a_later_export_replaces_it(
                 f"--job.output_dir={run}"]  # fmt: skip
     assert train.main(relaunch) == 2
     assert f"the weights at {base_dir} changed since" in capsys.readouterr().err
+
+
+def test_a_bf16_base_without_lora_is_refused_naming_the_key(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert train.main(["--config=configs/debug_qwen3_moe.toml", "--peft.base_dtype=bf16"]) == 2
+    assert "peft.base_dtype=bf16 needs peft.method=lora" in capsys.readouterr().err

@@ -108,6 +108,12 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
         "(attention, experts, shared_experts), or set peft.method=none",
     )
     need(
+        cfg.peft.base_dtype == "fp32" or cfg.peft.method == "lora",
+        f"peft.base_dtype={cfg.peft.base_dtype} needs peft.method=lora (only a frozen base "
+        "can be held in bf16: trained weights keep fp32 masters); set peft.method=lora or "
+        "peft.base_dtype=fp32",
+    )
+    need(
         cfg.peft.init_from is None or cfg.peft.method == "lora",
         "peft.init_from needs peft.method=lora (it holds LoRA adapters to start from)",
     )

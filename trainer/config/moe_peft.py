@@ -78,3 +78,12 @@ class PeftSection:
         "instead of the fresh init; its r, lora_alpha and targets must be this run's. Used "
         "only on a fresh start: a resume of this job's checkpoint takes its adapters",
     )
+    base_dtype: str = arg(
+        "fp32",
+        "with peft.method=lora: the dtype the frozen base is held in. bf16 halves its bytes "
+        "(the adapters, their gradients and optimizer state stay fp32, and so do the plan's "
+        "fp32 modules, the routers); under train.mixed_precision=bf16 the forward computes "
+        "the same as with fp32, which FSDP casts to bf16 anyway. With "
+        "checkpoint.save_frozen=true the base is saved in bf16",
+        choices=("fp32", "bf16"),
+    )

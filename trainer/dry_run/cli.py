@@ -77,7 +77,13 @@ def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str
     cfg, dims, s = layout.cfg, layout.dims, layout.state
     world = dims.world_size
     per_rank = [
-        {"rank": r, "params": s.params[r], "grads": s.grads[r], "optimizer": s.optimizer[r]}
+        {
+            "rank": r,
+            "params": s.params[r],
+            "grads": s.grads[r],
+            "optimizer": s.optimizer[r],
+            "frozen": s.frozen[r],
+        }  # fmt: skip
         for r in range(world)
     ]
     pc = layout.pipeline
@@ -109,6 +115,8 @@ def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str
         "per_step": layout.comm,
         "peak": peak_bytes(layout, cfg.train.activation_checkpoint),
     }
+    if cfg.peft.method == "lora":
+        out["frozen_base_dtype"] = cfg.peft.base_dtype
     if pc is not None:
         out["layout"].update(pp=dims.pp, pp_schedule=pc.schedule)
         out["pipeline"] = {
@@ -166,6 +174,12 @@ def format_report(r: dict) -> str:
     rows = [f"{g(p['params'])} {g(p['grads'])} {g(p['optimizer'])}" for p in r["per_rank"]]
     for ranks, row in _ranges(rows):  # ranks whose figures print alike share a line
         lines.append(f"ranks {ranks:<8}{row}")
+    if "frozen_base_dtype" in r:  # LoRA: how much of params is the base (peft.base_dtype)
+        held = [f"{g(p['frozen']).strip()}" for p in r["per_rank"]]
+        where = ", ".join(f"ranks {ranks} {v}" for ranks, v in _ranges(held))
+        lines.append(
+            f"(of the params, the frozen base in {r['frozen_base_dtype']}: {where} {name})"
+        )
     lines += ["", "activation_checkpoint  activations  rank peak (+ FSDP buffers "
               f"{r['fsdp_buffers'] / unit:.2f} {name})"]  # fmt: skip
     for mode, m in r["modes"].items():

@@ -64,8 +64,8 @@ class ShardedState:
     params: list[int]
     grads: list[int]
     optimizer: list[int]
-    # the update's temporaries (norm, clip, optimizer step) above params, grads and state
-    update: list[int]
+    update: list[int]  # the temporaries of the norm, clip and optimizer step, above the rest
+    frozen: list[int]  # the part of params that does not train (LoRA's base)
 
 
 def sharded_state(
@@ -85,9 +85,8 @@ def sharded_state(
     any other is counted as is. `weight` (id of a parameter -> factor, default 1): how
     many times a parameter counts, for the blocks `sample_blocks` stands in for. Update:
     `update_transient`, scaled to each rank's unpadded shards as the state is. `frozen`:
-    parameters outside the optimizer (LoRA's base): their shards, and no gradient.
-    `optimizer` None: nothing trains (`build_optimizer`), only `frozen` counts.
-    """
+    parameters outside the optimizer (LoRA's base): their shards (in the params, and
+    apart), no gradient. `optimizer` None: nothing trains, only `frozen` counts."""
     weight = weight or {}
     params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer else []
 
@@ -96,11 +95,11 @@ def sharded_state(
             weight.get(id(p), 1.0) * local_tensor(p).untyped_storage().nbytes() for p in tensors
         )
 
+    padded, frozen_bytes = storage(params), round(storage(frozen))
+    held = [frozen_bytes] * world_size
     if optimizer is None:  # e.g. a pipeline stage's embedding under LoRA, measured alone
         none = [0] * world_size
-        return ShardedState([round(storage(frozen))] * world_size, none, none, none)
-
-    padded, frozen_bytes = storage(params), round(storage(frozen))
+        return ShardedState(held, none, none, none, held)
     local = {id(p): nn.Parameter(torch.empty_like(local_tensor(p))) for p in params}
     groups = [
         {**_on_meta(g), "params": [local[id(p)] for p in g["params"]]}
@@ -128,6 +127,7 @@ def sharded_state(
         [padded] * world_size,
         per_rank.round().long().tolist(),
         update.round().long().tolist(),
+        held,
     )
 
 

@@ -213,7 +213,7 @@ def _measure_stages(cfg, spec, dims, modes, reuse: Measured) -> Layout:
     traces = _traces(cfg, spec, dims, modes, reuse)
     pc = measure_pipeline(cfg, spec, dims, traces, reuse)
     state = ShardedState(
-        *([v for r in pc.ranks for v in getattr(r.state, f)] for f in ("params", "grads", "optimizer", "update"))
+        *([v for r in pc.ranks for v in getattr(r.state, f)] for f in ("params", "grads", "optimizer", "update", "frozen"))
     )  # fmt: skip
     whole = _comm([], dims, pc.micro_batches, traces[modes[0]])  # all layers, no FSDP
     busiest = max(sum(pc.moe_share[s] for s in r.stages) for r in pc.ranks)
@@ -245,7 +245,7 @@ def _shard(cfg, spec, dims, world_size: int, meshes, models: Measured | None = N
 
     from parallelisms.parallelize import parallelize
     from trainer.dry_run.footprint import sample_blocks
-    from trainer.loop.peft import apply_lora
+    from trainer.loop.peft import apply_lora, hold_frozen_base
 
     param_dtype = _param_dtype(cfg)
 
@@ -254,6 +254,7 @@ def _shard(cfg, spec, dims, world_size: int, meshes, models: Measured | None = N
             model = spec.build(cfg.model.args)
             if cfg.peft.method == "lora":  # frozen base: state and gradients of the adapters
                 apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
+                hold_frozen_base(model, spec.plan, cfg.peft)  # its bytes in peft.base_dtype
         # NOTE: FSDP2's set-up costs time per parameter and rank (about 20 s for
         # DeepSeek-V3 on 2,048 ranks); blocks of one structure shard alike, so two of
         # each stand for all.

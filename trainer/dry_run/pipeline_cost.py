@@ -85,7 +85,7 @@ def _cut_of(cfg, spec, reuse) -> _Cut:
     from parallelisms.pipeline_split import stage_costs, trunk_blocks
     from parallelisms.plan import match_modules
     from trainer.dry_run.footprint import block_structure
-    from trainer.loop.peft import apply_lora
+    from trainer.loop.peft import apply_lora, hold_frozen_base
     from trainer.loop.setup import pipeline_cut
 
     p, plan = cfg.parallel, spec.plan
@@ -98,6 +98,7 @@ def _cut_of(cfg, spec, reuse) -> _Cut:
             model = spec.build(cfg.model.args)
             if cfg.peft.method == "lora":
                 apply_lora(model, plan, cfg.peft, cfg.model.name)
+                hold_frozen_base(model, plan, cfg.peft)
         reuse.cuts["model"] = model
     cut = pipeline_cut(cfg, spec, model)
     S = cut.num_stages

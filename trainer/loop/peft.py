@@ -131,3 +131,20 @@ def init_adapters(model: nn.Module, seed: int) -> None:
             tile.zero_()
 
     init_weights_global(model, seed + 1, weights=adapters, reset=reset)
+
+
+def hold_frozen_base(model: nn.Module, plan: ParallelPlan, peft: PeftSection) -> None:
+    """`peft.base_dtype`: on the meta model after `apply_lora` and before the plan, so FSDP
+    allocates each frozen shard in that dtype and every loader (init, Hugging Face weights,
+    checkpoints) casts into it. Adapters keep fp32 (they train: fp32 masters and optimizer
+    state). The plan's fp32 modules (routers) keep fp32 too: under bf16 mixed precision
+    they are the only frozen weights FSDP does not round to bf16 for compute, so keeping
+    them makes the bf16 base compute exactly what the fp32 base does there."""
+    if peft.base_dtype == "fp32":
+        return
+    routers = match_modules(model, plan.fp32_modules, "fp32_modules", required=False)
+    keep = {id(p) for _, module in routers for p in module.parameters()}
+    for param in model.parameters():
+        if not param.requires_grad and id(param) not in keep:
+            # NOTE: in place, as Module.to does: tied weights stay one Parameter
+            param.data = param.data.to(torch.bfloat16)

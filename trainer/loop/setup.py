@@ -41,7 +41,7 @@ from trainer.data.prepared import Corpora
 from trainer.data.run_data import check_held_out
 from trainer.data.tokenizers import build_tokenizer
 from trainer.errors import DataError
-from trainer.loop.peft import apply_lora
+from trainer.loop.peft import apply_lora, hold_frozen_base
 from trainer.loop.resume import check_resume, resume_candidate
 from trainer.loop.stages import check_stage, check_stage_keys, resolve_stage
 from trainer.loop.tokenizer_record import tokenizer_record
@@ -183,6 +183,7 @@ def build_model(
         model = spec.build(cfg.model.args, moe_options)
         if cfg.peft.method == "lora":  # before the plan: it shards adapters like their base
             apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
+            hold_frozen_base(model, spec.plan, cfg.peft)
     dtype = torch.bfloat16 if bf16 else torch.float32
 
     def shard(module: nn.Module, stage: bool = False) -> Parallelized:
