@@ -227,7 +227,9 @@ def test_the_adapter_export_is_what_peft_loads_and_a_later_export_replaces_it(
         '[peft]\nmethod = "lora"\n'  # the default targets: attention and experts
     )
     run = tmp_path / "run"
-    run_train([f"--config={config}", f"--model.init_from_hf={base_dir}"], run)
+    # On EP 2: the experts' adapters trained split over ranks, exported whole for peft.
+    run_train([f"--config={config}", f"--model.init_from_hf={base_dir}", "--parallel.ep=2"],
+              run, nproc=2)  # fmt: skip
     step = run / "checkpoints" / "step-2"
     monkeypatch.chdir(ROOT)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
