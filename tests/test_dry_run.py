@@ -100,6 +100,8 @@ def test_state_bytes_equal_a_real_4_rank_run():
             with open(f"{out}.{rank}") as f:
                 real.append(json.load(f))
     state = lambda r: {k: r[k] for k in ("rank", "params", "grads", "optimizer")}  # noqa: E731
+    # (nothing frozen without LoRA: the planner's `frozen` bytes are 0)
+    assert all(r.pop("frozen") == 0 for r in plain["per_rank"] + staged["per_rank"])
     assert plain["per_rank"] == [state(r[0]) for r in real]
     # the padding is really exercised: the last rank's optimizer state is smaller
     assert real[3][0]["optimizer"] < real[0][0]["optimizer"]
