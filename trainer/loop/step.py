@@ -22,6 +22,7 @@ want the record of the step they just ran.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,30 @@ class Queued:
     consumed_samples: int
     record: dict = field(default_factory=dict)
     load: torch.Tensor | None = None  # the global batch's expert load, when due
+    end: StepEnd | None = None  # when its work ended (`step_end`)
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """When a step's work ended: on an accelerator, an event recorded on its stream after
+    the step's last op (its time is the device's, read once the step's figures are); on the
+    CPU, where queueing a step runs it, the host's clock when it was queued."""
+
+    host: float
+    event: torch.cuda.Event | None = None
+
+    def seconds_since(self, before: StepEnd) -> float:
+        if self.event is not None and before.event is not None:
+            return before.event.elapsed_time(self.event) / 1000.0
+        return self.host - before.host
+
+
+def step_end(device: torch.device) -> StepEnd:
+    event = None
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+    return StepEnd(time.perf_counter(), event)
 
 
 def on_device_path(optimizer: torch.optim.Optimizer | None) -> bool:
@@ -80,6 +105,7 @@ class StepQueue:
                 record["a2a_internode_bytes"] = sum(
                     t.internode + t.internode_routing for t in traffic
                 )
+        queued.end = step_end(self.device)
         return queued
 
     def settle(self, queued: Queued) -> dict:

@@ -12,7 +12,6 @@ instead: `trainer.loop.pipelined`.
 from __future__ import annotations
 
 import signal
-import time
 
 import torch
 import torch.distributed as dist
@@ -41,7 +40,7 @@ from trainer.loop.profiling import StepProfiler
 from trainer.loop.report import source_tokens, startup_lines, step_figures
 from trainer.loop.run_start import RunStart
 from trainer.loop.setup import build_model, init_distributed, resolve_device
-from trainer.loop.step import Queued, StepQueue, agree_to_stop, on_device_path
+from trainer.loop.step import Queued, StepQueue, agree_to_stop, on_device_path, step_end
 from trainer.metrics.logger import MetricsLogger, peak_flops
 from trainer.metrics.sinks import build_sinks
 
@@ -77,7 +76,7 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
         self._build_metrics(resume_from)
         self._start_step = self.step  # the step of the weights this run started from
         self._pending: Queued | None = None  # a step queued, its record not read yet
-        self._ready_at = time.perf_counter()  # when the last step's record was read
+        self._last_end = step_end(self.device)  # when the last step's work ended
 
     # --- phases of __init__ ------------------------------------------------------------
     def _build_model(self) -> None:
@@ -265,8 +264,9 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
         held-out loss of the current weights, which must be that step's."""
         cfg = self.cfg
         record = self.settle(queued)
-        now = time.perf_counter()
-        elapsed, self._ready_at = now - self._ready_at, now  # from the previous step's end
+        # From the previous step's end to this one's, as the device ran them (not when the
+        # host read them: it reads a step once the next is queued).
+        elapsed, self._last_end = queued.end.seconds_since(self._last_end), queued.end
         record.update(
             step_figures(
                 cfg, elapsed, self.device, self.flops_per_token, self.peak_flops, self.dims
@@ -332,7 +332,7 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
                 f"nothing to do: this run already reached train.steps={cfg.train.steps} (step "
                 f"{self.step}); raise train.steps to train further, or use a new job.output_dir"
             )
-        self._ready_at = time.perf_counter()
+        self._last_end = step_end(self.device)
         self._pending = None
         while self.step < cfg.train.steps:
             self.profiler.before_step(self.step + 1)
