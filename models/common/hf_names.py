@@ -1,7 +1,7 @@
 """The weight half of an HF adapter for models whose native names are the checkpoint's
 without the leading "model." (the head excepted), up to a table of module renames, and
 whose routed experts are stacked (`models.common.hf_experts`): Qwen3-MoE, OLMoE, Mixtral,
-Qwen2-MoE and GLM-4.5 share it.
+Qwen2-MoE, GLM-4.5 and ERNIE-4.5 share it.
 
 A model's `hf.py` binds one `PrefixedStackedNames` and exports its four methods as the
 adapter's `is_redundant_key`, `hf_keys`, `from_hf` and `to_hf` (`models.spec.HFAdapter`).
