@@ -39,6 +39,7 @@ __all__ = ["HFFormatError", "get_model_spec", "model_args_class", "model_names"]
 # name -> (package, the name of its hyper-parameter dataclass in `<package>.args`).
 _REGISTRY = {
     "deepseek_v3": ("models.deepseek_v3", "DeepseekV3Args"),
+    "ernie4_5_moe": ("models.ernie4_5_moe", "Ernie45MoeArgs"),
     "glm4_moe": ("models.glm4_moe", "Glm4MoeArgs"),
     "gpt_oss": ("models.gpt_oss", "GptOssArgs"),
     "mixtral": ("models.mixtral", "MixtralArgs"),

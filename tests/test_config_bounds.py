@@ -113,7 +113,9 @@ def test_did_you_mean_ranks_by_the_keys_own_name(typed, meant):
     assert closest_key(typed, _dotted_keys(*_all_args_classes())) == meant
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "ernie4_5_moe"]
+)
 def test_yarn_keys_are_bounded_for_every_model_that_has_them(name):
     """issue 52, items 11 and 16: a factor of 0 gave NaN at every step, an original length of
     0 a `math domain error` in the first forward; both are refused before launch."""

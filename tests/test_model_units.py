@@ -6,7 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models.common.bias_router import BiasedSoftmaxRouter
+from models.common.hf_names import Moved, PrefixedStackedNames
+from models.common.mlp import SwiGLU
 from models.common.moe import MoE, MoEOptions, TopKRouter, grouped_mm
+from models.common.replay import replay
+from models.common.rope import apply_rope_interleaved, rope_cos_sin
 from trainer.config import TrainSection
 from trainer.loop.optim import lr_factor
 
@@ -111,3 +116,97 @@ def test_capacity_factor_drops_late_assignments_gshard_style(chunks):
 def test_warmup_longer_than_the_run_is_clamped_to_it():
     cfg = _cfg(steps=4, warmup_steps=10, schedule="constant")
     assert [lr_factor(s, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+
+
+def test_biased_softmax_router_chooses_with_the_bias_and_weights_without_it():
+    """The correction bias decides which experts are chosen, never their weights; the
+    counts are kept for training forwards only, once (not for eval, no-grad or replays)."""
+    torch.manual_seed(0)
+    router = BiasedSoftmaxRouter(16, num_experts=6, top_k=2, norm_min=1e-12)
+    torch.nn.init.normal_(router.weight, std=0.3)
+    x = torch.randn(10, 16, requires_grad=True)
+    probs = F.softmax(x @ router.weight.T, dim=-1)
+    router.e_score_correction_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 2.0, 3.0]))
+    routing = router(x)
+    assert routing.top_experts.sort(-1).values.tolist() == [[4, 5]] * 10  # the bias chose
+    chosen = probs.gather(1, routing.top_experts)
+    torch.testing.assert_close(routing.top_weights, chosen / chosen.sum(-1, keepdim=True))
+    torch.testing.assert_close(routing.probs, probs)
+    # the weights carry the router's gradient; the bias none (a buffer, used detached)
+    routing.top_weights[:, 0].sum().backward()
+    assert router.weight.grad.abs().sum() > 0
+    assert router.tokens_per_expert.tolist() == [0, 0, 0, 0, 10, 10]
+    with torch.no_grad():
+        router(x)
+    with replay():
+        router(x)
+    router.eval()
+    router(x)
+    assert router.tokens_per_expert.tolist() == [0, 0, 0, 0, 10, 10]
+
+
+def test_swiglu_bias_is_optional_and_added_in_each_projection():
+    torch.manual_seed(0)
+    assert SwiGLU(8, 12).gate_proj.bias is None
+    mlp = SwiGLU(8, 12, bias=True)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(3, 8)
+    gate = x @ mlp.gate_proj.weight.T + mlp.gate_proj.bias
+    up = x @ mlp.up_proj.weight.T + mlp.up_proj.bias
+    want = (F.silu(gate) * up) @ mlp.down_proj.weight.T + mlp.down_proj.bias
+    torch.testing.assert_close(mlp(x), want)
+
+
+def test_interleaved_rope_gives_the_attention_scores_of_gpt_j_pairs():
+    """apply_rope_interleaved returns its dims permuted (evens, then odds), the same for q
+    and k, so every q.k equals that of GPT-J's rotation of adjacent pairs in place, which is
+    written here directly: pair i of position p turned by the angle p * theta^(-2i / D)."""
+    torch.manual_seed(0)
+    B, S, H, D, theta = 2, 7, 3, 8, 10000.0
+    q, k = torch.randn(B, S, H, D), torch.randn(B, S, H, D)
+    positions = torch.arange(S).expand(B, S) + torch.tensor([[0], [50]])
+    cos, sin = rope_cos_sin(positions, D, theta, torch.float32)
+
+    def gpt_j(x: torch.Tensor) -> torch.Tensor:
+        angle = positions[..., None].float() * theta ** (-torch.arange(0, D, 2) / D)
+        pairs = torch.view_as_complex(x.reshape(B, S, H, D // 2, 2).contiguous())
+        turned = pairs * torch.polar(torch.ones_like(angle), angle)[:, :, None]
+        return torch.view_as_real(turned).reshape(B, S, H, D)
+
+    ours = torch.einsum("bshd,bthd->bhst", apply_rope_interleaved(q, cos, sin),
+                        apply_rope_interleaved(k, cos, sin))  # fmt: skip
+    want = torch.einsum("bshd,bthd->bhst", gpt_j(q), gpt_j(k))
+    torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
+    evens_then_odds = torch.cat([gpt_j(q)[..., 0::2], gpt_j(q)[..., 1::2]], dim=-1)
+    torch.testing.assert_close(apply_rope_interleaved(q, cos, sin), evens_then_odds)
+
+
+def test_a_moved_key_changes_module_and_shape_both_ways():
+    """`Moved`: native `mlp.gate.b` [E] is `mlp.stats.b` [1, E] in the checkpoint (written
+    there, read from there or from its alias); `no_checkpoint` state is neither."""
+    names = PrefixedStackedNames(
+        expert_width=lambda args: (4, 2),
+        tied=lambda args: False,
+        moved=(Moved("mlp.gate.b", "mlp.stats.b", leading_ones=1, aliases=("mlp.gate.s.b",)),),
+        no_checkpoint=("counts",),
+    )
+    name, value = "layers.3.mlp.gate.b", torch.arange(4.0)
+    assert names.hf_keys(name, (4,), None, lambda key: False) == {
+        "model.layers.3.mlp.stats.b": (1, 4)
+    }
+    written = names.to_hf(name, value, None)
+    assert list(written) == ["model.layers.3.mlp.stats.b"] and written[
+        "model.layers.3.mlp.stats.b"
+    ].shape == (1, 4)
+    for key in ("model.layers.3.mlp.stats.b", "model.layers.3.mlp.gate.s.b"):
+        stored = {key: value[None]}
+
+        def get(k, index, stored=stored):
+            return stored[k][index]
+
+        assert names.hf_keys(name, (4,), None, stored.__contains__) == {key: (1, 4)}
+        part = names.from_hf(name, None, stored.__contains__, get, (slice(1, 3),))
+        assert part.tolist() == [1.0, 2.0]
+    assert names.hf_keys("layers.3.mlp.gate.counts", (4,), None, lambda key: True) == {}
+    assert names.to_hf("layers.3.mlp.gate.counts", value, None) == {}

@@ -143,9 +143,17 @@ def test_experts_fewer_than_the_fsdp_ranks_are_split_evenly(tmp_path):
     assert max(optimizer) / min(optimizer) < 1.01
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
-def test_a_model_built_without_shared_experts_is_described(name):
-    model, plan = _meta(name, "--model.n_shared_experts=0")
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("deepseek_v3", ["--model.n_shared_experts=0"]),
+        ("glm4_moe", ["--model.n_shared_experts=0"]),
+        # ... and with a tied head without a bias: no lm_head either
+        ("ernie4_5_moe", ["--model.moe_num_shared_experts=0", "--model.use_bias=false"]),
+    ],
+)
+def test_a_model_built_without_shared_experts_is_described(name, overrides):
+    model, plan = _meta(name, *overrides)
     assert match_modules(model, plan.shared_experts, "shared_experts", required=False) == []
     check_plan(model, plan)
 

@@ -4,13 +4,14 @@ from torch import nn
 
 
 class SwiGLU(nn.Module):
-    """Dense feed-forward: down(silu(gate(x)) * up(x))."""
+    """Dense feed-forward: down(silu(gate(x)) * up(x)). `bias`: each of the three
+    projections has a bias (ERNIE-4.5's `use_bias`); off, they have none (most models)."""
 
-    def __init__(self, dim: int, hidden_dim: int) -> None:
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
-        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
-        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from models.common.grouped_gemm import grouped_mm_op
 from models.common.mlp import SwiGLU
-from models.common.replay import is_replay
+from models.common.replay import recording
 
 
 class Routing(NamedTuple):
@@ -177,7 +177,7 @@ class GroupLimitedRouter(nn.Module):
         top_weights = top_weights * self.routed_scaling_factor
         # A training forward (not an eval probe), counted once: activation checkpointing's
         # replay of it in backward routes the same tokens again (models.common.replay).
-        if self.training and torch.is_grad_enabled() and not is_replay():
+        if recording(self):
             with torch.no_grad():
                 # NOTE: not bincount: its output length depends on the data, which breaks
                 # a torch.compile graph; this one is [E] by construction.
@@ -269,7 +269,7 @@ class MoE(nn.Module):
     gate (Qwen2-MoE's `shared_expert_gate`).
 
     `router` maps tokens [T, dim] to a `Routing` and has `num_experts` and `top_k`
-    (TopKRouter, GroupLimitedRouter).
+    (TopKRouter, GroupLimitedRouter, models.common.bias_router.BiasedSoftmaxRouter).
     """
 
     def __init__(
@@ -281,13 +281,15 @@ class MoE(nn.Module):
         shared_hidden_dim: int = 0,
         experts: RoutedExperts | None = None,
         shared_gate: bool = False,
+        shared_bias: bool = False,
     ) -> None:
         """dim: model width; hidden_dim: each routed expert's hidden width; options: the
         run-time choices (`MoEOptions`). shared_hidden_dim: the shared experts' hidden width,
         one SwiGLU `shared_experts` (0 = none; several shared experts of width I are one of
         width n * I). `experts`: the routed experts, a `RoutedExperts` with stacked `[E, ...]`
         parameters (default: `GroupedExperts`, SwiGLU). shared_gate: scale the shared
-        experts' output by sigmoid(`shared_expert_gate`(x)), a [1, dim] linear map."""
+        experts' output by sigmoid(`shared_expert_gate`(x)), a [1, dim] linear map.
+        shared_bias: the shared experts' projections have biases (ERNIE-4.5's `use_bias`)."""
         super().__init__()
         options = options or MoEOptions()
         self.num_experts = router.num_experts
@@ -297,7 +299,9 @@ class MoE(nn.Module):
         self.chunks = options.chunks
         self.gate = router
         self.experts = experts or GroupedExperts(self.num_experts, dim, hidden_dim, options.gemm)
-        self.shared_experts = SwiGLU(dim, shared_hidden_dim) if shared_hidden_dim else None
+        self.shared_experts = (
+            SwiGLU(dim, shared_hidden_dim, shared_bias) if shared_hidden_dim else None
+        )
         if shared_gate and not shared_hidden_dim:
             raise ValueError("shared_gate needs shared experts (shared_hidden_dim > 0)")
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None

@@ -1,5 +1,5 @@
-"""Rotary position embedding: "rotate half" (Llama/Qwen) or interleaved pairs (DeepSeek),
-with optional YaRN context extension."""
+"""Rotary position embedding: "rotate half" (Llama/Qwen) or interleaved pairs (GPT-J style:
+DeepSeek, ERNIE-4.5), with optional YaRN context extension."""
 
 from __future__ import annotations
 
@@ -117,9 +117,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x0, x1), (x2, x3), ... and return them de-interleaved (evens rotated,
-    then odds rotated), the layout DeepSeek's checkpoints expect; q and k get the same
-    permutation, so their dot products are those of the interleaved rotation."""
+    """GPT-J-style RoPE: rotate the adjacent pairs (x0, x1), (x2, x3), ... of each head, pair
+    i by frequency i. x: [B, S, heads, D]; cos/sin: [B, S, D] from `rope_cos_sin` (its two
+    equal halves; the first is used). For any model whose checkpoint pairs adjacent dims:
+    DeepSeek-V3 (`rope_interleave`), ERNIE-4.5 (always), GPT-J, GPT-NeoX's `rotary_interleaved`.
+
+    The result is returned de-interleaved (the rotated evens, then the rotated odds), not in
+    the input's order. Apply it to q and to k alike and to nothing else: both get the same
+    permutation of their last dim, so every q.k product, and so the attention, is that of
+    the interleaved rotation (tests/test_model_units.py), while v is never permuted. A
+    caller that needs the rotated vector itself in the input's order must re-interleave."""
     half = cos.shape[-1] // 2
     cos, sin = cos[..., :half].unsqueeze(2), sin[..., :half].unsqueeze(2)
     even, odd = x[..., 0::2], x[..., 1::2]
