@@ -141,7 +141,9 @@ class GroupLimitedRouter(nn.Module):
     Buffers: `e_score_correction_bias` [E] (fp32) and `tokens_per_expert` [E] (int64, the
     assignments counted in training forwards since the last bias update; a replayed forward,
     `models.common.replay`, is not counted again). The trainer's optimizer pre-step hook
-    turns the counts into the aux-loss-free bias update.
+    turns the counts into the aux-loss-free bias update; it finds a router by these two
+    buffers (`models.spec.BiasBuffers`), so a router of any class that registers them takes
+    part.
     """
 
     def __init__(
