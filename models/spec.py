@@ -31,10 +31,16 @@ through it: it never looks up a hyper-parameter or a submodule by name. The piec
   name the modules the first and the last part use.
 - `plan`: the declarative `ParallelPlan` (blocks, routed experts, attention cores, the
   embedding and head modules).
-- `loss_terms(args)`: what the loss adds to the token cross-entropy (`LossTerms`).
-- `flops_per_token(model, seq_len)`: training FLOPs per token, for MFU; usually
-  `models.common.flops.training_flops_per_token`, which discounts the routed experts of
-  `models.common.moe.MoE` layers (a model with an MoE layer of its own discounts its own).
+- `loss_terms(args)`: what the loss adds to the token cross-entropy (`LossTerms`). By
+  default derived: the aux coefficient is the args field `aux_loss_field` names; a model
+  with more terms (DeepSeek-V3's MTP) passes its own.
+- `flops_per_token(model, seq_len)`: training FLOPs per token, for MFU. By default derived:
+  `models.common.flops.training_flops_per_token` with the attention shape read from the
+  args fields `attention` names (`AttentionShape`), which discounts the routed experts of
+  `models.common.moe.MoE` layers; a model passes its own only where its count differs (a
+  model with an MoE layer of its own discounts its own).
+- `bias_buffers`: the buffer names by which a router takes part in the aux-loss-free bias
+  update (`BiasBuffers`); the trainer finds routers by them, never by class.
 - `training_fields`: `[model]` keys that steer training, not the architecture; with
   `model.init_from_hf` they come from the job config, never from config.json.
 - `hf_adapter`: the Hugging Face checkpoint mapping (`HFAdapter`), or None.
@@ -51,6 +57,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from models.common.flops import training_flops_per_token
 from models.common.moe import MoEOptions
 from models.common.output import CausalLMOutput
 from models.common.plan import ParallelPlan
@@ -153,19 +160,91 @@ class LossTerms:
 
 
 @dataclass(frozen=True)
+class AttentionShape:
+    """Where the default `flops_per_token` reads the attention's shape: args field names.
+
+    `layers` is a field name, or (args, seq_len) -> the attention layers a token's scores
+    cost, for a count that is not one field (a sliding-window layer counts
+    min(window, seq_len) / seq_len of one; MTP blocks add theirs)."""
+
+    layers: str | Callable[[Any, int], float] = "num_hidden_layers"
+    heads: str = "num_attention_heads"
+    qk_dim: str = "head_dim"
+    v_dim: str = "head_dim"
+
+
+@dataclass(frozen=True)
+class BiasBuffers:
+    """The buffers by which a router takes part in the aux-loss-free bias update
+    (`trainer.loop.balance`): a module that registers both is updated, whatever its class.
+
+    `bias` [E] fp32: added to the scores for the choice of experts only; `counts` [E] int64:
+    the assignments of its training forwards since the last update (a replayed forward,
+    `models.common.replay`, counts nothing). The update moves `bias` against the load the
+    counts give, summed over the global batch, and clears `counts`."""
+
+    bias: str = "e_score_correction_bias"
+    counts: str = "tokens_per_expert"
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     args_cls: type  # dataclass of hyper-parameters: its fields are the `[model]` keys
     # The constructor: model_cls(args, moe_options) -> an nn.Module that is a CausalLM.
     model_cls: Callable[[Any, MoEOptions], nn.Module]
     plan: ParallelPlan
-    loss_terms: Callable[[Any], LossTerms]
-    flops_per_token: Callable[[nn.Module, int], float]
+    # args -> LossTerms; None: derived (the aux coefficient from `aux_loss_field`).
+    loss_terms: Callable[[Any], LossTerms] | None = None
+    # (model, seq_len) -> training FLOPs per token; None: derived (`AttentionShape`).
+    flops_per_token: Callable[[nn.Module, int], float] | None = None
     hf_adapter: HFAdapter | None = None
     training_fields: tuple[str, ...] = ()
     # The longest sequence the model is meant for (args -> positions), e.g. from
     # max_position_embeddings; a longer data.seq_len is refused. None: no limit.
     max_positions: Callable[[Any], int] | None = None
+    # The args field holding the weight of the load-balancing loss (None: the model has none).
+    aux_loss_field: str | None = "router_aux_loss_coef"
+    # The args fields of the attention shape, for the derived `flops_per_token`.
+    attention: AttentionShape = AttentionShape()
+    # The routers' buffers for the aux-loss-free bias update.
+    bias_buffers: BiasBuffers = BiasBuffers()
+
+    def __post_init__(self) -> None:
+        # NOTE: the derived defaults are filled in as the fields themselves, so every caller
+        # reads `spec.loss_terms(args)` and `spec.flops_per_token(model, seq)` alike. A
+        # derived default of another spec (what `dataclasses.replace` copies) is bound anew,
+        # so that it reads this spec's `aux_loss_field` and `attention`.
+        derived = {
+            "loss_terms": ModelSpec._derived_loss_terms,
+            "flops_per_token": ModelSpec._derived_flops_per_token,
+        }
+        for name, method in derived.items():
+            given = getattr(self, name)
+            if given is None or getattr(given, "__func__", None) is method:
+                object.__setattr__(self, name, method.__get__(self))
+
+    def _derived_loss_terms(self, args: Any) -> LossTerms:
+        """The aux coefficient from `aux_loss_field`; no MTP."""
+        if self.aux_loss_field is None:
+            return LossTerms()
+        return LossTerms(aux_loss_coef=getattr(args, self.aux_loss_field))
+
+    def _derived_flops_per_token(self, model: nn.Module, seq_len: int) -> float:
+        """`training_flops_per_token` with the shape `attention` names, read from
+        `model.args`; the input embedding (`embed_tokens`) is left out unless the head is
+        tied to it (`lm_head` None, `models.common.staged.DecoderLM`)."""
+        a, shape = model.args, self.attention
+        layers = shape.layers
+        return training_flops_per_token(
+            model,
+            seq_len,
+            attention_layers=getattr(a, layers) if isinstance(layers, str) else layers(a, seq_len),
+            heads=getattr(a, shape.heads),
+            qk_dim=getattr(a, shape.qk_dim),
+            v_dim=getattr(a, shape.v_dim),
+            input_embedding=model.embed_tokens if model.lm_head is not None else None,
+        )
 
     def build(self, args: Any, moe_options: MoEOptions | None = None) -> nn.Module:
         """The model of `args` (on the current default device; use `torch.device("meta")`

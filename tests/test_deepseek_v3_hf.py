@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers", reason="needs the [hf] extra 
 from safetensors.torch import load_file  # noqa: E402
 
 from models import get_model_spec  # noqa: E402
+from models.common.balance_losses import load_balancing_loss  # noqa: E402
 from models.common.moe import MoEOptions  # noqa: E402
 from models.deepseek_v3.args import DeepseekV3Args  # noqa: E402
 from models.deepseek_v3.hf import HFFormatError, args_from_hf_config, load_hf_config  # noqa: E402
@@ -175,6 +176,40 @@ def test_logits_and_loss_match_transformers(case, tmp_path):
     torch.testing.assert_close(logits, hf_out.logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ce, hf_out.loss, rtol=1e-4, atol=1e-4)
     assert (unbiased - logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("case", ["qlora_group4", "no_topk_norm_bias_eps_dense2"])
+def test_pooled_aux_with_a_correction_bias_is_transformers_definition(case, tmp_path):
+    """Transformers' DeepSeek-V3 computes no aux loss; its pooled one is the Switch loss of
+    `load_balancing_loss_func` (ERNIE-4.5's, the transformers model with a selection-only
+    bias and an aux loss): P the router's probabilities, f the top-k of those same,
+    unbiased probabilities. Here it is given transformers' own DeepSeek router logits as
+    log(normalised sigmoid affinities), whose softmax is DeepSeek's P, with non-zero
+    correction biases: ours counts the unbiased top-k too, not the experts the bias and
+    the group limits chose."""
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import load_balancing_loss_func
+
+    hf_model = _hf_model(CASES[case])
+    hf_model.save_pretrained(tmp_path)
+    ours = _ours_from_dir(str(tmp_path))
+    input_ids = _ids((2, 17), 1)
+    with torch.no_grad():
+        router_logits = hf_model(input_ids, output_router_logits=True).router_logits
+        stats = ours(input_ids).router_stats
+    affinities = [logits.sigmoid() for logits in router_logits]  # [T, E] per MoE layer
+    log_p = tuple((a / a.sum(-1, keepdim=True)).log() for a in affinities)
+    cfg = hf_model.config
+    theirs = load_balancing_loss_func(log_p, cfg.n_routed_experts, cfg.num_experts_per_tok)
+
+    ours_aux = load_balancing_loss(stats, cfg.n_routed_experts, pooled=True)
+    torch.testing.assert_close(ours_aux, theirs, rtol=1e-6, atol=1e-7)
+    # The bias (and the group limits) steer the choice: counting the chosen experts would
+    # give another value, so the test tells the two apart.
+    assert not torch.equal(stats.tokens_per_expert, stats.prob_topk_per_expert)
+    chosen = load_balancing_loss(
+        stats._replace(prob_topk_per_expert=None), cfg.n_routed_experts, pooled=True
+    )
+    assert (chosen - theirs).abs() > 1e-3
 
 
 def test_yarn_keys_missing_from_config_json_mean_what_they_mean_to_transformers(tmp_path):

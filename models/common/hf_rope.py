@@ -12,13 +12,18 @@ YARN_KEYS = ("factor original_max_position_embeddings beta_fast beta_slow mscale
              "truncate").split()  # fmt: skip
 
 
-def rope_kwargs(cfg: dict, max_len: int) -> dict[str, Any]:
+def rope_kwargs(cfg: dict, max_len: int, *, default_theta: float) -> dict[str, Any]:
     """The args' rope_* values from a config.json (`max_len`: its max_position_embeddings,
-    which YaRN's missing keys default from, as in transformers)."""
+    which YaRN's missing keys default from, as in transformers).
+
+    `default_theta`: the model's `rope_theta` where config.json has none, stated by each
+    model as transformers' config class for its model type has it (`default_theta`; 10,000
+    for most, 500,000 for ERNIE-4.5, 1,000,000 for Mixtral): a missing key means what it
+    means to transformers (tests/test_model_contract.py checks every model's)."""
     key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     rope = cfg.get(key) or {}
     kwargs: dict[str, Any] = {
-        "rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        "rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", default_theta)))
     }
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "yarn"):

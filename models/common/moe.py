@@ -45,6 +45,10 @@ class RouterStats(NamedTuple):
     z_sum: torch.Tensor  # fp32, logsumexp(router logits)^2 summed over its tokens (grad)
     seq_len: int  # tokens of each sequence this rank routed
     top_k: int
+    # float, the top-k of the unbiased `Routing.probs` per expert (no grad): what Hugging
+    # Face's pooled aux loss counts. It differs from tokens_per_expert where the router
+    # chooses otherwise (a selection-only bias, group limits). None: the same counts.
+    prob_topk_per_expert: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,9 @@ class GroupLimitedRouter(nn.Module):
     Buffers: `e_score_correction_bias` [E] (fp32) and `tokens_per_expert` [E] (int64, the
     assignments counted in training forwards since the last bias update; a replayed forward,
     `models.common.replay`, is not counted again). The trainer's optimizer pre-step hook
-    turns the counts into the aux-loss-free bias update.
+    turns the counts into the aux-loss-free bias update; it finds a router by these two
+    buffers (`models.spec.BiasBuffers`), so a router of any class that registers them takes
+    part.
     """
 
     def __init__(
@@ -321,9 +327,16 @@ class MoE(nn.Module):
         ones = torch.ones(B, S * self.top_k, dtype=torch.int64, device=x.device)
         per_seq.scatter_add_(1, top_experts.reshape(B, -1), ones)  # [B, E] assignments
         tokens_per_expert = per_seq.sum(0)  # [E]
+        # NOTE: counted for every router, whatever steers its choice, so that a router
+        # need not say whether it chooses by `probs` (one top-k of [T, E] per layer).
+        ranked = probs.detach().topk(self.top_k, dim=-1).indices  # [T, k]
+        per_seq_ranked = torch.zeros_like(per_seq).scatter_add_(1, ranked.view(B, -1), ones)
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.z_loss):
             z_sum = torch.logsumexp(logits, dim=-1).square().view(B, S).sum(1)  # [B]
-        stats = RouterStats(per_seq.float(), probs.view(B, S, -1).sum(1), z_sum, S, self.top_k)
+        stats = RouterStats(
+            per_seq.float(), probs.view(B, S, -1).sum(1), z_sum, S, self.top_k,
+            per_seq_ranked.float(),
+        )  # fmt: skip
         if self.capacity_factor is not None:
             order, tokens_per_expert = self._drop_over_capacity(order, tokens_per_expert)
         token_of = order // self.top_k  # source token of each sorted assignment

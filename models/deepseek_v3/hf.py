@@ -59,7 +59,8 @@ def args_from_hf_config(cfg: dict) -> DeepseekV3Args:
     kwargs["q_lora_rank"] = cfg.get("q_lora_rank") or 0
     # NOTE: num_nextn_predict_layers is not read: transformers writes num_mtp_layers=1
     # without saving MTP weights, and MTP training is opt-in (a job config key).
-    kwargs.update(rope_kwargs(cfg, kwargs["max_position_embeddings"]))
+    # A missing rope_theta is transformers' DeepseekV3Config.default_theta.
+    kwargs.update(rope_kwargs(cfg, kwargs["max_position_embeddings"], default_theta=10000.0))
     return DeepseekV3Args(**kwargs)
 
 

@@ -1,9 +1,8 @@
-from models.common.flops import training_flops_per_token
 from models.common.plan import ParallelPlan
 from models.deepseek_v3 import hf
 from models.deepseek_v3.args import DeepseekV3Args
 from models.deepseek_v3.model import DeepseekV3ForCausalLM
-from models.spec import LossTerms, ModelSpec
+from models.spec import AttentionShape, LossTerms, ModelSpec
 
 # The MTP modules (when built) are blocks too: their own FSDP units, prefetched after the
 # last decoder block, with their experts under EP and their attention on the ring.
@@ -29,17 +28,13 @@ def loss_terms(args: DeepseekV3Args) -> LossTerms:
     )
 
 
-def flops_per_token(model: DeepseekV3ForCausalLM, seq_len: int) -> float:
-    a = model.args
-    return training_flops_per_token(
-        model,
-        seq_len,
-        attention_layers=a.num_hidden_layers + a.num_nextn_predict_layers,
-        heads=a.num_attention_heads,
-        qk_dim=a.qk_head_dim,
-        v_dim=a.v_head_dim,
-        input_embedding=model.embed_tokens if model.lm_head is not None else None,
-    )
+# MLA: queries and keys are qk_head_dim wide, values v_head_dim; each MTP depth is one more
+# attention layer.
+ATTENTION = AttentionShape(
+    layers=lambda a, _seq_len: a.num_hidden_layers + a.num_nextn_predict_layers,
+    qk_dim="qk_head_dim",
+    v_dim="v_head_dim",
+)
 
 
 SPEC = ModelSpec(
@@ -48,7 +43,7 @@ SPEC = ModelSpec(
     model_cls=DeepseekV3ForCausalLM,
     plan=PLAN,
     loss_terms=loss_terms,
-    flops_per_token=flops_per_token,
+    attention=ATTENTION,
     hf_adapter=hf,
     training_fields=(
         "router_aux_loss_coef",

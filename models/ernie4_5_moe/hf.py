@@ -55,9 +55,8 @@ def args_from_hf_config(cfg: dict) -> Ernie45MoeArgs:
     kwargs["head_dim"] = (
         cfg.get("head_dim") or kwargs["hidden_size"] // kwargs["num_attention_heads"]
     )
-    # NOTE: `hf_rope.rope_kwargs` falls back to 10000; ERNIE's default theta is 500000.
     kwargs.update(
-        rope_kwargs({"rope_theta": _HF_DEFAULT_THETA, **cfg}, kwargs["max_position_embeddings"])
+        rope_kwargs(cfg, kwargs["max_position_embeddings"], default_theta=_HF_DEFAULT_THETA)
     )
     args = Ernie45MoeArgs(**kwargs)
     # Refused here, naming config.json's keys, rather than inside the model's constructor.

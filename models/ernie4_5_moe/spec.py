@@ -3,7 +3,7 @@ from models.common.plan import ParallelPlan
 from models.ernie4_5_moe import hf
 from models.ernie4_5_moe.args import Ernie45MoeArgs
 from models.ernie4_5_moe.model import Ernie45MoeForCausalLM
-from models.spec import LossTerms, ModelSpec
+from models.spec import ModelSpec
 
 PLAN = ParallelPlan(
     blocks="layers.*",
@@ -18,11 +18,9 @@ PLAN = ParallelPlan(
 )
 
 
-def loss_terms(args: Ernie45MoeArgs) -> LossTerms:
-    return LossTerms(aux_loss_coef=args.router_aux_loss_coef)
-
-
 def flops_per_token(model: Ernie45MoeForCausalLM, seq_len: int) -> float:
+    """The derived count but for the tied head: with `use_bias` a tied head still builds an
+    `lm_head` (holding only the bias), so "lm_head is None" does not say "tied" here."""
     a = model.args
     return training_flops_per_token(
         model,
@@ -41,7 +39,6 @@ SPEC = ModelSpec(
     args_cls=Ernie45MoeArgs,
     model_cls=Ernie45MoeForCausalLM,
     plan=PLAN,
-    loss_terms=loss_terms,
     flops_per_token=flops_per_token,
     hf_adapter=hf,
     training_fields=("router_aux_loss_coef",),

@@ -78,7 +78,8 @@ def args_from_hf_config(cfg: dict) -> Glm4MoeArgs:
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     partial = cfg.get("partial_rotary_factor", _HF_DEFAULT_PARTIAL_ROTARY_FACTOR)
     kwargs["partial_rotary_factor"] = float(rope.get("partial_rotary_factor", partial))
-    kwargs.update(rope_kwargs(cfg, kwargs["max_position_embeddings"]))
+    # A missing rope_theta is transformers' Glm4MoeConfig.default_theta.
+    kwargs.update(rope_kwargs(cfg, kwargs["max_position_embeddings"], default_theta=10000.0))
     args = Glm4MoeArgs(**kwargs)
     # Refused here, naming config.json's keys, rather than inside the model's constructor.
     problems = field_problems(args, "model") or args.validate()

@@ -5,12 +5,11 @@ are stated by the model itself, on each layer's `AttentionCore`; the plan needs 
 context parallelism carries them onto the ring.
 """
 
-from models.common.flops import training_flops_per_token
 from models.common.plan import ParallelPlan
 from models.gpt_oss import hf
 from models.gpt_oss.args import GptOssArgs
 from models.gpt_oss.model import GptOssForCausalLM
-from models.spec import LossTerms, ModelSpec
+from models.spec import AttentionShape, ModelSpec
 
 PLAN = ParallelPlan(
     blocks="layers.*",
@@ -22,24 +21,10 @@ PLAN = ParallelPlan(
 )
 
 
-def loss_terms(args: GptOssArgs) -> LossTerms:
-    return LossTerms(aux_loss_coef=args.router_aux_loss_coef)
-
-
-def flops_per_token(model: GptOssForCausalLM, seq_len: int) -> float:
-    a = model.args
+def attention_layers(a: GptOssArgs, seq_len: int) -> float:
+    """A sliding-window layer's queries see at most `sliding_window` keys."""
     sliding = sum(a.layer_type(i) == "sliding_attention" for i in range(a.num_hidden_layers))
-    # A sliding-window layer's queries see at most `sliding_window` keys.
-    layers = a.num_hidden_layers - sliding + sliding * min(a.sliding_window, seq_len) / seq_len
-    return training_flops_per_token(
-        model,
-        seq_len,
-        attention_layers=layers,
-        heads=a.num_attention_heads,
-        qk_dim=a.head_dim,
-        v_dim=a.head_dim,
-        input_embedding=model.embed_tokens if model.lm_head is not None else None,
-    )
+    return a.num_hidden_layers - sliding + sliding * min(a.sliding_window, seq_len) / seq_len
 
 
 SPEC = ModelSpec(
@@ -47,8 +32,7 @@ SPEC = ModelSpec(
     args_cls=GptOssArgs,
     model_cls=GptOssForCausalLM,
     plan=PLAN,
-    loss_terms=loss_terms,
-    flops_per_token=flops_per_token,
+    attention=AttentionShape(layers=attention_layers),
     hf_adapter=hf,
     training_fields=("router_aux_loss_coef",),
     max_positions=lambda args: args.max_position_embeddings,

@@ -4,12 +4,11 @@ Its sliding window, when set, is stated by the model on each layer's `AttentionC
 plan needs nothing more: context parallelism carries it onto the ring.
 """
 
-from models.common.flops import training_flops_per_token
 from models.common.plan import ParallelPlan
 from models.mixtral import hf
 from models.mixtral.args import MixtralArgs
 from models.mixtral.model import MixtralForCausalLM
-from models.spec import LossTerms, ModelSpec
+from models.spec import AttentionShape, ModelSpec
 
 PLAN = ParallelPlan(
     blocks="layers.*",
@@ -21,24 +20,11 @@ PLAN = ParallelPlan(
 )
 
 
-def loss_terms(args: MixtralArgs) -> LossTerms:
-    return LossTerms(aux_loss_coef=args.router_aux_loss_coef)
-
-
-def flops_per_token(model: MixtralForCausalLM, seq_len: int) -> float:
-    a = model.args
-    # A sliding-window query sees at most `sliding_window` keys: count that share of the
-    # scores, as for GPT-OSS.
+def attention_layers(a: MixtralArgs, seq_len: int) -> float:
+    """A sliding-window query sees at most `sliding_window` keys: count that share of the
+    scores, as for GPT-OSS."""
     window = a.sliding_window if a.sliding_window is not None else seq_len
-    return training_flops_per_token(
-        model,
-        seq_len,
-        attention_layers=a.num_hidden_layers * min(window, seq_len) / seq_len,
-        heads=a.num_attention_heads,
-        qk_dim=a.head_dim,
-        v_dim=a.head_dim,
-        input_embedding=model.embed_tokens if model.lm_head is not None else None,
-    )
+    return a.num_hidden_layers * min(window, seq_len) / seq_len
 
 
 SPEC = ModelSpec(
@@ -46,8 +32,7 @@ SPEC = ModelSpec(
     args_cls=MixtralArgs,
     model_cls=MixtralForCausalLM,
     plan=PLAN,
-    loss_terms=loss_terms,
-    flops_per_token=flops_per_token,
+    attention=AttentionShape(layers=attention_layers),
     hf_adapter=hf,
     training_fields=("router_aux_loss_coef",),
     max_positions=lambda args: args.max_position_embeddings,

@@ -72,7 +72,8 @@ def args_from_hf_config(cfg: dict) -> Qwen2MoeArgs:
     _check_representable(cfg)
     kwargs = {k: cfg[k] for k in _SAME_NAME_KEYS if k in cfg}
     kwargs.setdefault("max_position_embeddings", _HF_DEFAULT_MAX_POSITIONS)
-    kwargs.update(rope_kwargs(cfg, kwargs["max_position_embeddings"]))
+    # A missing rope_theta is transformers' Qwen2MoeConfig.default_theta.
+    kwargs.update(rope_kwargs(cfg, kwargs["max_position_embeddings"], default_theta=10000.0))
     # null (or absent) means as many key/value heads as query heads, as transformers-4 read
     # it (transformers-5 would fail on null).
     kwargs["num_key_value_heads"] = cfg.get("num_key_value_heads") or kwargs.get(

@@ -1,11 +1,10 @@
 """Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): the model's contract with the trainer."""
 
-from models.common.flops import training_flops_per_token
 from models.common.plan import ParallelPlan
 from models.qwen2_moe import hf
 from models.qwen2_moe.args import Qwen2MoeArgs
 from models.qwen2_moe.model import Qwen2MoeForCausalLM
-from models.spec import LossTerms, ModelSpec
+from models.spec import ModelSpec
 
 # Dense layers (mlp_only_layers, decoder_sparse_step > 1) have no experts, gate or shared
 # expert under `mlp`: the MoE patterns skip them.
@@ -20,30 +19,11 @@ PLAN = ParallelPlan(
 )
 
 
-def loss_terms(args: Qwen2MoeArgs) -> LossTerms:
-    return LossTerms(aux_loss_coef=args.router_aux_loss_coef)
-
-
-def flops_per_token(model: Qwen2MoeForCausalLM, seq_len: int) -> float:
-    a = model.args
-    return training_flops_per_token(
-        model,
-        seq_len,
-        attention_layers=a.num_hidden_layers,
-        heads=a.num_attention_heads,
-        qk_dim=a.head_dim,
-        v_dim=a.head_dim,
-        input_embedding=model.embed_tokens if model.lm_head is not None else None,
-    )
-
-
 SPEC = ModelSpec(
     name="qwen2_moe",
     args_cls=Qwen2MoeArgs,
     model_cls=Qwen2MoeForCausalLM,
     plan=PLAN,
-    loss_terms=loss_terms,
-    flops_per_token=flops_per_token,
     hf_adapter=hf,
     training_fields=("router_aux_loss_coef",),
     max_positions=lambda args: args.max_position_embeddings,

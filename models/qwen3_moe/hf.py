@@ -38,7 +38,8 @@ def args_from_hf_config(cfg: dict) -> Qwen3MoeArgs:
         raise HFFormatError(f"hidden_act {cfg['hidden_act']!r} is not supported, only 'silu'")
     kwargs = {k: cfg[k] for k in _SAME_NAME_KEYS if k in cfg}
     kwargs.setdefault("max_position_embeddings", 32768)  # transformers' default
-    kwargs.update(rope_kwargs(cfg, kwargs["max_position_embeddings"]))
+    # A missing rope_theta is transformers' Qwen3MoeConfig.default_theta.
+    kwargs.update(rope_kwargs(cfg, kwargs["max_position_embeddings"], default_theta=10000.0))
     kwargs["num_experts"] = cfg.get("num_experts", cfg.get("num_local_experts", 128))
     kwargs["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kwargs["mlp_only_layers"] = list(cfg.get("mlp_only_layers") or [])

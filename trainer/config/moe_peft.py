@@ -23,7 +23,8 @@ class MoESection:
         "per_layer (each MoE layer's balance loss on its own statistics, averaged over the "
         "layers: a layer's overload is pushed down in that layer) | pooled (statistics pooled "
         "over the layers before the product, Hugging Face's load_balancing_loss_func: one "
-        "layer's overload cancels another's underload; for parity with transformers)",
+        "layer's overload cancels another's underload; f counts the top-k of the unbiased "
+        "probabilities, not the experts a correction bias chose; for parity with transformers)",
         choices=("per_layer", "pooled"),
     )
     z_loss_coef: float = arg(

@@ -19,7 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from models.common.balance_losses import load_balancing_loss, sequence_balance_loss, z_loss_sum
+from models.common.balance_losses import (
+    assignment_counts,
+    load_balancing_loss,
+    sequence_balance_loss,
+    z_loss_sum,
+)
 from models.common.moe import RouterStats
 from models.common.output import CausalLMOutput
 from models.spec import LossTerms
@@ -92,7 +97,7 @@ def aux_loss_share(
     _, batch, num_experts = stats.prob_sum.shape  # [L, B, E]
     cp = dims.cp
     if mode == "sequence":
-        counts = stats.tokens_per_expert
+        counts = assignment_counts(stats, pooled)
         if cp > 1:  # a sequence's counts over the cp ranks holding its parts
             counts = counts.clone()
             dist.all_reduce(counts, group=cp_group)
@@ -105,7 +110,7 @@ def aux_loss_share(
     if ranks == 1:
         aux = load_balancing_loss(stats, num_experts, pooled=pooled)
     else:
-        counts = stats.tokens_per_expert.sum(1)  # [L, E]
+        counts = assignment_counts(stats, pooled).sum(1)  # [L, E]
         dist.all_reduce(counts, group=group)
         rows = batch * stats.seq_len * ranks  # each layer's tokens over the ranks
         aux = load_balancing_loss(stats, num_experts, counts, rows, pooled)

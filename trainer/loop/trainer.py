@@ -98,7 +98,11 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
         # over the ranks that hold the global batch: this pipeline stage's).
         batch_group = self.meshes.batch_group()
         self.bias_update = attach_bias_update(
-            self.model, self.optimizer, cfg.moe.bias_update_rate, batch_group
+            self.model,
+            self.optimizer,
+            cfg.moe.bias_update_rate,
+            batch_group,
+            self.spec.bias_buffers,
         )
         t = cfg.train
         self.guard = StepGuard(t.max_skipped_steps, t.skip_spike_sigma, t.skip_spike_window)
