@@ -313,20 +313,25 @@ class MoE(nn.Module):
         # Permute the T*k (token, expert) assignments expert-major.
         flat_experts = top_experts.reshape(-1)  # [T*k]
         order = torch.argsort(flat_experts, stable=True)  # assignment ids, expert-major
-        per_seq = torch.zeros(B, self.num_experts, dtype=torch.int64, device=x.device)
-        ones = torch.ones(B, S * self.top_k, dtype=torch.int64, device=x.device)
-        per_seq.scatter_add_(1, top_experts.reshape(B, -1), ones)  # [B, E] assignments
-        tokens_per_expert = per_seq.sum(0)  # [E]
+        # [B, E] assignments, counted in fp32 (exact to 2^24 a sequence) as the statistics
+        # want them; the scalar scatter needs no tensor of ones (a launch fewer).
+        per_seq = torch.zeros(B, self.num_experts, dtype=torch.float32, device=x.device)
+        per_seq.scatter_(1, top_experts.reshape(B, -1), 1.0, reduce="add")
+        tokens_per_expert = per_seq.sum(0, dtype=torch.int64)  # [E]
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.z_loss):
             z_sum = torch.logsumexp(logits, dim=-1).square().view(B, S).sum(1)  # [B]
-        stats = RouterStats(per_seq.float(), probs.view(B, S, -1).sum(1), z_sum, S, self.top_k)
+        stats = RouterStats(per_seq, probs.view(B, S, -1).sum(1), z_sum, S, self.top_k)
         if self.capacity_factor is not None:
             order, tokens_per_expert = self._drop_over_capacity(order, tokens_per_expert)
         token_of = order // self.top_k  # source token of each sorted assignment
 
         weights = top_weights.reshape(-1)[order]  # [assignments], expert-major
-        chunks = self._chunks(B * S, flat_experts[order], token_of, weights, tokens_per_expert)
-        sent = [self.permute(x_flat[t0:t1], *routed) for (t0, t1), routed in chunks]
+        chunks = self._chunks(B * S, flat_experts, order, token_of, weights, tokens_per_expert)
+        # One chunk: all of x_flat (its slice would cost a launch and one in backward).
+        sent = [
+            self.permute(x_flat if len(chunks) == 1 else x_flat[t0:t1], *routed)
+            for (t0, t1), routed in chunks
+        ]
         rows = [self.experts(*routed) for routed in sent]  # each [N_chunk, dim]
         # NOTE: the shared experts run before the routed rows are summed: under expert
         # parallelism the rows' way back (the combine) is still in flight until `unpermute`.
@@ -340,13 +345,14 @@ class MoE(nn.Module):
         y = (ys[0] if len(ys) == 1 else torch.cat(ys)).view(B, S, dim)
         return (y if shared is None else y + shared), stats
 
-    def _chunks(self, tokens, expert_of, token_of, weights, tokens_per_expert):
-        """The sorted assignments split by token into `self.chunks` contiguous pieces:
-        [((t0, t1), (tokens_per_expert, token_of - t0, weights))], each piece's assignments
-        still expert-major. Each token lies in one piece, so its rows are summed in the same
-        order as unsplit."""
+    def _chunks(self, tokens, flat_experts, order, token_of, weights, tokens_per_expert):
+        """The sorted assignments (`order` of `flat_experts`) split by token into
+        `self.chunks` contiguous pieces: [((t0, t1), (tokens_per_expert, token_of - t0,
+        weights))], each piece's assignments still expert-major. Each token lies in one
+        piece, so its rows are summed in the same order as unsplit."""
         if self.chunks == 1:
             return [((0, tokens), (tokens_per_expert, token_of, weights))]
+        expert_of = flat_experts[order]
         starts = [(c * tokens + self.chunks - 1) // self.chunks for c in range(self.chunks + 1)]
         piece = token_of * self.chunks // tokens  # [N]: token t is in piece t * chunks // T
         by_piece = torch.argsort(piece, stable=True)  # expert-major inside each piece
