@@ -12,6 +12,7 @@ stepped: both sides train at one constant-enough rate, and a scheduler step cost
 from __future__ import annotations
 
 import copy
+import importlib.util
 import sys
 import types
 
@@ -26,7 +27,7 @@ TITAN_NAMES = dict(n_layers="num_hidden_layers", dim="hidden_size", head_dim="he
 
 
 def import_torchtitan_qwen3():
-    """torchtitan.models.qwen3 without the `datasets` package: its __init__ imports the HF data
+    """torchtitan.models.qwen3 without the `datasets` package or triton: its __init__ imports the HF data
     loader, hence `datasets` and pyarrow (tens of MiB, too heavy to carry offline). No data set
     is loaded here, so a placeholder that raises if called stands in where it is missing."""
     try:
@@ -40,6 +41,17 @@ def import_torchtitan_qwen3():
         stub.Dataset, stub.load_dataset = type("Dataset", (), {}), missing
         stub.distributed, stub_dist.split_dataset_by_node = stub_dist, missing
         sys.modules.update({"datasets": stub, "datasets.distributed": stub_dist})
+    if importlib.util.find_spec("triton") is None:
+        # NOTE: torch's CPU wheels come without triton (about 290 MB), which torchtitan's MoE
+        # kernels module imports for one GPU kernel: the token padding of its grouped GEMM.
+        # On CPU its experts loop instead (`use_grouped_mm=False`, build_torchtitan), and the
+        # kernel is never called; a placeholder that raises if it were stands in for it.
+        def gpu_only(*_args, **_kwargs):
+            raise RuntimeError("torchtitan's grouped-GEMM padding is a Triton (GPU) kernel")
+
+        kernels = types.ModuleType("torchtitan.models.moe.kernels")
+        kernels.generate_permute_indices = gpu_only
+        sys.modules.setdefault("torchtitan.models.moe.kernels", kernels)
     import torchtitan.models.qwen3 as qwen3
 
     return qwen3

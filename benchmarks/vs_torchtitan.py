@@ -107,6 +107,7 @@ def build_ours(args, shapes: dict, device: torch.device, out_dir: str):
          # its loader is built but not read (the batches are the shared random tokens)
          f"--data.max_tokens={4 * args.accum * (args.seq + 1)}"]
         + [f"--model.{k}={v}" for k, v in shapes.items()]
+        + list(getattr(args, "overrides", []))  # benchmarks/op_counts.py's --moe.gemm
     )  # fmt: skip
     dims = ParallelDims.of(cfg.parallel, 1)
     trainer = Trainer(cfg, dims, preflight(cfg, dims))

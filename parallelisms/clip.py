@@ -47,8 +47,13 @@ def grad_norm(
     sync (a CPU zero moved to the device per parameter once cost one per step).
     """
     squares = []
-    for (mesh, dims), local in _local_grads(params).items():
+    groups = _local_grads(params)
+    for (mesh, dims), local in groups.items():
         norms = torch._foreach_norm(local, 2.0, dtype=torch.float32)
+        # A mesh dim of one rank has nothing to add, but its all-reduce would still launch.
+        dims = [dim for dim in dims if mesh.size(dim) > 1]
+        if len(groups) == 1 and not dims and stages is None:  # the norm at once (one op)
+            return torch.linalg.vector_norm(torch.stack(norms))
         sq = torch.stack(norms).square().sum()
         for dim in dims:
             dist.all_reduce(sq, group=mesh.get_group(dim))

@@ -49,4 +49,5 @@ class BiasedSoftmaxRouter(nn.Module):
                 # torch.compile graph break); index_add_ into [E] is fixed-size.
                 chosen = top_experts.flatten()
                 self.tokens_per_expert.index_add_(0, chosen, torch.ones_like(chosen))
-        return Routing(probs, top_weights, top_experts, logits)
+        ranked = probs.detach().topk(self.top_k, dim=-1).indices  # the unbiased top-k [T, k]
+        return Routing(probs, top_weights, top_experts, logits, ranked)

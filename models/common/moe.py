@@ -34,6 +34,10 @@ class Routing(NamedTuple):
     top_weights: torch.Tensor  # [T, k] fp32, the weights of the chosen experts
     top_experts: torch.Tensor  # [T, k] expert ids
     logits: torch.Tensor  # [T, E] fp32 router logits before softmax/sigmoid (the z-loss)
+    # [T, k] the top-k of `probs`, returned by a router that chooses otherwise (a
+    # selection-only bias, group limits): what Hugging Face's pooled aux counts. None: the
+    # chosen `top_experts` are that top-k (no second top-k per layer).
+    ranked: torch.Tensor | None = None
 
 
 class RouterStats(NamedTuple):
@@ -189,7 +193,9 @@ class GroupLimitedRouter(nn.Module):
                 # a torch.compile graph; this one is [E] by construction.
                 chosen = top_experts.flatten()
                 self.tokens_per_expert.index_add_(0, chosen, torch.ones_like(chosen))
-        return Routing(scores / scores.sum(-1, keepdim=True), top_weights, top_experts, logits)
+        ranked = scores.topk(self.top_k, dim=-1).indices  # the unbiased top-k [T, k]
+        probs = scores / scores.sum(-1, keepdim=True)
+        return Routing(probs, top_weights, top_experts, logits, ranked)
 
 
 class RoutedExperts(nn.Module, abc.ABC):
@@ -318,32 +324,36 @@ class MoE(nn.Module):
         """x [B, S, dim] -> (y [B, S, dim], per-sequence routing statistics)."""
         B, S, dim = x.shape
         x_flat = x.reshape(-1, dim)  # [T = B*S, dim]
-        probs, top_weights, top_experts, logits = self.gate(x_flat)
+        routing = self.gate(x_flat)
+        probs, top_weights, top_experts, logits = routing[:4]
 
         # Permute the T*k (token, expert) assignments expert-major.
         flat_experts = top_experts.reshape(-1)  # [T*k]
         order = torch.argsort(flat_experts, stable=True)  # assignment ids, expert-major
-        per_seq = torch.zeros(B, self.num_experts, dtype=torch.int64, device=x.device)
-        ones = torch.ones(B, S * self.top_k, dtype=torch.int64, device=x.device)
-        per_seq.scatter_add_(1, top_experts.reshape(B, -1), ones)  # [B, E] assignments
-        tokens_per_expert = per_seq.sum(0)  # [E]
-        # NOTE: counted for every router, whatever steers its choice, so that a router
-        # need not say whether it chooses by `probs` (one top-k of [T, E] per layer).
-        ranked = probs.detach().topk(self.top_k, dim=-1).indices  # [T, k]
-        per_seq_ranked = torch.zeros_like(per_seq).scatter_add_(1, ranked.view(B, -1), ones)
+        # [B, E] assignments, counted in fp32 (exact to 2^24 a sequence) as the statistics
+        # want them; the scalar scatter needs no tensor of ones (a launch fewer).
+        per_seq = torch.zeros(B, self.num_experts, dtype=torch.float32, device=x.device)
+        per_seq.scatter_(1, top_experts.reshape(B, -1), 1.0, reduce="add")
+        tokens_per_expert = per_seq.sum(0, dtype=torch.int64)  # [E]
+        ranked = None  # a router choosing by its probabilities' top-k: the same counts
+        if routing.ranked is not None:
+            ranked = torch.zeros_like(per_seq).scatter_(
+                1, routing.ranked.view(B, -1), 1.0, reduce="add"
+            )
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.z_loss):
             z_sum = torch.logsumexp(logits, dim=-1).square().view(B, S).sum(1)  # [B]
-        stats = RouterStats(
-            per_seq.float(), probs.view(B, S, -1).sum(1), z_sum, S, self.top_k,
-            per_seq_ranked.float(),
-        )  # fmt: skip
+        stats = RouterStats(per_seq, probs.view(B, S, -1).sum(1), z_sum, S, self.top_k, ranked)
         if self.capacity_factor is not None:
             order, tokens_per_expert = self._drop_over_capacity(order, tokens_per_expert)
         token_of = order // self.top_k  # source token of each sorted assignment
 
         weights = top_weights.reshape(-1)[order]  # [assignments], expert-major
-        chunks = self._chunks(B * S, flat_experts[order], token_of, weights, tokens_per_expert)
-        sent = [self.permute(x_flat[t0:t1], *routed) for (t0, t1), routed in chunks]
+        chunks = self._chunks(B * S, flat_experts, order, token_of, weights, tokens_per_expert)
+        # One chunk: all of x_flat (its slice would cost a launch and one in backward).
+        sent = [
+            self.permute(x_flat if len(chunks) == 1 else x_flat[t0:t1], *routed)
+            for (t0, t1), routed in chunks
+        ]
         rows = [self.experts(*routed) for routed in sent]  # each [N_chunk, dim]
         # NOTE: the shared experts run before the routed rows are summed: under expert
         # parallelism the rows' way back (the combine) is still in flight until `unpermute`.
@@ -357,13 +367,14 @@ class MoE(nn.Module):
         y = (ys[0] if len(ys) == 1 else torch.cat(ys)).view(B, S, dim)
         return (y if shared is None else y + shared), stats
 
-    def _chunks(self, tokens, expert_of, token_of, weights, tokens_per_expert):
-        """The sorted assignments split by token into `self.chunks` contiguous pieces:
-        [((t0, t1), (tokens_per_expert, token_of - t0, weights))], each piece's assignments
-        still expert-major. Each token lies in one piece, so its rows are summed in the same
-        order as unsplit."""
+    def _chunks(self, tokens, flat_experts, order, token_of, weights, tokens_per_expert):
+        """The sorted assignments (`order` of `flat_experts`) split by token into
+        `self.chunks` contiguous pieces: [((t0, t1), (tokens_per_expert, token_of - t0,
+        weights))], each piece's assignments still expert-major. Each token lies in one
+        piece, so its rows are summed in the same order as unsplit."""
         if self.chunks == 1:
             return [((0, tokens), (tokens_per_expert, token_of, weights))]
+        expert_of = flat_experts[order]
         starts = [(c * tokens + self.chunks - 1) // self.chunks for c in range(self.chunks + 1)]
         piece = token_of * self.chunks // tokens  # [N]: token t is in piece t * chunks // T
         by_piece = torch.argsort(piece, stable=True)  # expert-major inside each piece

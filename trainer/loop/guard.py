@@ -258,23 +258,30 @@ class DeviceGuard:
 
     @torch.no_grad()
     def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-        """Whether to skip this step (a bool tensor); updates the state (once per step)."""
-        loss, grad_norm = loss.double(), grad_norm.double()
-        skip = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        """Whether to skip this step (a bool tensor); updates the state (once per step).
+
+        NOTE: written in few ops, since each is a launch of the step: x - x is 0 exactly
+        when x is finite (inf - inf and NaN are NaN), and the float64 sum of the loss and
+        the norm (both fp32-born, so no overflow) is finite exactly when both are."""
+        loss = loss.double()
+        total = loss + grad_norm
+        skip = (total - total) != 0
         if self.sigma > 0:
+            grad_norm = grad_norm.double()
             spike = self._spike(loss, self.losses) | self._spike(grad_norm, self.norms)
             skip = skip | ((self.filled >= MIN_SPIKE_HISTORY) & spike)
         skip = skip | self.stopped
-        keep = ~skip
-        at = self.next.view(1)
-        self.losses.index_copy_(0, at, torch.where(keep, loss, self.losses[at]))
-        self.norms.index_copy_(0, at, torch.where(keep, grad_norm, self.norms[at]))
-        self.next.copy_(torch.where(keep, (self.next + 1) % len(self.slots), self.next))
-        self.filled.copy_(
-            torch.where(keep, (self.filled + 1).clamp(max=len(self.slots)), self.filled)
-        )
-        self.skipped.add_(skip.long())
-        self.consecutive.copy_(torch.where(skip, self.consecutive + 1, 0))
+        if self.sigma > 0:  # the window of applied steps: only the spike rule reads it
+            keep = ~skip
+            at = self.next.view(1)
+            self.losses.index_copy_(0, at, torch.where(keep, loss, self.losses[at]))
+            self.norms.index_copy_(0, at, torch.where(keep, grad_norm, self.norms[at]))
+            self.next.copy_(torch.where(keep, (self.next + 1) % len(self.slots), self.next))
+            self.filled.copy_(
+                torch.where(keep, (self.filled + 1).clamp(max=len(self.slots)), self.filled)
+            )
+        self.skipped.add_(skip)
+        self.consecutive.mul_(skip).add_(skip)  # + 1 when skipped, else back to 0
         if self.max_consecutive > 0:
             self.stopped |= self.consecutive >= self.max_consecutive
         return skip

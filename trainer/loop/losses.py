@@ -114,7 +114,7 @@ def aux_loss_share(
         dist.all_reduce(counts, group=group)
         rows = batch * stats.seq_len * ranks  # each layer's tokens over the ranks
         aux = load_balancing_loss(stats, num_experts, counts, rows, pooled)
-    return aux / forwards
+    return aux / forwards if forwards > 1 else aux  # (a division by 1 costs two launches)
 
 
 @dataclass(frozen=True)
@@ -153,8 +153,9 @@ def global_counts(
     """`GlobalCounts`' figures as an int64 tensor on the device, [tokens, inputs,
     fingerprint, *mtp_tokens]: one all-reduce over the ranks that hold the global batch,
     `group` (None: the world; fp32 counts are exact only to 2^24)."""
-    local = sum(
-        torch.stack(
+    local = None
+    for mb in micro_batches:
+        part = torch.stack(
             [
                 (mb.labels != IGNORE_INDEX).sum(),
                 torch.tensor(mb.input_ids.numel(), device=mb.input_ids.device),
@@ -162,10 +163,10 @@ def global_counts(
                 *((mb.mtp_labels != IGNORE_INDEX).sum((0, 1)) if mtp_depth else []),
             ]
         )
-        for mb in micro_batches
-    )
+        local = part if local is None else local + part  # (not `sum`: its 0 + is a launch)
     counts = local.to(device, torch.int64)
-    dist.all_reduce(counts, group=group)
+    if dist.get_world_size(group) > 1:  # a group of one has nothing to add
+        dist.all_reduce(counts, group=group)
     return counts  # read with the step's record, never inside the step
 
 
@@ -217,8 +218,9 @@ class StepLoss:
         # at all, 0 and not 0/0; a sequence shorter than an MTP depth leaves it no label.
         self._divisors = counts.clamp(min=1)
         # [sum of token losses, sum of aux shares, sum over depths of mean MTP losses,
-        #  sum of z-loss shares]
-        self._sums = torch.zeros(4, device=self.device)
+        #  sum of z-loss shares], None until a forward adds one (`_tally`); stacked by `end`.
+        # NOTE: not a tensor added into by index: each `t[i] += v` costs four launches.
+        self._sums: list[torch.Tensor | None] = [None] * 4
         # this rank's expert load per stage (one key without pipeline stages), [L_s, E] each
         self.stage_loads: dict[int, torch.Tensor] = {}
 
@@ -239,12 +241,17 @@ class StepLoss:
         divisors, terms = self._divisors, self.terms
         ce_sum = token_loss_sum(logits, labels)
         loss = ce_sum / divisors[0]  # the global token count (its aux loss still trains)
-        self._sums[0] += ce_sum.detach()
+        self._tally(0, ce_sum)
         for k, logits_k in enumerate(mtp_logits or []):
             mtp_mean = token_loss_sum(logits_k, mtp_labels[..., k]) / divisors[3 + k]
             loss = loss + terms.mtp_weight / terms.mtp_depth * mtp_mean
-            self._sums[2] += mtp_mean.detach()
+            self._tally(2, mtp_mean)
         return loss
+
+    def _tally(self, i: int, value: torch.Tensor) -> None:
+        """Adds a forward's figure to the step's sum number `i` (see `start`)."""
+        have, value = self._sums[i], value.detach()
+        self._sums[i] = value if have is None else have + value
 
     def router_loss(self, stats: RouterStats, stage: int = 0) -> torch.Tensor:
         """The aux (and z) loss share of one forward's routing statistics [L, B, E] (of
@@ -261,8 +268,8 @@ class StepLoss:
         loss = terms.aux_loss_coef * aux
         if balance.z_loss_coef:
             loss = loss + balance.z_loss_coef * z
-        self._sums[1] += aux.detach()
-        self._sums[3] += z.detach()
+        self._tally(1, aux)
+        self._tally(3, z)
         load = stats.tokens_per_expert.sum(1)  # [L, E]
         have = self.stage_loads.get(stage)
         self.stage_loads[stage] = load if have is None else have + load
@@ -271,8 +278,16 @@ class StepLoss:
     def end(self) -> dict:
         """The step's record, its figures as tensors on the device (`read_record` reads
         them): no host read here."""
-        dist.all_reduce(self._sums)  # over the world: every rank holds a distinct part of it
-        sums = self._sums.double()  # as the host read them: fp32 values, float64 arithmetic
+        zero = None  # one zero for the figures no forward of this rank added
+        parts = []
+        for value in self._sums:
+            if value is None:
+                zero = torch.zeros((), device=self.device) if zero is None else zero
+            parts.append(zero if value is None else value)
+        sums = torch.stack(parts)  # fp32, as the forwards' figures
+        if dist.get_world_size() > 1:  # over the world: every rank holds a distinct part
+            dist.all_reduce(sums)
+        sums = sums.double()  # as the host read them: fp32 values, float64 arithmetic
         # NOTE: under pipeline stages, by the whole model: a stage may hold no MoE layer
         routed = bool(self.stage_loads) or self.moe_layers > 0
         record = {
@@ -285,8 +300,8 @@ class StepLoss:
             "data_fingerprint": self.counts[2],
             "expert_load": (
                 torch.cat([self.stage_loads[k] for k in sorted(self.stage_loads)])
-                if self.stage_loads
-                else None
+                if len(self.stage_loads) > 1
+                else next(iter(self.stage_loads.values()), None)
             ),
         }
         if self.terms.mtp_depth:
@@ -304,6 +319,9 @@ def read_record(record: dict) -> dict:
         keys = [k for k in scalars if record[k].is_floating_point() == floating]
         if keys:
             dtype = torch.float64 if floating else torch.int64
-            values = torch.stack([record[k].reshape(()).to(dtype) for k in keys]).tolist()
+            # NOTE: `stack` promotes (fp32 to float64, bool to int64, exactly): one op, where
+            # a cast and a reshape of each figure cost a launch each.
+            figures = [record[k] if record[k].dim() == 0 else record[k].reshape(()) for k in keys]
+            values = torch.stack(figures).to(dtype).tolist()
             out.update(zip(keys, values, strict=True))
     return out

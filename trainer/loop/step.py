@@ -204,6 +204,8 @@ class StepQueue:
 def agree_to_stop(flag: bool, group: dist.ProcessGroup | None) -> bool:
     """Whether any rank asks to stop: a CPU all-reduce over `group` (gloo), which queues
     nothing on the accelerator and so never waits for it."""
+    if dist.get_world_size(group) == 1:  # no other rank to ask
+        return flag
     tensor = torch.tensor([float(flag)])
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return bool(tensor.item())
