@@ -49,6 +49,9 @@ from trainer.metrics.sinks import build_sinks
 
 
 class Trainer:
+    """A run: its parts built in order (model, data, state, checkpoints, steps, metrics),
+    then the loop (`fit`). It wires the parts; each reads only what it was built with."""
+
     def __init__(self, cfg: JobConfig, dims: ParallelDims, corpora: Corpora | None = None) -> None:
         """`corpora`: the config's prepared directories as `preflight` opened them (None:
         opened here)."""
