@@ -47,18 +47,19 @@ def main() -> None:
     root = holder[0]
     result = {"config": cfg.job.name, "world_size": dims.world_size}
     for mode in ("sync", "async"):
-        trainer.checkpointer = Checkpointer(os.path.join(root, mode), 0, mode == "async")
+        checkpointer = Checkpointer(os.path.join(root, mode), 0, mode == "async")
+        trainer.checkpoints.checkpointer = checkpointer  # the saves of the run go here
         dist.barrier()
         start = time.perf_counter()
         trainer.save_checkpoint()
         stall = time.perf_counter() - start
-        trainer.checkpointer.wait()
+        checkpointer.wait()
         dist.barrier()
         saved = time.perf_counter() - start
         path = complete_checkpoints(os.path.join(root, mode))[-1][1]
         start = time.perf_counter()
-        trainer.checkpointer.read(path)
-        trainer.checkpointer.load_weights(path, trainer.model, trainer.optimizer)
+        checkpointer.read(path)
+        checkpointer.load_weights(path, trainer.model, trainer.optimizer)
         dist.barrier()
         result[mode] = {"stall_s": stall, "save_s": saved, "load_s": time.perf_counter() - start}
     size = sum(f.stat().st_size for f in os.scandir(path) if f.is_file())

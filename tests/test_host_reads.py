@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallelisms import clip
-from trainer.loop import balance, guard, losses, report, run_start, step, trainer
+from trainer.loop import balance, guard, losses, report, run_state, step, trainer
 
 # Ops that hand a tensor's value to Python.
 _READS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal"}
@@ -48,7 +48,7 @@ STEP_PATH = [
     step.StepQueue.optimizer_step,
     step.StepQueue._update_on_device,
     trainer.Trainer.forward_backward,
-    run_start.RunStart.seed_step,
+    run_state.RunState.seed_step,
     losses.global_counts,
     losses.StepLoss.begin,
     losses.StepLoss.start,

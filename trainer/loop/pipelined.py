@@ -1,8 +1,7 @@
 """What the trainer does differently under pipeline stages (`parallel.pp` > 1): the
-schedule that runs a step's micro-batches through this rank's stages, the last stage's
-loss, the embedding copy a head may need, the held-out loss forward only, and the
-whole model's expert load. A mixin of `trainer.loop.trainer.Trainer`
-(parallelisms/pipeline.py has the stages themselves)."""
+schedule that runs a step's micro-batches through this rank's stages (`PipelinedStep`),
+the last stage's loss, the embedding copy a head may need, the held-out loss forward only,
+and the whole model's expert load (parallelisms/pipeline.py has the stages themselves)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from torch import nn
 
 from models.common.plan import ParallelPlan
 from models.spec import LossTerms
-from parallelisms.dims import stage_rank
+from parallelisms.dims import ParallelDims, stage_rank
 from parallelisms.mesh import Meshes
 from parallelisms.parallelize import Parallelized
 from parallelisms.pipeline import Pipeline, SharedEmbedding
@@ -23,70 +22,80 @@ from parallelisms.plan import match_modules
 from trainer.config import JobConfig
 from trainer.data.batch import IGNORE_INDEX, Batch
 from trainer.loop.evaluation import token_loss_sum64
-from trainer.loop.losses import model_inputs
+from trainer.loop.losses import StepLoss, model_inputs
 
 
-class PipelinedSteps:
-    """Needs the Trainer's cfg, dims, meshes, spec, parallel, params, terms, step_loss,
-    grad_accum, device and rank."""
+def moe_layers(whole: nn.Module, plan: ParallelPlan) -> int:
+    """The whole model's MoE layers (one routed-experts module each)."""
+    if plan.routed_experts is None:
+        return 0
+    return len(match_modules(whole, plan.routed_experts, "routed_experts"))
 
-    def _build_pipeline(self) -> None:
-        """The schedule over this rank's stages (none without pipeline stages), and which
-        parameters the gradient norm counts: each once, not a stage's copy."""
-        cfg = self.cfg
-        self.pipeline, self.shared_embedding = None, None
-        # the held-out loss of a source's micro-batches through the stages (trainer.loop.evaluation)
-        self.forward_only = pipeline_evaluation(
-            cfg, self.parallel, self.meshes, self.device, self.terms
+
+def shared_embedding(
+    parallel: Parallelized, dims: ParallelDims, plan: ParallelPlan, schedule: str, rank: int
+) -> SharedEmbedding | None:
+    """Under pipeline stages, the embedding copies of the first and last stage, when the
+    head reads it (None on a middle stage, which holds neither copy)."""
+    if not parallel.embedding_on_last:
+        return None
+    pp, mine = dims.pp, None
+    names = embedding_names(parallel.whole, plan)
+    if stage_rank(parallel.num_stages - 1, pp, schedule) == 0:
+        return SharedEmbedding(parallel.stages, names, None)  # both on each pp rank 0
+    # NOTE: every rank creates every pair's group, in the same order (torch requires it);
+    # rank = pp index * stage ranks + place in the batch (pp is the outermost degree).
+    stage_ranks = dims.stage_ranks
+    for place in range(stage_ranks):
+        pair = [place, (pp - 1) * stage_ranks + place]
+        group = dist.new_group(pair)
+        if rank in pair:
+            mine = group
+    if mine is None:  # a middle stage holds neither copy
+        return None
+    return SharedEmbedding(parallel.stages, names, mine)
+
+
+class PipelinedStep:
+    """A step's micro-batches through the pipeline schedule over this rank's stages."""
+
+    def __init__(
+        self,
+        parallel: Parallelized,
+        meshes: Meshes,
+        step_loss: StepLoss,
+        shared: SharedEmbedding | None,
+        schedule: str,
+        ep_overlap: bool,
+        grad_accum: int,
+        device: torch.device,
+        terms: LossTerms,
+        document_mask: bool,
+    ) -> None:
+        """`parallel`: this rank's stages (`build_model`); `meshes.pp`: the stages' group;
+        `step_loss`: the step's loss, which the last stage computes; `shared`: the
+        embedding copies whose gradients are summed after the schedule (`shared_embedding`);
+        `schedule`: parallel.pp_schedule; `ep_overlap`: overlap the expert transfers of a
+        forward and a backward (DualPipeV)."""
+        self.terms, self.document_mask = terms, document_mask
+        self.step_loss, self.shared = step_loss, shared
+        self.pp_group = meshes.pp.get_group()
+        self.pipeline = Pipeline(
+            parallel.stages,
+            parallel.stage_indices,
+            parallel.num_stages,
+            schedule,
+            grad_accum,
+            self.pp_group,
+            device,
+            parallel.stage_metas,
+            self._loss,
         )
-        if self.meshes.pp is not None:
-            self.pipeline = Pipeline(
-                self.parallel.stages,
-                self.parallel.stage_indices,
-                self.parallel.num_stages,
-                cfg.parallel.pp_schedule,
-                self.grad_accum,
-                self.meshes.pp.get_group(),
-                self.device,
-                self.parallel.stage_metas,
-                self._pipeline_loss,
-            )
-            self.pipeline.set_router_loss(self.step_loss.router_loss)
-            if cfg.parallel.ep_overlap != "none":  # DualPipeV: forward and backward at once
-                self.pipeline.overlap_expert_transfers(self.parallel.dispatchers)
-            self.shared_embedding = self._shared_embedding()
-        # What the gradient norm counts: each parameter once (not a stage's copy).
-        copies = self.shared_embedding.copies if self.shared_embedding else set()
-        self.norm_params = [p for p in self.params if id(p) not in copies]
+        self.pipeline.set_router_loss(step_loss.router_loss)
+        if ep_overlap:  # DualPipeV: forward and backward at once
+            self.pipeline.overlap_expert_transfers(parallel.dispatchers)
 
-    def _shared_embedding(self) -> SharedEmbedding | None:
-        """The embedding copies of the first and last stage, when the head reads it."""
-        if not self.parallel.embedding_on_last:
-            return None
-        pp, mine = self.dims.pp, None
-        names = embedding_names(self.parallel.whole, self.spec.plan)
-        if stage_rank(self.parallel.num_stages - 1, pp, self.cfg.parallel.pp_schedule) == 0:
-            return SharedEmbedding(self.parallel.stages, names, None)  # both on each pp rank 0
-        # NOTE: every rank creates every pair's group, in the same order (torch requires it);
-        # rank = pp index * stage ranks + place in the batch (pp is the outermost degree).
-        stage_ranks = self.dims.stage_ranks
-        for place in range(stage_ranks):
-            pair = [place, (pp - 1) * stage_ranks + place]
-            group = dist.new_group(pair)
-            if self.rank in pair:
-                mine = group
-        if mine is None:  # a middle stage holds neither copy
-            return None
-        return SharedEmbedding(self.parallel.stages, names, mine)
-
-    def _moe_layers(self) -> int:
-        """The whole model's MoE layers (one routed-experts module each)."""
-        plan = self.spec.plan
-        if plan.routed_experts is None:
-            return 0
-        return len(match_modules(self.parallel.whole, plan.routed_experts, "routed_experts"))
-
-    def _pipeline_loss(self, output, target: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output, target: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch: output = logits [B, S, V] (with MTP a
         tuple with each depth's); target = labels [B, S] (with MTP [B, S, 1 + D]: the
         labels, then each depth's)."""
@@ -97,24 +106,57 @@ class PipelinedSteps:
             labels, mtp_labels = target, None
         return self.step_loss.output_loss(logits, mtp_logits or None, labels, mtp_labels)
 
-    def _pipeline_step(self, micro_batches: list[Batch]) -> None:
+    def step(self, micro_batches: list[Batch]) -> None:
         """The step's micro-batches through the pipeline schedule, stacked on dim 0."""
-        ids, kwargs, labels = stacked(micro_batches, self.terms, self.cfg.data.document_mask)
+        ids, kwargs, labels = stacked(micro_batches, self.terms, self.document_mask)
         target = labels
         if self.terms.mtp_depth:
             mtp_labels = torch.cat([mb.mtp_labels for mb in micro_batches])
             target = torch.cat([labels[..., None], mtp_labels], dim=-1)
         self.pipeline.step(ids, target, **kwargs)
-        if self.shared_embedding is not None:
-            self.shared_embedding.reduce_grads()
+        if self.shared is not None:
+            self.shared.reduce_grads()
 
-    def _whole_model_load(self) -> torch.Tensor | None:
+    def whole_model_load(self) -> torch.Tensor | None:
         """The step's expert load of every pipeline stage ([L, E], this rank's data)."""
         mine = {k: v.cpu() for k, v in self.step_loss.stage_loads.items()}
-        every: list[dict | None] = [None] * self.dims.pp
-        dist.all_gather_object(every, mine, group=self.meshes.pp.get_group())
+        every: list[dict | None] = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(every, mine, group=self.pp_group)
         loads = {k: v for part in every for k, v in part.items()}
         return torch.cat([loads[k] for k in sorted(loads)]) if loads else None
+
+
+def build_pipelined(
+    cfg: JobConfig,
+    parallel: Parallelized,
+    meshes: Meshes,
+    dims: ParallelDims,
+    plan: ParallelPlan,
+    rank: int,
+    step_loss: StepLoss,
+    grad_accum: int,
+    device: torch.device,
+    terms: LossTerms,
+) -> tuple[PipelinedStep | None, SharedEmbedding | None]:
+    """Under pipeline stages, the step through their schedule and the embedding copies a
+    head may read ((None, None) without pipeline stages)."""
+    if meshes.pp is None:
+        return None, None
+    p = cfg.parallel
+    shared = shared_embedding(parallel, dims, plan, p.pp_schedule, rank)
+    pipelined = PipelinedStep(
+        parallel,
+        meshes,
+        step_loss,
+        shared,
+        p.pp_schedule,
+        p.ep_overlap != "none",
+        grad_accum,
+        device,
+        terms,
+        cfg.data.document_mask,
+    )
+    return pipelined, shared
 
 
 def embedding_names(whole: nn.Module, plan: ParallelPlan) -> set[str]:

@@ -23,18 +23,25 @@ want the record of the step they just ran.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from parallelisms.clip import clip_grads_, grad_norm
+from parallelisms.dims import ParallelDims
+from parallelisms.mesh import Meshes
+from parallelisms.pipeline import SharedEmbedding
 from parallelisms.trace import named_range
+from trainer.config import JobConfig
 from trainer.data.batch import Batch
+from trainer.loop.balance import BiasUpdate
 from trainer.loop.guard import DeviceGuard, poison_one_gradient
 from trainer.loop.losses import read_record
 from trainer.loop.optim import lr_factor, set_lr
 from trainer.loop.report import balance_figures, global_load
+from trainer.loop.run_state import RunState
 
 
 @dataclass
@@ -78,24 +85,55 @@ def on_device_path(optimizer: torch.optim.Optimizer | None) -> bool:
 
 
 class StepQueue:
-    """The step side of `Trainer` (trainer.loop.trainer), split off along this seam: it
-    reads and writes the trainer's own attributes."""
+    """The optimizer steps of a run: each queued on the device (`queue_step`), its record
+    read later (`settle`); it advances the run's state by one step each."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        state: RunState,
+        forward_backward: Callable[[list[Batch]], dict],
+        optimizer: torch.optim.Optimizer | None,
+        params: list[torch.Tensor],
+        norm_params: list[torch.Tensor],
+        bias_update: BiasUpdate | None,
+        dispatchers: list,
+        meshes: Meshes,
+        dims: ParallelDims,
+        device: torch.device,
+        shared_embedding: SharedEmbedding | None = None,
+        stage_loads: Callable[[], torch.Tensor | None] | None = None,
+    ) -> None:
+        """`forward_backward`: a step's micro-batches -> its record, gradients accumulated;
+        `optimizer`: None on a pipeline stage that trains nothing; `params`: the trained
+        ones, clipped; `norm_params`: those the gradient norm counts (each once, not a
+        stage's copy); `dispatchers`: the expert all-to-alls, whose traffic each record
+        counts; `shared_embedding`: the stages' embedding copies, synced after an update;
+        `stage_loads`: under pipeline stages, the expert load of the whole model."""
+        self.cfg, self.state, self.guard = cfg, state, state.guard
+        self.forward_backward = forward_backward
+        self.optimizer, self.params, self.norm_params = optimizer, params, norm_params
+        self.bias_update, self.dispatchers = bias_update, dispatchers
+        self.meshes, self.dims, self.device = meshes, dims, device
+        self.shared_embedding, self.stage_loads = shared_embedding, stage_loads
+        self._first_step_of_run = True  # its expert load is logged whatever the interval
+        self.device_guard: DeviceGuard | None = None  # built from `guard` at the first step
 
     def queue_step(self, micro_batches: list[Batch]) -> Queued:
         """Forward, backward and the (maybe skipped) update of one global batch, queued."""
-        self.seed_step()
+        self.state.seed_step()
         record = self.forward_backward(micro_batches)
         with named_range("optimizer.step"):
             record.update(self.optimizer_step(record["loss"]))
-        queued = Queued(self.step, self.consumed_samples, record)
+        queued = Queued(self.state.step, self.state.consumed_samples, record)
         load = record.pop("expert_load")
         interval = self.cfg.metrics.expert_load_interval
         # The first step of a run too: its forward routes with the weights the run began
         # from (the init's routing, "step 0", on a fresh run).
         first, self._first_step_of_run = self._first_step_of_run, False
-        due = interval and (first or self.step % interval == 0)
-        if due and self.pipeline is not None:  # every stage's layers, in model order
-            load = self._whole_model_load()
+        due = interval and (first or self.state.step % interval == 0)
+        if due and self.stage_loads is not None:  # every stage's layers, in model order
+            load = self.stage_loads()
         if load is not None and due:
             queued.load = global_load(load, self.meshes.batch_group())
         if self.dispatchers:  # host counters: the split sizes the dispatch read anyway
@@ -133,7 +171,7 @@ class StepQueue:
         grad norm, the lr and the verdict (`skip`), as device tensors on the device path."""
         debug = self.cfg.debug
         first = debug.inject_nonfinite_step
-        if 0 < first <= self.step + 1 < first + debug.inject_nonfinite_count:
+        if 0 < first <= self.state.step + 1 < first + debug.inject_nonfinite_count:
             poison_one_gradient(self.params)
         # All-reduced (over the pipeline stages too): every rank holds the global norm.
         stages = self.meshes.pp.get_group() if self.meshes.pp else None
@@ -144,8 +182,8 @@ class StepQueue:
             record = self._update_on_host(float(loss), norm)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return {"step": self.step, "grad_norm": norm, **record}
+        self.state.step += 1
+        return {"step": self.state.step, "grad_norm": norm, **record}
 
     def _update_on_device(self, loss: torch.Tensor, norm: torch.Tensor) -> dict:
         if self.device_guard is None:  # built from the host guard (a resume loaded it)
@@ -160,7 +198,7 @@ class StepQueue:
             )
         guard = self.device_guard
         # The schedule counts applied updates: a skipped step does not advance it.
-        applied = (self.step - guard.skipped).clamp(0, len(self.lr_table) - 1)
+        applied = (self.state.step - guard.skipped).clamp(0, len(self.lr_table) - 1)
         lr = self.lr_table.index_select(0, applied.view(1)).view(())  # (t[i] would read i)
         skip = guard.judge(loss, norm)
         clip_grads_(self.params, self.cfg.train.max_grad_norm, norm)
@@ -184,7 +222,7 @@ class StepQueue:
 
     def _update_on_host(self, loss: float, norm: torch.Tensor) -> dict:
         """The foreach path: the verdict is read before the update (a host sync)."""
-        lr = set_lr(self.optimizer, self.step - self.guard.skipped_total, self.cfg.train)
+        lr = set_lr(self.optimizer, self.state.step - self.guard.skipped_total, self.cfg.train)
         verdict = self.guard.judge(loss, norm.item())
         if verdict.skip:
             if self.bias_update is not None:

@@ -4,9 +4,15 @@ One step: this rank's micro-batches of the global batch -> for each: forward, lo
 backward (`trainer.loop.losses.StepLoss` composes the loss: docs/parallelisms.md,
 "Loss and gradient scale") -> clip -> update.
 The set-up before the first step (checks, device, process group) is `trainer.loop.setup`.
-Where the weights come from (init, a resume, a new stage) and what a checkpoint holds of the
-run: `trainer.loop.run_start`. Under pipeline stages a schedule runs the micro-batches
-instead: `trainer.loop.pipelined`.
+The trainer is composed of parts, each built from what it is given:
+- `Batches` (trainer.loop.batches): the data, this rank's micro-batches, the held-out ones;
+- `RunState` (trainer.loop.run_state): what the run holds and saves besides the weights:
+  step, samples consumed, guard, sampler position, RNG;
+- `RunCheckpoints` (trainer.loop.run_start): where the weights come from (init, a resume,
+  a new stage), and the saves of the model, the optimizer and that state;
+- `StepQueue` (trainer.loop.step): one optimizer step queued, its record read a step later;
+- `PipelinedStep` (trainer.loop.pipelined): under pipeline stages, the schedule that runs
+  the micro-batches instead.
 """
 
 from __future__ import annotations
@@ -25,31 +31,31 @@ from parallelisms.plan import match_modules
 from parallelisms.trace import named_range
 from trainer.config import JobConfig
 from trainer.data.batch import Batch
-from trainer.data.loader import build_dataloader
 from trainer.data.prepared import Corpora
-from trainer.data.run_data import build_data
-from trainer.data.tokenizers import build_tokenizer
-from trainer.errors import DataError
 from trainer.loop.balance import attach_bias_update
-from trainer.loop.evaluation import Evaluator, batch_preparer
-from trainer.loop.guard import DeviceGuard, StepGuard, likely_cause
+from trainer.loop.batches import Batches
+from trainer.loop.guard import StepGuard, likely_cause
 from trainer.loop.losses import BalanceTerms, StepLoss, model_inputs
 from trainer.loop.optim import build_optimizer, fused_unsupported
-from trainer.loop.pipelined import PipelinedSteps
+from trainer.loop.pipelined import build_pipelined, moe_layers, pipeline_evaluation
 from trainer.loop.profiling import StepProfiler
 from trainer.loop.report import source_tokens, startup_lines, step_figures
-from trainer.loop.run_start import RunStart
+from trainer.loop.run_start import RunCheckpoints
+from trainer.loop.run_state import RunState
 from trainer.loop.setup import build_model, init_distributed, resolve_device
 from trainer.loop.step import Queued, StepQueue, agree_to_stop, on_device_path, step_end
 from trainer.metrics.logger import MetricsLogger, peak_flops
 from trainer.metrics.sinks import build_sinks
 
 
-class Trainer(RunStart, PipelinedSteps, StepQueue):
+class Trainer:
+    """A run: its parts built in order (model, data, state, checkpoints, steps, metrics),
+    then the loop (`fit`). It wires the parts; each reads only what it was built with."""
+
     def __init__(self, cfg: JobConfig, dims: ParallelDims, corpora: Corpora | None = None) -> None:
         """`corpora`: the config's prepared directories as `preflight` opened them (None:
         opened here)."""
-        self.cfg, self.dims, self.corpora = cfg, dims, corpora
+        self.cfg, self.dims = cfg, dims
         self.spec = get_model_spec(cfg.model.name)
         self.args = cfg.model.args
         self.device = resolve_device(cfg.train.device)
@@ -57,8 +63,6 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
         self.rank = dist.get_rank()
         self.meshes = build_meshes(dims, self.device.type)
         torch.manual_seed(cfg.train.seed)  # the RNG state a checkpoint saves starts from it
-        self.step = 0
-        self._first_step_of_run = True  # its expert load is logged whatever the interval
         self.history: list[dict] = []
         self._stop_requested = False
         self.notes: list[str] = []  # said on the console once the logger exists
@@ -69,10 +73,30 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
             )
 
         self._build_model()
-        self._build_data()
-        resume_from = self._begin()  # trainer.loop.run_start
+        b = Batches(
+            cfg, self.meshes.dp_rank(), dims.dp_size, dims.cp, self.cp_rank, self.grad_accum,
+            self.terms, self.device, corpora,
+        )  # fmt: skip
+        self.batches, self.data, self.loader, self.sampler = b, b.data, b.loader, b.sampler
+        self.prepare_batch, self.evaluator = b.prepare_batch, b.evaluator
+        t = cfg.train
+        guard = StepGuard(t.max_skipped_steps, t.skip_spike_sigma, t.skip_spike_window)
+        dataset = self.loader.dataset
+        self.state = RunState(cfg, dataset, guard, self.sampler, self.device, self.rank)
+        self.checkpoints = RunCheckpoints(
+            cfg, self.spec, self.model, self.optimizer, self.state, self.parallel.whole, corpora,
+            stop_requested=lambda: self._stop_requested,
+        )  # fmt: skip
+        resume_from, notes = self.checkpoints.begin()
+        self.notes += notes
         if self.shared_embedding is not None:  # a stage's copy of the embedding, as loaded
             self.shared_embedding.sync()
+        stage_loads = self.pipelined.whole_model_load if self.pipelined is not None else None
+        self.steps = StepQueue(
+            cfg, self.state, self.forward_backward, self.optimizer, self.params,
+            self.norm_params, self.bias_update, self.dispatchers, self.meshes, dims, self.device,
+            self.shared_embedding, stage_loads,
+        )  # fmt: skip
         self._build_metrics(resume_from)
         self._start_step = self.step  # the step of the weights this run started from
         self._pending: Queued | None = None  # a step queued, its record not read yet
@@ -104,9 +128,6 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
             batch_group,
             self.spec.bias_buffers,
         )
-        t = cfg.train
-        self.guard = StepGuard(t.max_skipped_steps, t.skip_spike_sigma, t.skip_spike_window)
-        self.device_guard: DeviceGuard | None = None  # built from `guard` at the first step
         # SIGTERM's flag is agreed on the CPU: a collective of the accelerator's backend
         # would make the host wait for the step's work (trainer.loop.step.agree_to_stop).
         gloo = dist.get_backend() == "gloo"
@@ -125,36 +146,31 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
             self.grad_accum,
             self.device,
             batch_group,
-            moe_layers=self._moe_layers() if self.meshes.pp is not None else 0,
+            moe_layers=moe_layers(self.parallel.whole, self.spec.plan)
+            if self.meshes.pp is not None
+            else 0,
         )
-        self._build_pipeline()  # trainer.loop.pipelined (pp > 1)
+        self._build_pipeline()
 
-    def _build_data(self) -> None:
-        cfg, dp_rank, dp_size = self.cfg, self.meshes.dp_rank(), self.dims.dp_size
-        tokenizer = build_tokenizer(cfg.data)
-        # The model's vocabulary bounds every id read (part of the contract, models/spec.py).
-        vocab = self.args.vocab_size
-        self.data = build_data(cfg.data, cfg.eval, tokenizer, vocab, self.corpora)
-        self.loader, _ = build_dataloader(
-            cfg.data, cfg.train, dp_rank, dp_size, tokenizer, data=self.data
+    def _build_pipeline(self) -> None:
+        """Under pipeline stages (none without): the schedule over this rank's stages, the
+        embedding copies a head may read, the held-out loss forward only; and which
+        parameters the gradient norm counts: each once, not a stage's copy."""
+        cfg, parallel, meshes, device, terms = (
+            self.cfg,
+            self.parallel,
+            self.meshes,
+            self.device,
+            self.terms,
         )
-        self.sampler = self.loader.batch_sampler  # the sample order (trainer.data.sampler)
-        self.consumed_samples = 0  # global samples of all completed steps
-        self._data_iter = None
-        self.prepare_batch = batch_preparer(
-            self.device, self.terms.mtp_depth, self.dims.cp, self.cp_rank, cfg.parallel.cp_layout
-        )
-        self.evaluator = None
-        if self.data.held_out:
-            self.evaluator = Evaluator(
-                self.data.held_out,
-                cfg.eval.micro_batch_size,
-                dp_rank,
-                dp_size,
-                self.prepare_batch,
-                self.terms,
-                cfg.data.document_mask,
-            )
+        # the held-out loss of a source's micro-batches through the stages (trainer.loop.evaluation)
+        self.forward_only = pipeline_evaluation(cfg, parallel, meshes, device, terms)
+        self.pipelined, self.shared_embedding = build_pipelined(
+            cfg, parallel, meshes, self.dims, self.spec.plan, self.rank, self.step_loss,
+            self.grad_accum, device, terms,
+        )  # fmt: skip
+        copies = self.shared_embedding.copies if self.shared_embedding else set()
+        self.norm_params = [p for p in self.params if id(p) not in copies]
 
     def _build_metrics(self, resumed_from: str | None) -> None:
         cfg = self.cfg
@@ -184,6 +200,31 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
             cfg.profile.top,
         )
 
+    # --- the run's state and its parts, by their names of old -----------------------------
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.state.consumed_samples
+
+    @property
+    def guard(self) -> StepGuard:
+        return self.state.guard
+
+    def save_checkpoint(self) -> None:
+        self.checkpoints.save()
+
+    def queue_step(self, micro_batches: list[Batch]) -> Queued:
+        return self.steps.queue_step(micro_batches)
+
+    def settle(self, queued: Queued) -> dict:
+        return self.steps.settle(queued)
+
+    def train_step(self, micro_batches: list[Batch]) -> dict:
+        return self.steps.train_step(micro_batches)
+
     # --- one step ------------------------------------------------------------------------
     def forward_backward(self, micro_batches: list[Batch]) -> dict:
         """Accumulate the gradients of this rank's micro-batches of one global batch.
@@ -192,8 +233,8 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
         the tokens routed to each expert ([L, E], this rank, summed over micro-batches).
         """
         self.step_loss.begin(micro_batches)  # global counts: one all-reduce
-        if self.pipeline is not None:
-            self._pipeline_step(micro_batches)
+        if self.pipelined is not None:
+            self.pipelined.step(micro_batches)
             return self.step_loss.end()
         once = self.cfg.parallel.fsdp_gather == "step"
         for i, mb in enumerate(micro_batches):
@@ -208,16 +249,8 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
 
     def next_micro_batches(self) -> list[Batch]:
         """This rank's micro-batches of the next global batch, on the training device."""
-        if self._data_iter is None:
-            self._data_iter = iter(self.loader)  # one iterator: re-iterating drops prefetch
-        batches = []
-        for _ in range(self.grad_accum):
-            try:
-                batch = next(self._data_iter)
-            except DataError as err:  # from a loader worker: its traceback is in the message
-                raise DataError(str(err).rstrip().rpartition("DataError: ")[2]) from None
-            batches.append(self.prepare_batch(batch))
-        self.consumed_samples += self.cfg.train.global_batch_size
+        batches = self.batches.next_micro_batches()
+        self.state.consumed_samples += self.cfg.train.global_batch_size
         return batches
 
     def evaluate(self) -> dict[str, float]:
@@ -257,9 +290,9 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
             # NOTE: the device may have queued the next step already; it skips every step
             # past the limit (guard.DeviceGuard), so the state to save is this step's, with
             # the data position after its batch.
-            self.step, self.consumed_samples = queued.step, queued.consumed_samples
+            self.state.step, self.state.consumed_samples = queued.step, queued.consumed_samples
             self.save_checkpoint()
-            self.checkpointer.wait()
+            self.checkpoints.wait()
             cause = self._skip_cause(record, queued.step - self.guard.consecutive)
             raise self.guard.limit_error(queued.step, reason, cause)
 
@@ -303,7 +336,7 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
         last = self.step == cfg.train.steps
         evaluate = bool(self.evaluator) and (last or every and self.step % every == 0)
         save = interval and (self.step % interval == 0 or last)
-        self.checkpointer.poll()
+        self.checkpoints.poll()
         stop = self._stop_agreed()
         if not on_device_path(self.optimizer) or evaluate or save or last or stop:
             self.drain(evaluate)
@@ -347,7 +380,7 @@ class Trainer(RunStart, PipelinedSteps, StepQueue):
             self.profiler.after_step(self.step)
             if stopped:
                 break
-        self.checkpointer.wait()
+        self.checkpoints.wait()
         applied = [r for r in self.history if "skipped" not in r]
         if self.history and not applied and not stopped:  # every rank: the verdicts are global
             last = self.history[-1]
