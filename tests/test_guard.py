@@ -89,15 +89,16 @@ def test_an_injection_the_run_never_reaches_is_refused_or_noted(capsys, monkeypa
 
 
 def test_the_likely_cause_names_an_auxiliary_loss_that_outweighs_the_token_loss():
-    coefs = {"aux_loss": 0.01, "z_loss": 1e30}
+    aux, z = "model.router_aux_loss_coef", "moe.z_loss_coef"
+    coefs = {"aux_loss": (aux, 0.01), "z_loss": (z, 1e30)}
     record = {"loss": 5.76, "aux_loss": 2.28, "z_loss": 4.31, "skipped": "grad norm inf"}
     cause = likely_cause(record, coefs, untouched=True)
     assert cause.startswith("moe.z_loss_coef=1e+30 weighs z_loss 4.31 to 4.31e+30")
     assert cause.endswith("Lower moe.z_loss_coef (0.001 to 0.01 is usual)")
-    big_aux = likely_cause(record, {"aux_loss": 100.0}, untouched=False)
+    big_aux = likely_cause(record, {"aux_loss": (aux, 100.0)}, untouched=False)
     assert big_aux.startswith("model.router_aux_loss_coef=100 weighs aux_loss 2.28 to 228")
     # Usual weights: not the auxiliary losses. With no update applied, not the lr either.
-    usual = {"aux_loss": 0.01, "z_loss": 0.001}
+    usual = {"aux_loss": (aux, 0.01), "z_loss": (z, 0.001)}
     assert "train.lr played no part" in likely_cause(record, usual, untouched=True)
     assert likely_cause(record, usual, untouched=False).startswith("Lower train.lr")
     # A non-finite token loss is not the auxiliary losses' doing, even when they are NaN too.

@@ -51,19 +51,19 @@ class NoUpdateApplied(Exception):
 # the token loss is finite then comes from them.
 AUX_DOMINATES = 10.0
 
-# The record's figure of each auxiliary loss, and the key of its weight.
-AUX_WEIGHTS = {"aux_loss": "model.router_aux_loss_coef", "z_loss": "moe.z_loss_coef"}
 
-
-def likely_cause(record: dict[str, Any], coefs: dict[str, float], untouched: bool) -> str:
+def likely_cause(
+    record: dict[str, Any], coefs: dict[str, tuple[str, float]], untouched: bool
+) -> str:
     """What to change after skipped steps, from the last one's `record`: an auxiliary loss
-    (`coefs`: its weight by record figure, as in AUX_WEIGHTS) that is not finite or outweighs
-    the token loss, named with its key; else, when no update was applied since the weights
+    (`coefs`: by record figure, the config key of its weight and the weight; the aux
+    weight's key is the model's own field, `ModelSpec.aux_loss_field`) that is not finite
+    or outweighs the token loss, named with its key; else, when no update was applied since the weights
     the run started from (`untouched`), not the learning rate; else the learning rate."""
     loss = record["loss"]
     if math.isfinite(loss):  # a non-finite token loss is not the auxiliary losses' doing
-        for figure, key in AUX_WEIGHTS.items():
-            value, coef = record.get(figure), coefs.get(figure, 0.0)
+        for figure, (key, coef) in coefs.items():
+            value = record.get(figure)
             if value is None or not coef:
                 continue
             weighted = coef * value

@@ -280,7 +280,10 @@ class Trainer:
     def _skip_cause(self, record: dict, weights_step: int) -> str:
         """`likely_cause`'s advice after skipped step `record`, the weights being step
         `weights_step`'s."""
-        coefs = {"aux_loss": self.terms.aux_loss_coef, "z_loss": self.cfg.moe.z_loss_coef}
+        coefs = {}  # the aux loss first, then the z-loss
+        if self.spec.aux_loss_field is not None:
+            coefs["aux_loss"] = (f"model.{self.spec.aux_loss_field}", self.terms.aux_loss_coef)
+        coefs["z_loss"] = ("moe.z_loss_coef", self.cfg.moe.z_loss_coef)
         return likely_cause(record, coefs, untouched=weights_step == self._start_step)
 
     def _on_skipped(self, record: dict, queued: Queued) -> None:
