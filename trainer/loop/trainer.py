@@ -156,13 +156,8 @@ class Trainer:
         """Under pipeline stages (none without): the schedule over this rank's stages, the
         embedding copies a head may read, the held-out loss forward only; and which
         parameters the gradient norm counts: each once, not a stage's copy."""
-        cfg, parallel, meshes, device, terms = (
-            self.cfg,
-            self.parallel,
-            self.meshes,
-            self.device,
-            self.terms,
-        )
+        cfg, parallel, meshes, device = self.cfg, self.parallel, self.meshes, self.device
+        terms = self.terms
         # the held-out loss of a source's micro-batches through the stages (trainer.loop.evaluation)
         self.forward_only = pipeline_evaluation(cfg, parallel, meshes, device, terms)
         self.pipelined, self.shared_embedding = build_pipelined(
