@@ -1,15 +1,11 @@
-"""The expert all-to-all in the step-time model (`trainer.dry_run.search`): its seconds on
+"""The expert all-to-all in the step-time model (`trainer.dry_run.step_cost`): its seconds on
 the links it crosses, and what of it `parallel.ep_overlap` runs under compute."""
 
 from __future__ import annotations
 
 from math import comb
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from trainer.dry_run.search import Hardware
-
-GB = 1e9
+from trainer.dry_run.hardware import GB, Hardware
 
 
 def node_share(experts: int, top_k: int, nodes: int) -> float:

@@ -14,7 +14,7 @@ all-to-all bytes under balanced routing and the CP ring bytes. Every refusal of 
 launch applies (`trainer.loop.setup.preflight`, exit 2). With --gpu-memory it says whether the
 layout fits and, if not, which knob brings it in; last, the estimated step time on the
 `--hardware` (and with --search the layouts that fit, fastest first:
-`trainer.dry_run.search`), its compute at the efficiency --gemm-rates FILE measured per
+`trainer.dry_run.search`; the model: `trainer.dry_run.step_cost`), its compute at the efficiency --gemm-rates FILE measured per
 kind of kernel (`benchmarks/gemm_rates.py`'s JSON) where given, else at --efficiency;
 --workers N: processes the search measures in (default: from the cores and the jobs to
 run, `trainer.dry_run.workers.auto_workers`; 0: all in this one). How
@@ -30,6 +30,14 @@ import sys
 import time
 
 from trainer.dry_run.flags import HW_FLAGS, count, figure, hardware_overrides
+from trainer.dry_run.hardware import (
+    PRESETS,
+    describe,
+    efficiency_text,
+    hardware,
+    rates_by_kind,
+    read_rates,
+)
 from trainer.dry_run.layout_cost import (
     MODES,
     Layout,
@@ -39,18 +47,8 @@ from trainer.dry_run.layout_cost import (
     step_bytes,
     update_bytes,
 )
-from trainer.dry_run.search import (
-    PRESETS,
-    describe,
-    efficiency_text,
-    estimate,
-    flops_per_token,
-    format_ranked,
-    hardware,
-    rates_by_kind,
-    read_rates,
-    run_search,
-)
+from trainer.dry_run.search import flops_per_token, format_ranked, run_search
+from trainer.dry_run.step_cost import estimate
 from trainer.fileio import write_atomic
 
 GIB = 2**30

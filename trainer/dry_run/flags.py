@@ -9,7 +9,7 @@ import math
 
 from trainer.config import ConfigError
 
-# flags that override the --hardware preset's figures (trainer.dry_run.search.Hardware)
+# flags that override the --hardware preset's figures (trainer.dry_run.hardware.Hardware)
 HW_FLAGS = {"--gpu-tflops": "tflops", "--efficiency": "efficiency", "--intra-gbps": "intra_gbps",
             "--inter-gbps": "inter_gbps", "--ranks-per-node": "ranks_per_node"}  # fmt: skip
 
