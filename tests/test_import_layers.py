@@ -23,10 +23,18 @@ ROOMS = ("trainer", "parallelisms", "models")
 PLANNER_LAYERS = {
     "hardware": ["hardware"],
     "costs": ["a2a_cost", "pipeline_schedule", "pipeline_cost", "step_cost"],
-    "measurement": ["meta_trace", "footprint", "shards", "traces", "pipeline_stages", "workers"],
+    "measurement": [
+        "meta_trace",
+        "footprint",
+        "model_counts",
+        "shards",
+        "traces",
+        "pipeline_stages",
+        "workers",
+    ],
     "layout": ["layout_cost"],
     "search": ["search"],
-    "cli": ["flags", "cli", "__main__", "__init__"],
+    "cli": ["flags", "report", "cli", "__main__", "__init__"],
 }
 
 

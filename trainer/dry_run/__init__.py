@@ -9,10 +9,11 @@ In layers, bottom to top; a file imports only its own layer or those below it
   time: compute, FSDP, HSDP, the ring, the all-to-all, stages);
 - measurement: `meta_trace` (the instruments: the storage timeline, meta forms of the real
   kernels), `footprint` (state bytes, the update's temporaries, a storage-lifetime trace of
-  one micro-batch), `shards` (the sharded state and FSDP units of a layout, and the cache
+  one micro-batch), `model_counts` (the model's FLOPs per token and parameters), `shards` (the sharded state and FSDP units of a layout, and the cache
   a search shares), `traces` (a layout's trace), `pipeline_stages` (each pp rank's
   stages), `workers` (measurements spread over processes);
 - layout: `layout_cost` (what a layout costs one rank: bytes at rest, at peak, per step);
 - search: `search` (the candidate layouts, ranked by the step-time model);
-- cli: `flags`, `cli` (the command line and the report; `__main__` runs it).
+- cli: `flags`, `report` (the figures and their printed form), `cli` (the command line;
+  `__main__` runs it).
 """

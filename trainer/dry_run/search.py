@@ -16,6 +16,7 @@ from trainer.dry_run.hardware import (  # noqa: F401  (also read from here: test
     read_rates,
 )
 from trainer.dry_run.layout_cost import MODES, Measured, measure_layout, measure_state, peak_bytes
+from trainer.dry_run.model_counts import flops_per_token, trunk_block_count
 from trainer.dry_run.step_cost import estimate
 from trainer.dry_run.workers import SearchPool, auto_workers, search_jobs
 
@@ -87,7 +88,7 @@ def run_search(
     from trainer.config import ConfigError
 
     flops = flops_per_token(cfg)
-    tried = candidates(cfg, world_size, hw, _trunk_blocks(cfg))
+    tried = candidates(cfg, world_size, hw, trunk_block_count(cfg))
     trials = []
     for cand in tried:
         trial = copy.deepcopy(cfg)
@@ -154,30 +155,6 @@ def _rank(tried, trials, world_size, hw, budget, log, by_kind, reuse, flops) -> 
         )
     ranked.sort(key=lambda r: -r["tokens_per_s"])
     return ranked
-
-
-def _trunk_blocks(cfg) -> int:
-    """The blocks pipeline stages are cut from (parallelisms.pipeline_split)."""
-    import torch
-
-    from models import get_model_spec
-    from parallelisms.pipeline_split import trunk_blocks
-
-    spec = get_model_spec(cfg.model.name)
-    with torch.device("meta"):
-        return len(trunk_blocks(spec.build(cfg.model.args), spec.plan))
-
-
-def flops_per_token(cfg) -> float:
-    """Training FLOPs per token of the config's model (the model's own count, as MFU's; its
-    split by kind of kernel, where the model gives one, in `.by_kind`)."""
-    import torch
-
-    from models import get_model_spec
-
-    spec = get_model_spec(cfg.model.name)
-    with torch.device("meta"):
-        return spec.flops_per_token(spec.build(cfg.model.args), cfg.data.seq_len)
 
 
 def format_ranked(
