@@ -89,3 +89,12 @@ def training_flops_per_token(
         for p in m.shared_experts.parameters()
     )
     return FlopsPerToken(matmuls + attention, split, 6.0 * shared)
+
+
+def with_head_passes(flops: FlopsPerToken, head: nn.Module, passes: int) -> FlopsPerToken:
+    """`flops` plus `passes` more passes per token through the output `head` (its matmul,
+    forward and backward: 6 x its parameters, a dense kernel): DeepSeek-V3's MTP depths each
+    project their hidden state through the shared head again."""
+    extra = 6.0 * passes * sum(p.numel() for p in head.parameters())
+    split = {**flops.by_kind, "dense": flops.by_kind["dense"] + extra}
+    return FlopsPerToken(float(flops) + extra, split, flops.shared_experts)

@@ -1,4 +1,4 @@
-from models.common.flops import training_flops_per_token
+from models.common.flops import training_flops_per_token, with_head_passes
 from models.common.plan import ParallelPlan
 from models.deepseek_v3 import hf
 from models.deepseek_v3.args import DeepseekV3Args
@@ -31,7 +31,7 @@ def loss_terms(args: DeepseekV3Args) -> LossTerms:
 
 def flops_per_token(model: DeepseekV3ForCausalLM, seq_len: int) -> float:
     a = model.args
-    return training_flops_per_token(
+    flops = training_flops_per_token(
         model,
         seq_len,
         attention_layers=a.num_hidden_layers + a.num_nextn_predict_layers,
@@ -40,6 +40,10 @@ def flops_per_token(model: DeepseekV3ForCausalLM, seq_len: int) -> float:
         v_dim=a.v_head_dim,
         input_embedding=model.embed_tokens if model.lm_head is not None else None,
     )
+    # each MTP depth runs the shared output head once more (its parameters count once above)
+    depths = len(model.mtp) if model.mtp is not None else 0
+    head = model.lm_head if model.lm_head is not None else model.embed_tokens
+    return with_head_passes(flops, head, depths)
 
 
 SPEC = ModelSpec(
@@ -56,4 +60,5 @@ SPEC = ModelSpec(
         "num_nextn_predict_layers",  # MTP is opt-in; HF configs say 1 with or without weights
     ),
     max_positions=lambda args: args.max_position_embeddings,
+    routing_groups=lambda args: (args.n_group, args.topk_group),
 )

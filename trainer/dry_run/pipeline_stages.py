@@ -106,8 +106,8 @@ def _cut_of(cfg, spec, reuse) -> _Cut:
         within = lambda f, ins: any(f == i or f.startswith(i + ".") for i in ins)  # noqa: E731
         return [sum(within(f, ins) for f in found) for ins in inside]
 
-    attention = spec.flops_per_token(model, cfg.data.seq_len).by_kind["attention"]
-    costs = stage_costs(model, plan, attention)
+    total = spec.flops_per_token(model, cfg.data.seq_len)
+    costs = stage_costs(model, plan, total.by_kind["attention"], total)
     block_flops = dict(zip(trunk, costs.blocks, strict=True))
     flops = [sum(block_flops[f] for f in cut.blocks[s]) for s in range(S)]
     flops[-1] += costs.last
