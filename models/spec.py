@@ -166,6 +166,11 @@ class ModelSpec:
     # The longest sequence the model is meant for (args -> positions), e.g. from
     # max_position_embeddings; a longer data.seq_len is refused. None: no limit.
     max_positions: Callable[[Any], int] | None = None
+    # The routing's node bound: args -> (expert groups, groups one token's experts come
+    # from), for group-limited routing (DeepSeek-V3: 8 groups, 4 per token; groups are runs
+    # of consecutive experts). The planner's inter-node all-to-all counts a token's remote
+    # nodes from it (`trainer.dry_run.a2a_cost.node_share`). None: routing over all experts.
+    routing_groups: Callable[[Any], tuple[int, int]] | None = None
 
     def build(self, args: Any, moe_options: MoEOptions | None = None) -> nn.Module:
         """The model of `args` (on the current default device; use `torch.device("meta")`

@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{configured['comm_s']['ep_all_to_all']:.3f} s{_hidden_text(configured, cfg)}; "
         f"FSDP {configured['comm_s']['fsdp']:.3f} s, "
         f"ring {configured['comm_s']['cp_ring']:.3f} s, HSDP {configured['comm_s']['hsdp']:.3f} s "
-        f"under compute, {configured['exposed_background_s']:.3f} s exposed)")]  # fmt: skip
+        f"under compute, {configured['exposed_background_s']:.3f} s exposed; optimizer step "
+        f"{configured['optimizer_s']:.3f} s at {hw.memory_gbps:g} GB/s)")]  # fmt: skip
     if search_flag:
         result["search"] = ranked
         lines += ["", *format_ranked(ranked, hw, efficiency=efficiency)]

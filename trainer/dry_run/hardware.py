@@ -13,7 +13,9 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Hardware:
-    """One GPU and its node's links; the presets' figures are nominal per-GPU ones."""
+    """One GPU and its node's links; each figure is named, and a flag overrides it
+    (`trainer.dry_run.flags.HW_FLAGS`). The presets' figures are per GPU: nominal ones,
+    or measured where a source states them (H800: DeepSeek-V3's report)."""
 
     name: str
     tflops: float  # dense bf16 peak per GPU
@@ -22,15 +24,29 @@ class Hardware:
     inter_gbps: float  # GB/s per GPU per direction across nodes (one NIC per GPU)
     ranks_per_node: int
     memory_gib: float
+    # GB/s of the GPU's memory (HBM): what the optimizer step, which streams the state,
+    # runs at (`step_cost.optimizer_seconds`)
+    memory_gbps: float = 3350.0
 
 
 PRESETS = {
-    # 8 x H100 SXM: NVLink 4 (900 GB/s both ways), one 400 Gb/s NIC per GPU
-    "h100": Hardware("8 x H100 SXM, NVLink 4, 8 x 400 Gb/s", 989, 0.5, 450, 50, 8, 80),
-    # 8 x H200 SXM: the same compute and links, more memory
-    "h200": Hardware("8 x H200 SXM, NVLink 4, 8 x 400 Gb/s", 989, 0.5, 450, 50, 8, 141),
-    # DeepSeek-V3's cluster (its report): NVLink 400 GB/s both ways, 400 Gb/s InfiniBand
-    "h800": Hardware("8 x H800, NVLink 400 GB/s, 8 x 400 Gb/s", 989, 0.5, 200, 50, 8, 80),
+    # 8 x H100 SXM: NVLink 4 (900 GB/s both ways), one 400 Gb/s NIC per GPU, HBM3 3.35 TB/s
+    "h100": Hardware("8 x H100 SXM, NVLink 4, 8 x 400 Gb/s", 989, 0.5, 450, 50, 8, 80, 3350),
+    # 8 x H200 SXM: the same compute and links, more and faster memory (HBM3e 4.8 TB/s)
+    "h200": Hardware("8 x H200 SXM, NVLink 4, 8 x 400 Gb/s", 989, 0.5, 450, 50, 8, 141, 4800),
+    # DeepSeek-V3's cluster, as its report states it (section 3.2.2): NVLink 160 GB/s per
+    # GPU usable (of the nominal 200 per direction), InfiniBand 50 GB/s per GPU (400 Gb/s);
+    # the H800's HBM3 is the H100's, 3.35 TB/s
+    "h800": Hardware(
+        "8 x H800, NVLink 160 GB/s usable, IB 50 GB/s (DeepSeek-V3 report)",
+        989,
+        0.5,
+        160,
+        50,
+        8,
+        80,
+        3350,
+    ),  # fmt: skip
 }
 
 

@@ -40,6 +40,8 @@ class Layout:
     # parallel.pp > 1: each pp rank's stages (trainer.dry_run.pipeline_stages); the state
     # above is then every rank's, stage by stage, and `comm` the busiest pp rank's
     pipeline: object = None
+    # the routing's node bound (the spec's `routing_groups`): (expert groups, per token)
+    routing_groups: tuple[int, int] | None = None
 
 
 def measure_layout(cfg, world_size: int, modes=MODES, reuse: Measured | None = None) -> Layout:
@@ -59,11 +61,12 @@ def measure_layout(cfg, world_size: int, modes=MODES, reuse: Measured | None = N
         dims,
         state,
         _fsdp_buffers(units),
-        _comm(units, dims, grad_accum, any_trace),
+        {**_comm(units, dims, grad_accum, any_trace), "optimizer_memory": optimizer_memory(state)},
         activations,
         int(sum((u.gathered + u.grads) * u.weight for u in units)),
         any_trace.experts,
         any_trace.top_k,
+        routing_groups=_routing_groups(cfg, spec),
     )
 
 
@@ -124,11 +127,16 @@ def _measure_stages(cfg, spec, dims, modes, reuse: Measured) -> Layout:
         **{k: int(whole[k] * busiest) for k in ("ep_all_to_all", "ep_all_to_all_full_ac")},
         **{k: int(whole[k] * ring) for k in ("cp_ring", "cp_ring_full_ac")},
         "pp_p2p": max(r.p2p for r in pc.ranks),
+        "optimizer_memory": optimizer_memory(state),
     }
     any_trace = traces[modes[0]]
     buffers = max(r.step_buffers for r in pc.ranks)
     return Layout(cfg, dims, state, buffers, comm, traces, buffers, any_trace.experts,
-                  any_trace.top_k, pc)  # fmt: skip
+                  any_trace.top_k, pc, _routing_groups(cfg, spec))  # fmt: skip
+
+
+def _routing_groups(cfg, spec) -> tuple[int, int] | None:
+    return None if spec.routing_groups is None else spec.routing_groups(cfg.model.args)
 
 
 def _fsdp_buffers(units: list[FsdpUnit]) -> int:
@@ -175,6 +183,18 @@ def _comm(units: list[FsdpUnit], dims, grad_accum: int, trace) -> dict:
         "cp_ring_full_ac": int((ring + (trace.kv * (cp - 1) if cp > 1 else 0)) * grad_accum),
         "micro_batches": grad_accum,
     }
+
+
+def optimizer_memory(state) -> int:
+    """Bytes the optimizer step moves through the busiest rank's memory (not a collective:
+    `step_cost` prices it at the GPU's memory bandwidth). AdamW reads each trained
+    parameter's shard, its gradient and its moments and writes the parameter and the
+    moments back: 2 x (params - frozen) + grads + 2 x optimizer state. The norm and clip
+    before it are not counted (a read or two of the gradients)."""
+    return max(
+        2 * (p - f) + g + 2 * o
+        for p, g, o, f in zip(state.params, state.grads, state.optimizer, state.frozen, strict=True)
+    )
 
 
 def step_bytes(layout: Layout, mode: str, rank: int = 0, gather: str | None = None) -> int:

@@ -170,5 +170,7 @@ def sharded_model(model, plan, train, param_dtype, sampled, world_size: int):
     frozen = [p for p in model.parameters() if not p.requires_grad]
     # the kernels the launch's parameters get (auto: the launch this plans runs on GPUs)
     optimizer = build_optimizer(model, train, device="cpu" if train.device == "cpu" else "cuda")
-    state = sharded_state(optimizer, world_size, param_weight, frozen)
+    # train.optimizer_state_dtype=bf16: the moments in 2 bytes, whatever the meta step made
+    moments = 2 if train.optimizer_state_dtype == "bf16" else None
+    state = sharded_state(optimizer, world_size, param_weight, frozen, moments)
     return state, fsdp_units(model, plan, param_dtype, module_weight)

@@ -25,11 +25,13 @@ The model, per rank and step (every figure it uses is printed with the estimate)
   only what exceeds the compute shows; of the expert all-to-all, what `parallel.ep_overlap`
   leaves in flight hides under the compute between its issue and its wait
   (`a2a_cost.a2a_hidden`, which states the rule): step = compute + all-to-all - hidden +
-  max(0, background - compute).
+  max(0, background - compute) + optimizer;
+- the optimizer step: the bytes it streams through the busiest rank's memory
+  (`layout_cost.optimizer_memory`) at the GPU's memory bandwidth (`--memory-gbps`).
 
 Not modelled: element-wise work (norms, activations, the routing's permutations), host
 synchronisations, routing imbalance (balanced routing, as the byte counts), latency of
-small messages, and the optimizer step; without `--gemm-rates`, kernel efficiency by shape.
+small messages; without `--gemm-rates`, kernel efficiency by shape.
 """
 
 from __future__ import annotations
@@ -80,23 +82,29 @@ def estimate(
     background = seconds["fsdp"] + seconds["hsdp"] + seconds["cp_ring"]
     # the shares of the compute under which a MoE layer's all-to-all may run
     hides, form = overlap_shares(flops_per_token, by_kind_s), overlap or cfg.parallel.ep_overlap
+    # the optimizer step streams the rank's state once per step, after the last backward
+    optimizer_s = comm["optimizer_memory"] / (hw.memory_gbps * GB)
     if layout.pipeline is not None:
         step_s, extra = pipeline_step(layout, mode, compute_s, seconds, hw, hides, form)
+        step_s += optimizer_s
         return {"flops_per_rank": flops, "compute_s": extra.pop("compute_s"), "comm_s": seconds,
                 "node_share": share, "experts": layout.experts, "top_k": layout.top_k,
-                "step_s": step_s, "tokens_per_s": tokens / step_s, **extra}  # fmt: skip
+                "optimizer_s": optimizer_s, "step_s": step_s, "tokens_per_s": tokens / step_s,
+                **extra}  # fmt: skip
     forwards = 2 if mode == "full" else 1  # the replay's forward moves its tokens again
     pass_s = seconds["ep_all_to_all"] / (forwards + 1)
     experts_s, shared_s = (compute_s / (forwards + 2) * h for h in hides)  # in one forward
     hidden = forwards * a2a_hidden(form, pass_s, experts_s, shared_s)
     hidden += a2a_hidden(form, pass_s, 2 * experts_s, 2 * shared_s)  # backward: twice
     step_s = compute_s + seconds["ep_all_to_all"] - hidden + max(0.0, background - compute_s)
+    step_s += optimizer_s
     out = {
         "flops_per_rank": flops,
         "compute_s": compute_s,
         "comm_s": seconds,
         "ep_hidden_s": hidden,  # of comm_s["ep_all_to_all"], what runs under compute
         "exposed_background_s": max(0.0, background - compute_s),
+        "optimizer_s": optimizer_s,  # the optimizer step, at the GPU's memory bandwidth
         "node_share": share,  # of the remote all-to-all rows, what crosses nodes
         "experts": layout.experts,
         "top_k": layout.top_k,
