@@ -82,9 +82,15 @@ def gemm_shapes(model: nn.Module, tokens: int, ep: int, dtype: str) -> list[dict
         elif isinstance(module, nn.Linear):
             add("dense", name, tokens, module.in_features, module.out_features,
                 bias=module.bias is not None)  # fmt: skip
-    if getattr(model, "lm_head", "untied") is None:  # the head is the embedding's matrix
-        vocab, dim = model.embed_tokens.weight.shape
-        add("dense", "embed_tokens (tied head)", tokens, dim, vocab)
+    tied = getattr(model, "lm_head", "untied") is None  # the head is the embedding's matrix
+    # DeepSeek-V3's MTP depths each run the output head once more (its spec counts them)
+    for _ in range(1 + len(getattr(model, "mtp", None) or ())):
+        if tied:
+            vocab, dim = model.embed_tokens.weight.shape
+            add("dense", "embed_tokens (tied head)", tokens, dim, vocab)
+        elif _ and isinstance(getattr(model, "lm_head", None), nn.Linear):
+            head = model.lm_head
+            add("dense", "lm_head", tokens, head.in_features, head.out_features)
     return list(found.values())
 
 

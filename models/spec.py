@@ -173,6 +173,22 @@ class AttentionShape:
     v_dim: str = "head_dim"
 
 
+def derived_flops_per_token(shape: AttentionShape, model: nn.Module, seq_len: int) -> float:
+    """`training_flops_per_token` with the attention shape `shape` names, read from
+    `model.args`; the input embedding (`embed_tokens`) is left out unless the head is tied
+    to it (`lm_head` None, `models.common.staged.DecoderLM`)."""
+    a, layers = model.args, shape.layers
+    return training_flops_per_token(
+        model,
+        seq_len,
+        attention_layers=getattr(a, layers) if isinstance(layers, str) else layers(a, seq_len),
+        heads=getattr(a, shape.heads),
+        qk_dim=getattr(a, shape.qk_dim),
+        v_dim=getattr(a, shape.v_dim),
+        input_embedding=model.embed_tokens if model.lm_head is not None else None,
+    )
+
+
 @dataclass(frozen=True)
 class BiasBuffers:
     """The buffers by which a router takes part in the aux-loss-free bias update
@@ -210,6 +226,12 @@ class ModelSpec:
     # The routers' buffers for the aux-loss-free bias update.
     bias_buffers: BiasBuffers = BiasBuffers()
 
+    # The routing's node bound: args -> (expert groups, groups one token's experts come
+    # from), for group-limited routing (DeepSeek-V3: 8 groups, 4 per token; groups are runs
+    # of consecutive experts). The planner's inter-node all-to-all counts a token's remote
+    # nodes from it (`trainer.dry_run.a2a_cost.node_share`). None: routing over all experts.
+    routing_groups: Callable[[Any], tuple[int, int]] | None = None
+
     def __post_init__(self) -> None:
         # NOTE: the derived defaults are filled in as the fields themselves, so every caller
         # reads `spec.loss_terms(args)` and `spec.flops_per_token(model, seq)` alike. A
@@ -234,17 +256,7 @@ class ModelSpec:
         """`training_flops_per_token` with the shape `attention` names, read from
         `model.args`; the input embedding (`embed_tokens`) is left out unless the head is
         tied to it (`lm_head` None, `models.common.staged.DecoderLM`)."""
-        a, shape = model.args, self.attention
-        layers = shape.layers
-        return training_flops_per_token(
-            model,
-            seq_len,
-            attention_layers=getattr(a, layers) if isinstance(layers, str) else layers(a, seq_len),
-            heads=getattr(a, shape.heads),
-            qk_dim=getattr(a, shape.qk_dim),
-            v_dim=getattr(a, shape.v_dim),
-            input_embedding=model.embed_tokens if model.lm_head is not None else None,
-        )
+        return derived_flops_per_token(self.attention, model, seq_len)
 
     def build(self, args: Any, moe_options: MoEOptions | None = None) -> nn.Module:
         """The model of `args` (on the current default device; use `torch.device("meta")`

@@ -207,9 +207,16 @@ def pipeline_micro_batches_needed(schedule: str, pp: int, micro_batches: int) ->
     least = _least_micro_batches(schedule, pp)
     if micro_batches < least:
         return f"at least {least} micro-batches per step"
-    if schedule == "Interleaved1F1B" and micro_batches % (micro_batches // pp):
-        # NOTE: torch runs it in rounds of n // pp micro-batches, which must divide n.
-        return f"a number of micro-batches divisible by {micro_batches // pp} (e.g. {pp}k)"
+    rounds = micro_batches // pp
+    if schedule == "Interleaved1F1B" and micro_batches % rounds:
+        # NOTE: torch runs it in n // pp rounds, whose number must divide n; that number moves
+        # with n, so the fix is not "divisible by the rounds" but any multiple of pp.
+        lower = pp * rounds
+        return (
+            f"a number of micro-batches divisible by its rounds, n // pp ({rounds} rounds for "
+            f"{micro_batches}, which they do not divide): e.g. {lower} or {lower + pp}, as any "
+            f"multiple of {pp}"
+        )
     return None
 
 

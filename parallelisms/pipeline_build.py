@@ -17,6 +17,7 @@ from parallelisms.pipeline_split import (
     balanced_split,
     check_split,
     prune_to_stage,
+    rank_balanced_split,
     stage_block_names,
     stage_costs,
     trunk_blocks,
@@ -48,18 +49,28 @@ class PipelineCut:
 
 
 def cut_pipeline(
-    model: nn.Module, plan: ParallelPlan, parallel, attention_flops: float, mtp_depth: int
+    model: nn.Module,
+    plan: ParallelPlan,
+    parallel,
+    attention_flops: float,
+    mtp_depth: int,
+    total_flops: float | None = None,
 ) -> PipelineCut:
     """The cut of `model` (meta, whole) for a config's [parallel] section: its
-    `pp_layers`, or the split that balances the stages' FLOPs; and whether its head needs
-    the embedding on the last stage (tried on the meta device)."""
+    `pp_layers`, or the split that balances the stages' FLOPs (`total_flops`: the spec's
+    count, `stage_costs`); and whether its head needs the embedding on the last stage
+    (tried on the meta device)."""
     stages = parallel.pp * stages_per_rank(parallel.pp_schedule, parallel.pp_virtual_stages)
     blocks = len(trunk_blocks(model, plan))
     if parallel.pp_layers:
         counts = list(parallel.pp_layers)
         check_split(counts, blocks, stages)
     else:
-        counts = balanced_split(stage_costs(model, plan, attention_flops), stages)
+        costs = stage_costs(model, plan, attention_flops, total_flops)
+        rank_of = [stage_rank(s, parallel.pp, parallel.pp_schedule) for s in range(stages)]
+        # several stages a rank (interleaved, V): balance the ranks, which the pipeline waits on
+        one_each = stages == parallel.pp
+        counts = balanced_split(costs, stages) if one_each else rank_balanced_split(costs, rank_of)
     cut = PipelineCut(stage_block_names(model, plan, counts), parallel.pp_schedule, parallel.pp)
     # NOTE: MTP depths take token ids (models/spec.py), so they embed them: by contract.
     _, h, kwargs = example_inputs(model, 1, 2, torch.float32)

@@ -4,7 +4,7 @@ A model's spec calls `training_flops_per_token` with the facts only it knows (it
 attention shape, whether its input embedding is a separate matrix from its head).
 The count it returns also says how it splits by kind of kernel (`FlopsPerToken.by_kind`),
 for the planner's step-time model, whose efficiency differs by kind
-(`trainer.dry_run.search`, `benchmarks/gemm_rates.py`).
+(`trainer.dry_run.step_cost`, `benchmarks/gemm_rates.py`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class FlopsPerToken(float):
 
     by_kind: dict[str, float]
     # Of "dense", the shared experts' (what a MoE layer runs while its combine is in flight:
-    # the planner's overlap credit, `trainer.dry_run.search.a2a_hidden`).
+    # the planner's overlap credit, `trainer.dry_run.a2a_cost.a2a_hidden`).
     shared_experts: float
 
     def __new__(
@@ -89,3 +89,12 @@ def training_flops_per_token(
         for p in m.shared_experts.parameters()
     )
     return FlopsPerToken(matmuls + attention, split, 6.0 * shared)
+
+
+def with_head_passes(flops: FlopsPerToken, head: nn.Module, passes: int) -> FlopsPerToken:
+    """`flops` plus `passes` more passes per token through the output `head` (its matmul,
+    forward and backward: 6 x its parameters, a dense kernel): DeepSeek-V3's MTP depths each
+    project their hidden state through the shared head again."""
+    extra = 6.0 * passes * sum(p.numel() for p in head.parameters())
+    split = {**flops.by_kind, "dense": flops.by_kind["dense"] + extra}
+    return FlopsPerToken(float(flops) + extra, split, flops.shared_experts)

@@ -1,8 +1,9 @@
+from models.common.flops import with_head_passes
 from models.common.plan import ParallelPlan
 from models.deepseek_v3 import hf
 from models.deepseek_v3.args import DeepseekV3Args
 from models.deepseek_v3.model import DeepseekV3ForCausalLM
-from models.spec import AttentionShape, LossTerms, ModelSpec
+from models.spec import AttentionShape, LossTerms, ModelSpec, derived_flops_per_token
 
 # The MTP modules (when built) are blocks too: their own FSDP units, prefetched after the
 # last decoder block, with their experts under EP and their attention on the ring.
@@ -37,6 +38,14 @@ ATTENTION = AttentionShape(
 )
 
 
+def flops_per_token(model: DeepseekV3ForCausalLM, seq_len: int) -> float:
+    """The derived count, plus each MTP depth's second pass through the shared output head
+    (its parameters count once in the derived count)."""
+    depths = len(model.mtp) if model.mtp is not None else 0
+    head = model.lm_head if model.lm_head is not None else model.embed_tokens
+    return with_head_passes(derived_flops_per_token(ATTENTION, model, seq_len), head, depths)
+
+
 SPEC = ModelSpec(
     name="deepseek_v3",
     args_cls=DeepseekV3Args,
@@ -44,6 +53,7 @@ SPEC = ModelSpec(
     plan=PLAN,
     loss_terms=loss_terms,
     attention=ATTENTION,
+    flops_per_token=flops_per_token,
     hf_adapter=hf,
     training_fields=(
         "router_aux_loss_coef",
@@ -51,4 +61,5 @@ SPEC = ModelSpec(
         "num_nextn_predict_layers",  # MTP is opt-in; HF configs say 1 with or without weights
     ),
     max_positions=lambda args: args.max_position_embeddings,
+    routing_groups=lambda args: (args.n_group, args.topk_group),
 )

@@ -239,13 +239,14 @@ def _pipeline_problems(cfg: JobConfig) -> list[str]:
                 f"{key}={why} does not run under parallel.pp={p.pp} yet (it needs every "
                 "micro-batch or every layer in one place); use the default, or parallel.pp=1"
             )
-    if t.activation_checkpoint != "none" and p.pp_schedule in V_SCHEDULES:
+    if t.activation_checkpoint == "full" and p.pp_schedule in V_SCHEDULES:
         problems.append(
             f"parallel.pp_schedule={p.pp_schedule} splits the backward in input and weight "
-            "parts, and a checkpointed block cannot replay its forward for both (nor, with "
-            "parallel.ep > 1 under DualPipeV, replay its all-to-alls in turn beside an "
-            "overlapped forward); use train.activation_checkpoint=none, or pp_schedule=1F1B "
-            "/ Interleaved1F1B"
+            "parts, and a block checkpointed in full cannot replay its forward for both (nor, "
+            "with parallel.ep > 1 under DualPipeV, replay its all-to-alls in turn beside an "
+            "overlapped forward); use train.activation_checkpoint=selective (recomputes norms, "
+            "SwiGLU and the attention's inputs in either part) or none, or pp_schedule=1F1B / "
+            "Interleaved1F1B"
         )
     if p.pp_schedule == "DualPipeV" and p.ep > 1 and p.cp > 1 and p.ep_overlap != "none":
         problems.append(

@@ -80,7 +80,7 @@ def read_text(path: str | os.PathLike, on_replaced: OnReplaced | None = None) ->
 def _place(path: str, offset: int) -> Callable[[], str]:
     """file:line of byte `offset`, worked out when asked (the same whether the file was
     read whole or streamed: a prepared directory's records must not depend on it)."""
-    return lambda: f"{path}:{_lines_before(path, offset) + 1}"
+    return lambda: f"{path}:{lines_before(path, offset) + 1}"
 
 
 class TextStream:
@@ -121,7 +121,7 @@ def _text_chunks(path: str, on_replaced: OnReplaced | None) -> Iterator[str]:
 # --- JSON lines ---------------------------------------------------------------------------
 
 
-def _chunks(
+def line_chunks(
     path: str, start: int, end: int, stream_over: int | None = None
 ) -> Iterator[bytes | _LongLine]:
     """Bytes [start, end) of a file in pieces of about READ_BYTES, each cut just after a b"\\n".
@@ -164,7 +164,7 @@ _LINE_END = re.compile(rb"[\r\n]")
 
 
 class _LongLine:
-    """A line met by `_chunks`: its bytes, less its line end, in blocks as they are read
+    """A line met by `line_chunks`: its bytes, less its line end, in blocks as they are read
     (once); then `nbytes` counts them with the line end, and `rest` is what was read after."""
 
     def __init__(self, f: IO[bytes], head: bytes, pos: int, end: int) -> None:
@@ -200,7 +200,7 @@ class _LongLine:
             return
 
 
-def _lines_before(path: str, offset: int) -> int:
+def lines_before(path: str, offset: int) -> int:
     """How many lines precede byte `offset` (just after a "\\n"): only for error messages."""
     count, last = 0, b""
     with open(path, "rb") as f:
@@ -302,9 +302,9 @@ def jsonl_documents(
     lineno = 0  # within this piece; the absolute number is worked out only for errors
 
     def where(n: int) -> Callable[[], str]:
-        return lambda: f"{path}:{(_lines_before(path, start) if start else 0) + n}"
+        return lambda: f"{path}:{(lines_before(path, start) if start else 0) + n}"
 
-    for chunk in _chunks(path, start, end, stream_over):
+    for chunk in line_chunks(path, start, end, stream_over):
         if isinstance(chunk, _LongLine):
             lineno += 1
             chunks = _decoded(chunk, where(lineno), on_replaced)

@@ -1,22 +1,30 @@
-"""The expert all-to-all in the step-time model (`trainer.dry_run.search`): its seconds on
+"""The expert all-to-all in the step-time model (`trainer.dry_run.step_cost`): its seconds on
 the links it crosses, and what of it `parallel.ep_overlap` runs under compute."""
 
 from __future__ import annotations
 
 from math import comb
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from trainer.dry_run.search import Hardware
-
-GB = 1e9
+from trainer.dry_run.hardware import GB, Hardware
 
 
-def node_share(experts: int, top_k: int, nodes: int) -> float:
+def node_share(
+    experts: int, top_k: int, nodes: int, groups: tuple[int, int] | None = None
+) -> float:
     """(token, remote node) pairs per remote (token, expert) assignment when each token takes
     `top_k` of `experts` uniformly at random, spread evenly over `nodes` nodes: a node is
-    reached unless all k experts miss it, so nodes * P(reached) / k."""
-    missed = comb(experts - experts // nodes, top_k) / comb(experts, top_k)
+    reached unless all k experts miss it, so nodes * P(reached) / k.
+
+    `groups` (expert groups, groups per token: the spec's `routing_groups`): a token's
+    experts come from that many groups, each a run of consecutive experts; where whole
+    groups sit on each node (nodes divide the groups), a node is reached unless all the
+    token's groups miss it, taken uniformly among the groups (DeepSeek-V3 over 8 nodes: 4
+    of 8 groups, one per node, so 4 nodes of 8 experts: 0.5). Otherwise, uniform routing."""
+    if groups is not None and groups[0] % nodes == 0:
+        g, per_token = groups
+        missed = comb(g - g // nodes, per_token) / comb(g, per_token)
+    else:
+        missed = comb(experts - experts // nodes, top_k) / comb(experts, top_k)
     return nodes * (1 - missed) / top_k
 
 
@@ -65,7 +73,7 @@ def a2a_seconds(a2a: float, layout, hw: Hardware) -> tuple[float, float]:
     if ep <= hw.ranks_per_node:
         return a2a / (hw.intra_gbps * GB), 1.0
     remote = (ep - hw.ranks_per_node) / (ep - 1)  # of the ep - 1 peers a row may go to
-    share = node_share(layout.experts, layout.top_k, ep // hw.ranks_per_node)
+    share = node_share(layout.experts, layout.top_k, ep // hw.ranks_per_node, layout.routing_groups)
     across = a2a * remote * share  # two stages: each (token, remote node) row once
     # NOTE: stage 2's split sizes come from stage 1's output (a host read), so the two
     # stages run one after the other: their times add up.

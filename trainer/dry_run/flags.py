@@ -9,9 +9,10 @@ import math
 
 from trainer.config import ConfigError
 
-# flags that override the --hardware preset's figures (trainer.dry_run.search.Hardware)
+# flags that override the --hardware preset's figures (trainer.dry_run.hardware.Hardware)
 HW_FLAGS = {"--gpu-tflops": "tflops", "--efficiency": "efficiency", "--intra-gbps": "intra_gbps",
-            "--inter-gbps": "inter_gbps", "--ranks-per-node": "ranks_per_node"}  # fmt: skip
+            "--inter-gbps": "inter_gbps", "--ranks-per-node": "ranks_per_node",
+            "--memory-gbps": "memory_gbps"}  # fmt: skip
 
 # What each figure means, for the refusal: the fix is a value in its range.
 _MEANS = {
@@ -20,6 +21,7 @@ _MEANS = {
     "--efficiency": "the fraction of that peak the kernels reach, in (0, 1], e.g. 0.5",
     "--intra-gbps": "GB/s per GPU inside a node, e.g. 450",
     "--inter-gbps": "GB/s per GPU across nodes, e.g. 50",
+    "--memory-gbps": "GB/s of the GPU's memory, e.g. 3350",
 }
 
 

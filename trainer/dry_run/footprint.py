@@ -1,11 +1,9 @@
-"""What one rank holds and moves per step, measured without memory, for the dry-run
-planner (`python -m trainer.dry_run`; the instruments: `trainer.dry_run.meta_trace`).
+"""What one rank holds and moves per step, measured without memory (`trainer.dry_run`).
 
-- State (`sharded_state`): the model is built on the meta device and the real plan is
-  applied over a fake process group, so every local shard has the shape a real run gives
-  it. Parameters and gradients are FSDP2's padded shards (one size on every rank); the
-  optimizer state is what the real optimizer creates for the unpadded local shards,
-  computed for every rank from the DTensor placements.
+- State (`sharded_state`): the model is built on the meta device and the real plan applied
+  over a fake process group, so every local shard has the shape a real run gives it.
+  Parameters and gradients are FSDP2's padded shards (one size on every rank); the optimizer
+  state is what the real optimizer creates for the unpadded local shards, for every rank.
 - Update (`update_transient`): the temporaries of the gradient norm, clipping and the
   optimizer step, measured by running them on meta copies of the rank's local shards.
 - Activations (`trace_step`): one micro-batch's forward, loss and backward run on the meta
@@ -73,6 +71,7 @@ def sharded_state(
     world_size: int,
     weight: dict[int, float] | None = None,
     frozen: list[nn.Parameter] = (),
+    moment_bytes: int | None = None,  # the moments' bytes per element (optimizer_state_dtype)
 ) -> ShardedState:
     """Parameter, gradient and optimizer bytes of every rank, from this rank's meta shards
     (the parameters of `optimizer`, a real optimizer over the parallelized meta model).
@@ -117,7 +116,8 @@ def sharded_state(
             if not isinstance(value, torch.Tensor):
                 continue
             if value.shape == q.shape and value.numel():
-                per_rank += local_numel_by_rank(p, world_size) * value.element_size() * w
+                size = min(value.element_size(), moment_bytes or 8)  # as the run keeps them
+                per_rank += local_numel_by_rank(p, world_size) * size * w
             else:
                 per_rank += value.untyped_storage().nbytes() * w
     padded = round(padded)

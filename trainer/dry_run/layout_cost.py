@@ -4,16 +4,22 @@ update's temporaries, and the bytes each collective moves per step (`python -m
 trainer.dry_run` reports them). A step peaks in its forwards and backwards or in its
 update (norm, clip, optimizer step), whichever is higher (`peak_bytes`).
 
-Instruments: `trainer.dry_run.footprint`. The process group must be the fake one, already
-initialised with the launch's world size (the planner's `main` does that).
+Measured by: `trainer.dry_run.shards` (the state), `traces` (the activations),
+`pipeline_stages` (pipeline stages), with the instruments of `footprint`. The process group
+must be the fake one, already initialised with the launch's world size (the planner's
+`main` does that).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
-MODES = ("none", "selective", "full")
+from trainer.dry_run.shards import MODES, FsdpUnit, Measured, shard, shard_key
+from trainer.dry_run.traces import trace_key, trace_layout
+from trainer.dry_run.workers import resolved
+
+__all__ = ["MODES", "Layout", "Measured", "measure_layout", "measure_state", "peak_bytes",
+           "step_bytes", "update_bytes"]  # fmt: skip
 
 
 @dataclass
@@ -31,104 +37,11 @@ class Layout:
     fsdp_step_buffers: int = 0
     experts: int = 0  # a MoE layer's routed experts and the experts a token takes
     top_k: int = 0
-    # parallel.pp > 1: each pp rank's stages (trainer.dry_run.pipeline_cost); the state
+    # parallel.pp > 1: each pp rank's stages (trainer.dry_run.pipeline_stages); the state
     # above is then every rank's, stage by stage, and `comm` the busiest pp rank's
     pipeline: object = None
-
-
-def _param_dtype(cfg):
-    import torch
-
-    on_gpu = cfg.train.device != "cpu"  # auto: the launch this plans runs on GPUs
-    bf16 = cfg.train.mixed_precision == "bf16" or (cfg.train.mixed_precision == "auto" and on_gpu)
-    return torch.bfloat16 if bf16 else torch.float32
-
-
-class FsdpUnit(NamedTuple):
-    """One FSDP unit's buffers, in bytes, from its padded local shards."""
-
-    gathered: int  # the all-gathered (unsharded) parameters, in the unit's compute dtype
-    grads: int  # the unsharded fp32 gradients, the reduce-scatter's input
-    resharded: bool  # freed after forward (gathered again in backward); False: the root
-    block: int | None  # index of the plan block it belongs to
-    copied: int  # the local shard cast into the all-gather input
-    weight: float  # how many blocks it stands for (sample_blocks)
-
-
-def _units(model, plan, param_dtype, module_weight: dict[int, float]) -> list[FsdpUnit]:
-    """Every FSDP unit of the parallelized meta model.
-
-    NOTE: the shard group of a parameter is its mesh dim named `fsdp` or `efsdp`
-    (`parallelisms.mesh`): the gathered size is the padded local shard times its size."""
-    import torch
-    from torch.distributed.fsdp import FSDPModule
-
-    from parallelisms.plan import match_modules
-
-    fp32 = {id(m) for _, m in match_modules(model, plan.fp32_modules, "fp32", required=False)}
-    # (a pipeline stage's piece may hold no block: trainer.dry_run.pipeline_cost)
-    blocks = [m for _, m in match_modules(model, plan.blocks, "blocks", required=False)]
-    owner_block = {}
-    for i, block in enumerate(blocks):
-        for m in block.modules():
-            owner_block[id(m)] = i
-    units = []
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        nested = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()}  # fmt: skip
-        dtype = torch.float32 if id(module) in fp32 else param_dtype
-        gathered = grads = copied = 0
-        for p in module.parameters():
-            if id(p) in nested:
-                continue
-            names = p.device_mesh.mesh_dim_names
-            group = p.device_mesh.size(names.index("efsdp" if "efsdp" in names else "fsdp"))
-            padded = p._local_tensor.untyped_storage().nbytes() // p.element_size()
-            gathered += padded * group * dtype.itemsize
-            if p.requires_grad:  # frozen (LoRA's base): no gradient, nothing to reduce
-                grads += padded * group * 4  # reduced in fp32 (parallelisms.fsdp)
-            copied += padded * dtype.itemsize  # the shard, cast into the all-gather input
-        weight = module_weight.get(id(module), 1.0)  # a sampled block stands for its twins
-        block = owner_block.get(id(module))
-        units.append(FsdpUnit(gathered, grads, module is not model, block, copied, weight))
-    return units
-
-
-@dataclass
-class Measured:
-    """What a search measures once and reuses across the layouts that share it
-    (`measure_layout(..., reuse=)`): the sharded state and FSDP units of each `[parallel]`
-    section with the same FSDP group (the micro-batch does not change them, nor how the
-    group splits into dp_shard x cp), and the trace of each (micro-batch,
-    cp, checkpointing mode), which runs the plain model at the rank's local shapes, so the
-    other degrees change only the gradient bytes it is priced at (`StepTrace.at_grad_bytes`)."""
-
-    shards: dict = field(default_factory=dict)
-    traces: dict = field(default_factory=dict)
-    stages: dict = field(default_factory=dict)  # pipeline stages (pipeline_cost._stage_shard)
-    orders: dict = field(default_factory=dict)  # (schedule, pp, virtual, micro-batches) -> order
-    meshes: dict = field(default_factory=dict)  # repr(dims) -> parallelisms.mesh.Meshes
-    cuts: dict = field(default_factory=dict)  # pipeline cuts and the meta model they cut
-    # sampled meta models, built once and copied for each use (`copy_of`)
-    models: dict = field(default_factory=dict)
-
-    def copy_of(self, key: tuple, build):
-        """A copy of what `build()` returns (a meta model and what refers into it), built
-        once per `key`: a copy of a sampled model costs a tenth of building the whole."""
-        import copy
-
-        if key not in self.models:
-            self.models[key] = build()
-        return copy.deepcopy(self.models[key])
-
-    def meshes_of(self, dims):
-        from parallelisms.mesh import build_meshes
-
-        key = repr(dims)
-        if key not in self.meshes:
-            self.meshes[key] = build_meshes(dims, "cpu")
-        return self.meshes[key]
+    # the routing's node bound (the spec's `routing_groups`): (expert groups, per token)
+    routing_groups: tuple[int, int] | None = None
 
 
 def measure_layout(cfg, world_size: int, modes=MODES, reuse: Measured | None = None) -> Layout:
@@ -138,8 +51,6 @@ def measure_layout(cfg, world_size: int, modes=MODES, reuse: Measured | None = N
     dims, spec = measure_state(cfg, world_size, reuse)
     if dims.pp > 1:
         return _measure_stages(cfg, spec, dims, modes, reuse)
-    from trainer.dry_run.workers import resolved
-
     key = repr(shard_key(cfg, dims))
     state, units = reuse.shards[key] = resolved(reuse.shards[key])  # a worker's (search)
     grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
@@ -150,11 +61,12 @@ def measure_layout(cfg, world_size: int, modes=MODES, reuse: Measured | None = N
         dims,
         state,
         _fsdp_buffers(units),
-        _comm(units, dims, grad_accum, any_trace),
+        {**_comm(units, dims, grad_accum, any_trace), "optimizer_memory": optimizer_memory(state)},
         activations,
         int(sum((u.gathered + u.grads) * u.weight for u in units)),
         any_trace.experts,
         any_trace.top_k,
+        routing_groups=_routing_groups(cfg, spec),
     )
 
 
@@ -163,7 +75,7 @@ def measure_state(cfg, world_size: int, reuse: Measured) -> tuple:
     the whole model, or of each pipeline stage's pieces. Returns (dims, model spec)."""
     from models import get_model_spec
     from parallelisms.dims import ParallelDims
-    from trainer.dry_run.pipeline_cost import stage_states
+    from trainer.dry_run.pipeline_stages import stage_states
 
     dims = ParallelDims.of(cfg.parallel, world_size)
     spec = get_model_spec(cfg.model.name)
@@ -172,16 +84,13 @@ def measure_state(cfg, world_size: int, reuse: Measured) -> tuple:
         return dims, spec
     key = repr(shard_key(cfg, dims))
     if key not in reuse.shards:
-        reuse.shards[key] = _shard(cfg, spec, dims, world_size, reuse.meshes_of(dims), reuse)
+        reuse.shards[key] = shard(cfg, spec, dims, world_size, reuse.meshes_of(dims), reuse)
     return dims, spec
 
 
 def _traces(cfg, spec, dims, modes, reuse: Measured) -> dict:
     """mode -> the trace of one micro-batch at this layout's local shapes, each traced once
     per (micro-batch, cp, mode); priced at no gradient bytes (`at_grad_bytes` re-prices)."""
-    from trainer.dry_run.traces import trace_key, trace_layout
-    from trainer.dry_run.workers import resolved
-
     out = {}
     for mode in modes:
         at = trace_key(cfg, dims, mode)
@@ -191,24 +100,11 @@ def _traces(cfg, spec, dims, modes, reuse: Measured) -> dict:
     return out
 
 
-def shard_key(cfg, dims) -> list:
-    """What a model's (or a stage piece's) shards depend on: the [parallel] degrees.
-
-    NOTE: they depend on dp_shard and cp only through their product, the FSDP group (the
-    fsdp mesh dim flattens them in rank order: parallelisms.mesh), so layouts that trade
-    one for the other share one measurement; and not on the pipeline's schedule or cut
-    (its ranks per stage stand for `pp`)."""
-    staged = ("pp", "pp_schedule", "pp_virtual_stages", "pp_layers")
-    degrees = {k: v for k, v in asdict(cfg.parallel).items() if k not in staged}
-    degrees.update(dp_shard=dims.fsdp_size, cp=0, stage_ranks=dims.stage_ranks)
-    return sorted(degrees.items())
-
-
 def _measure_stages(cfg, spec, dims, modes, reuse: Measured) -> Layout:
     """measure_layout under pipeline stages: the whole model's traces (stages take their
-    blocks' part of them), each pp rank's stages sharded (trainer.dry_run.pipeline_cost)."""
+    blocks' part of them), each pp rank's stages sharded (trainer.dry_run.pipeline_stages)."""
     from trainer.dry_run.footprint import ShardedState
-    from trainer.dry_run.pipeline_cost import measure_pipeline
+    from trainer.dry_run.pipeline_stages import measure_pipeline
 
     traces = _traces(cfg, spec, dims, modes, reuse)
     pc = measure_pipeline(cfg, spec, dims, traces, reuse)
@@ -222,7 +118,7 @@ def _measure_stages(cfg, spec, dims, modes, reuse: Measured) -> Layout:
     reduced = max(r.reduced for r in pc.ranks)
     comm = {
         **whole,
-        # stages keep their units gathered and reduce once per step (pipeline_cost)
+        # stages keep their units gathered and reduce once per step (pipeline_stages)
         "fsdp_all_gather_once": gathered,
         "fsdp_reduce_scatter_once": reduced,
         "fsdp_all_gather": gathered,
@@ -231,62 +127,16 @@ def _measure_stages(cfg, spec, dims, modes, reuse: Measured) -> Layout:
         **{k: int(whole[k] * busiest) for k in ("ep_all_to_all", "ep_all_to_all_full_ac")},
         **{k: int(whole[k] * ring) for k in ("cp_ring", "cp_ring_full_ac")},
         "pp_p2p": max(r.p2p for r in pc.ranks),
+        "optimizer_memory": optimizer_memory(state),
     }
     any_trace = traces[modes[0]]
     buffers = max(r.step_buffers for r in pc.ranks)
     return Layout(cfg, dims, state, buffers, comm, traces, buffers, any_trace.experts,
-                  any_trace.top_k, pc)  # fmt: skip
+                  any_trace.top_k, pc, _routing_groups(cfg, spec))  # fmt: skip
 
 
-def _shard(cfg, spec, dims, world_size: int, meshes, models: Measured | None = None):
-    """(sharded state, FSDP units) of the real plan applied to the meta model (`models`:
-    where its sampled meta model is kept between calls)."""
-    import torch
-
-    from parallelisms.parallelize import parallelize
-    from trainer.dry_run.footprint import sample_blocks
-    from trainer.loop.peft import apply_lora, hold_frozen_base
-
-    param_dtype = _param_dtype(cfg)
-
-    def build():
-        with torch.device("meta"):
-            model = spec.build(cfg.model.args)
-            if cfg.peft.method == "lora":  # frozen base: state and gradients of the adapters
-                apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
-                hold_frozen_base(model, spec.plan, cfg.peft)  # its bytes in peft.base_dtype
-        # NOTE: FSDP2's set-up costs time per parameter and rank (about 20 s for
-        # DeepSeek-V3 on 2,048 ranks); blocks of one structure shard alike, so two of
-        # each stand for all.
-        return model, sample_blocks(model, spec.plan)
-
-    key = ("shard", cfg.model.name, repr(cfg.model.args), repr(cfg.peft))
-    model, sampled = models.copy_of(key, build) if models is not None else build()
-    parallelize(model, spec.plan, meshes, param_dtype, cp_zigzag=True)
-    return sharded_model(model, spec.plan, cfg.train, param_dtype, sampled, world_size)
-
-
-def sharded_model(model, plan, train, param_dtype, sampled, world_size: int):
-    """(sharded state, FSDP units) of a parallelized meta `model` (or pipeline stage) whose
-    repeated blocks `sample_blocks` thinned to `sampled`: each kept block stands for its
-    dropped twins too. `world_size`: the ranks its meshes span."""
-    from trainer.dry_run.footprint import sharded_state
-    from trainer.loop.optim import build_optimizer
-
-    module_weight = {
-        id(m): (len(blocks) + dropped) / len(blocks)
-        for blocks, dropped in sampled
-        for b in blocks
-        for m in b.modules()
-    }
-    param_weight = {
-        id(p): module_weight[id(b)] for blocks, _ in sampled for b in blocks for p in b.parameters()
-    }
-    frozen = [p for p in model.parameters() if not p.requires_grad]
-    # the kernels the launch's parameters get (auto: the launch this plans runs on GPUs)
-    optimizer = build_optimizer(model, train, device="cpu" if train.device == "cpu" else "cuda")
-    state = sharded_state(optimizer, world_size, param_weight, frozen)
-    return state, _units(model, plan, param_dtype, module_weight)
+def _routing_groups(cfg, spec) -> tuple[int, int] | None:
+    return None if spec.routing_groups is None else spec.routing_groups(cfg.model.args)
 
 
 def _fsdp_buffers(units: list[FsdpUnit]) -> int:
@@ -333,6 +183,18 @@ def _comm(units: list[FsdpUnit], dims, grad_accum: int, trace) -> dict:
         "cp_ring_full_ac": int((ring + (trace.kv * (cp - 1) if cp > 1 else 0)) * grad_accum),
         "micro_batches": grad_accum,
     }
+
+
+def optimizer_memory(state) -> int:
+    """Bytes the optimizer step moves through the busiest rank's memory (not a collective:
+    `step_cost` prices it at the GPU's memory bandwidth). AdamW reads each trained
+    parameter's shard, its gradient and its moments and writes the parameter and the
+    moments back: 2 x (params - frozen) + grads + 2 x optimizer state. The norm and clip
+    before it are not counted (a read or two of the gradients)."""
+    return max(
+        2 * (p - f) + g + 2 * o
+        for p, g, o, f in zip(state.params, state.grads, state.optimizer, state.frozen, strict=True)
+    )
 
 
 def step_bytes(layout: Layout, mode: str, rank: int = 0, gather: str | None = None) -> int:

@@ -1,197 +1,24 @@
-"""Which layout is fastest? A step-time model over the planner's measured bytes and FLOPs
-(`python -m trainer.dry_run ... --search`; docs/planner.md, "Step-time model").
-
-The model, per rank and step (every figure it uses is printed with the estimate):
-
-- compute: training FLOPs of the rank's tokens (the model's own `flops_per_token`, as MFU
-  counts them; `full` checkpointing adds one forward: x4/3; `selective` keeps the matmul
-  outputs, so its replay adds only element-wise work, not counted) / (peak x efficiency);
-  with measured rates (`--gemm-rates FILE`, the JSON of `benchmarks/gemm_rates.py`) the
-  sum over kinds of kernel (dense GEMMs, grouped expert GEMMs, attention: the split the
-  model's count carries, `models.common.flops.FlopsPerToken`) of each kind's FLOPs /
-  (peak x that kind's measured efficiency), instead of one constant efficiency;
-- each collective's bytes on the wire (ring algorithms: (n-1)/n of an all-gather or
-  reduce-scatter, 2(n-1)/n of an all-reduce; the all-to-all's bytes already leave the
-  rank) / the bandwidth of the link it crosses: inside a node while its group fits in one
-  (groups are runs of consecutive ranks, `parallelisms.mesh`), else across nodes; an
-  all-to-all over more ranks than a node splits its bytes between the two, and its
-  two-stage dispatch (`parallelisms.node_dispatch`) sends one row per (token, remote node)
-  across instead of one per (token, remote expert): `node_share` of them under uniform
-  routing, the crossed rows fanning out again inside the node after they arrive (the
-  stages' times add up);
-- overlap as the trainer has it: FSDP's gathers and reductions are prefetched and run
-  under compute, and so do the ring's transfers (posted before each block is computed), so
-  only what exceeds the compute shows; of the expert all-to-all, what `parallel.ep_overlap`
-  leaves in flight hides under the compute between its issue and its wait
-  (`a2a_cost.a2a_hidden`, which states the rule): step = compute + all-to-all - hidden +
-  max(0, background - compute).
-
-Not modelled: element-wise work (norms, activations, the routing's permutations), host
-synchronisations, routing imbalance (balanced routing, as the byte counts), latency of
-small messages, and the optimizer step; without `--gemm-rates`, kernel efficiency by shape.
+"""Which layout is fastest? Every candidate layout (`candidates`) measured
+(`trainer.dry_run.layout_cost`) under each checkpointing mode, those that fit ranked by
+the step-time model (`trainer.dry_run.step_cost.estimate`): `python -m trainer.dry_run ...
+--search` (docs/planner.md, "Step-time model").
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, replace
-
 from parallelisms.dims import V_SCHEDULES, ep_fits_nodes
-from trainer.dry_run.a2a_cost import GB, a2a_hidden, a2a_seconds, overlap_shares
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """One GPU and its node's links; the presets' figures are nominal per-GPU ones."""
-
-    name: str
-    tflops: float  # dense bf16 peak per GPU
-    efficiency: float  # the fraction of that peak the kernels reach
-    intra_gbps: float  # GB/s per GPU per direction inside a node (NVLink)
-    inter_gbps: float  # GB/s per GPU per direction across nodes (one NIC per GPU)
-    ranks_per_node: int
-    memory_gib: float
-
-
-PRESETS = {
-    # 8 x H100 SXM: NVLink 4 (900 GB/s both ways), one 400 Gb/s NIC per GPU
-    "h100": Hardware("8 x H100 SXM, NVLink 4, 8 x 400 Gb/s", 989, 0.5, 450, 50, 8, 80),
-    # 8 x H200 SXM: the same compute and links, more memory
-    "h200": Hardware("8 x H200 SXM, NVLink 4, 8 x 400 Gb/s", 989, 0.5, 450, 50, 8, 141),
-    # DeepSeek-V3's cluster (its report): NVLink 400 GB/s both ways, 400 Gb/s InfiniBand
-    "h800": Hardware("8 x H800, NVLink 400 GB/s, 8 x 400 Gb/s", 989, 0.5, 200, 50, 8, 80),
-}
-
-
-def hardware(preset: str, **overrides: float | None) -> Hardware:
-    hw = PRESETS[preset]
-    return replace(hw, **{k: v for k, v in overrides.items() if v is not None})
-
-
-def _link(group: int, hw: Hardware) -> float:
-    """GB/s of a group of `group` consecutive ranks' collectives."""
-    return hw.intra_gbps if group <= hw.ranks_per_node else hw.inter_gbps
-
-
-def read_rates(path: str) -> dict:
-    """The measured efficiency of each kind of kernel from `benchmarks/gemm_rates.py`'s JSON:
-    {"file", "model", "device", "peak_tflops", "efficiency": {kind: fraction of that peak}}."""
-    from trainer.config import ConfigError
-
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        kinds = data["categories"]
-        efficiency = {k: float(v["efficiency"]) for k, v in kinds.items() if v.get("efficiency")}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ConfigError(
-            f"--gemm-rates {path}: not the JSON of benchmarks/gemm_rates.py ({err!r})"
-        ) from err
-    if any(e <= 0 for e in efficiency.values()):
-        raise ConfigError(f"--gemm-rates {path}: an efficiency <= 0: {efficiency}")
-    peak = data.get("peak_tflops")
-    return {"file": path, "model": data.get("model"), "device": data.get("device"),
-            "peak_tflops": float(peak) if peak else None, "efficiency": efficiency}  # fmt: skip
-
-
-def rates_by_kind(rates: dict, flops_per_token: float, hw: Hardware) -> dict:
-    """kind -> (training FLOPs per token, efficiency against `hw.tflops`) for `estimate`.
-    The file's efficiencies are fractions of the peak it was measured against: converted,
-    so that each kind runs at the TFLOP/s measured whatever peak the planner assumes."""
-    from trainer.config import ConfigError
-
-    split = getattr(flops_per_token, "by_kind", None)
-    if split is None:
-        raise ConfigError("--gemm-rates: this model's flops_per_token gives no split by kind "
-                          "(models.common.flops.FlopsPerToken)")  # fmt: skip
-    scale = (rates["peak_tflops"] or hw.tflops) / hw.tflops
-    missing = [k for k, f in split.items() if f and k not in rates["efficiency"]]
-    if missing:
-        raise ConfigError(f"--gemm-rates {rates['file']}: no efficiency for {', '.join(missing)}")
-    return {k: (f, rates["efficiency"][k] * scale) for k, f in split.items() if f}
-
-
-def efficiency_text(hw: Hardware, by_kind: dict | None, rates: dict | None) -> str:
-    """Where the compute's efficiency came from, for the printed reports: the constant, or
-    (with `by_kind` from `rates`) each kind's, the file, and what it measured on."""
-    if by_kind is None:
-        return f"{hw.tflops:g} TFLOP/s x {hw.efficiency:g}"
-    effs = ", ".join(f"{k} {e:.3g}" for k, (_, e) in by_kind.items())
-    what = [rates["model"] or "", f"on {rates['device']}" if rates["device"] else ""]
-    where = ", ".join([rates["file"], " ".join(w for w in what if w)]).rstrip(", ")
-    return f"{hw.tflops:g} TFLOP/s x measured efficiency ({effs}: {where})"
-
-
-def estimate(
-    layout,
-    mode: str,
-    flops_per_token: float,
-    hw: Hardware,
-    by_kind: dict | None = None,
-    overlap: str | None = None,
-) -> dict:
-    """Step time of `layout` (a `layout_cost.Layout`) under checkpointing `mode`; with
-    `by_kind` (`rates_by_kind`), the compute from each kind's FLOPs and measured efficiency
-    instead of the whole count at `hw.efficiency`; `overlap`: parallel.ep_overlap (None:
-    the layout's)."""
-    cfg, dims, comm = layout.cfg, layout.dims, layout.comm
-    tokens = cfg.train.global_batch_size * cfg.data.seq_len  # per step, all ranks
-    replay = 4 / 3 if mode == "full" else 1.0
-    flops = flops_per_token * tokens / dims.world_size * replay
-    by_kind_s = None
-    if by_kind is None:
-        compute_s = flops / (hw.tflops * 1e12 * hw.efficiency)
-    else:
-        by_kind_s = {k: f * tokens / dims.world_size * replay / (hw.tflops * 1e12 * e)
-                     for k, (f, e) in by_kind.items()}  # fmt: skip
-        compute_s = sum(by_kind_s.values())
-    fsdp_n = dims.dp_shard * dims.cp
-    ring_f = (fsdp_n - 1) / fsdp_n
-    gather = comm[
-        "fsdp_all_gather_once" if cfg.parallel.fsdp_gather == "step" else "fsdp_all_gather"
-    ]
-    scatter = comm["fsdp_reduce_scatter_once" if cfg.parallel.fsdp_gather == "step" else "fsdp_reduce_scatter"]  # fmt: skip
-    seconds = {
-        "fsdp": (gather + scatter) * ring_f / (_link(fsdp_n, hw) * GB),
-        # replicas are fsdp_n ranks apart: across nodes once a shard group fills a node
-        "hsdp": comm["hsdp_all_reduce"] * 2 * (dims.dp_replicate - 1) / dims.dp_replicate
-        / (_link(fsdp_n * dims.dp_replicate, hw) * GB),
-        "cp_ring": comm["cp_ring_full_ac" if mode == "full" else "cp_ring"] / (_link(dims.cp, hw) * GB),
-    }  # fmt: skip
-    a2a = comm["ep_all_to_all_full_ac" if mode == "full" else "ep_all_to_all"]
-    seconds["ep_all_to_all"], share = a2a_seconds(a2a, layout, hw)
-    background = seconds["fsdp"] + seconds["hsdp"] + seconds["cp_ring"]
-    # the shares of the compute under which a MoE layer's all-to-all may run
-    hides, form = overlap_shares(flops_per_token, by_kind_s), overlap or cfg.parallel.ep_overlap
-    if layout.pipeline is not None:
-        from trainer.dry_run.pipeline_cost import pipeline_step
-
-        step_s, extra = pipeline_step(layout, mode, compute_s, seconds, hw, hides, form)
-        return {"flops_per_rank": flops, "compute_s": extra.pop("compute_s"), "comm_s": seconds,
-                "node_share": share, "experts": layout.experts, "top_k": layout.top_k,
-                "step_s": step_s, "tokens_per_s": tokens / step_s, **extra}  # fmt: skip
-    forwards = 2 if mode == "full" else 1  # the replay's forward moves its tokens again
-    pass_s = seconds["ep_all_to_all"] / (forwards + 1)
-    experts_s, shared_s = (compute_s / (forwards + 2) * h for h in hides)  # in one forward
-    hidden = forwards * a2a_hidden(form, pass_s, experts_s, shared_s)
-    hidden += a2a_hidden(form, pass_s, 2 * experts_s, 2 * shared_s)  # backward: twice
-    step_s = compute_s + seconds["ep_all_to_all"] - hidden + max(0.0, background - compute_s)
-    out = {
-        "flops_per_rank": flops,
-        "compute_s": compute_s,
-        "comm_s": seconds,
-        "ep_hidden_s": hidden,  # of comm_s["ep_all_to_all"], what runs under compute
-        "exposed_background_s": max(0.0, background - compute_s),
-        "node_share": share,  # of the remote all-to-all rows, what crosses nodes
-        "experts": layout.experts,
-        "top_k": layout.top_k,
-        "step_s": step_s,
-        "tokens_per_s": tokens / step_s,
-    }
-    if by_kind_s is not None:
-        out["compute_by_kind_s"] = by_kind_s
-    return out
-
+from trainer.dry_run.hardware import (  # noqa: F401  (also read from here: tests, benchmarks)
+    PRESETS,
+    Hardware,
+    efficiency_text,
+    hardware,
+    rates_by_kind,
+    read_rates,
+)
+from trainer.dry_run.layout_cost import MODES, Measured, measure_layout, measure_state, peak_bytes
+from trainer.dry_run.model_counts import flops_per_token, trunk_block_count
+from trainer.dry_run.step_cost import estimate
+from trainer.dry_run.workers import SearchPool, auto_workers, search_jobs
 
 # parallel.ep_overlap's forms the search weighs where ep > 1 (none hides nothing)
 OVERLAP_FORMS = ("shared", "chunks")
@@ -259,11 +86,9 @@ def run_search(
     import copy
 
     from trainer.config import ConfigError
-    from trainer.dry_run.layout_cost import Measured, measure_state
-    from trainer.dry_run.workers import SearchPool, auto_workers, search_jobs
 
     flops = flops_per_token(cfg)
-    tried = candidates(cfg, world_size, hw, _trunk_blocks(cfg))
+    tried = candidates(cfg, world_size, hw, trunk_block_count(cfg))
     trials = []
     for cand in tried:
         trial = copy.deepcopy(cfg)
@@ -297,7 +122,6 @@ def run_search(
 
 def _rank(tried, trials, world_size, hw, budget, log, by_kind, reuse, flops) -> list[dict]:
     from trainer.config import ConfigError
-    from trainer.dry_run.layout_cost import MODES, measure_layout, peak_bytes
 
     ranked = []
     for i, (cand, trial) in enumerate(zip(tried, trials, strict=True), start=1):
@@ -309,10 +133,10 @@ def _rank(tried, trials, world_size, hw, budget, log, by_kind, reuse, flops) -> 
         for mode in MODES:
             if (
                 trial.parallel.pp > 1
-                and mode != "none"
+                and mode == "full"
                 and trial.parallel.pp_schedule in V_SCHEDULES
             ):
-                continue  # their split backward cannot replay a checkpointed block (config)
+                continue  # their split backward cannot replay a whole block (config)
             trial.train.activation_checkpoint = mode
             peak = peak_bytes(layout, mode)
             if peak > budget:
@@ -331,30 +155,6 @@ def _rank(tried, trials, world_size, hw, budget, log, by_kind, reuse, flops) -> 
         )
     ranked.sort(key=lambda r: -r["tokens_per_s"])
     return ranked
-
-
-def _trunk_blocks(cfg) -> int:
-    """The blocks pipeline stages are cut from (parallelisms.pipeline_split)."""
-    import torch
-
-    from models import get_model_spec
-    from parallelisms.pipeline_split import trunk_blocks
-
-    spec = get_model_spec(cfg.model.name)
-    with torch.device("meta"):
-        return len(trunk_blocks(spec.build(cfg.model.args), spec.plan))
-
-
-def flops_per_token(cfg) -> float:
-    """Training FLOPs per token of the config's model (the model's own count, as MFU's; its
-    split by kind of kernel, where the model gives one, in `.by_kind`)."""
-    import torch
-
-    from models import get_model_spec
-
-    spec = get_model_spec(cfg.model.name)
-    with torch.device("meta"):
-        return spec.flops_per_token(spec.build(cfg.model.args), cfg.data.seq_len)
 
 
 def format_ranked(
@@ -390,7 +190,3 @@ def format_ranked(
     if not ranked:
         lines.append("  none fits: more ranks, or a smaller global batch or sequence")
     return lines
-
-
-def describe(hw: Hardware) -> dict:
-    return asdict(hw)

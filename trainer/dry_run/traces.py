@@ -15,7 +15,7 @@ def trace_key(cfg, dims, mode: str) -> tuple:
 def trace_layout(cfg, spec, dims, mode: str, meshes, models=None):
     """One micro-batch of the plain model at this rank's local shapes, with `mode`, priced
     at no gradient bytes (`StepTrace.at_grad_bytes` prices a layout's); `models`: a
-    `layout_cost.Measured` that keeps the sampled meta model between calls."""
+    `shards.Measured` that keeps the sampled meta model between calls."""
     import torch
 
     from models.common.moe import MoEOptions
@@ -23,12 +23,12 @@ def trace_layout(cfg, spec, dims, mode: str, meshes, models=None):
     from parallelisms.plan import match_modules
     from trainer.data.batch import Batch
     from trainer.dry_run.footprint import sample_blocks, trace_step
-    from trainer.dry_run.layout_cost import _param_dtype
     from trainer.dry_run.meta_trace import use_fused_attention
+    from trainer.dry_run.shards import param_dtype as compute_dtype
     from trainer.loop import losses
     from trainer.loop.peft import apply_lora
 
-    param_dtype = _param_dtype(cfg)
+    param_dtype = compute_dtype(cfg)
 
     def build():
         with torch.device("meta"):

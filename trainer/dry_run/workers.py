@@ -1,7 +1,7 @@
 """A search's measurements spread over worker processes and this one.
 
 A search measures each distinct trace (micro-batch, cp, checkpointing mode) and each
-distinct sharding once (`layout_cost.Measured`). They run on the meta device one op at a
+distinct sharding once (`shards.Measured`). They run on the meta device one op at a
 time in Python, so on DeepSeek-V3's 2,048 ranks they are most of a search's time, and they
 do not depend on each other. So a search hands the traces and the whole-model shardings
 to a pool of processes (each on a fake process group of the same size), shards the
@@ -37,7 +37,7 @@ def _start(world_size: int) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainer.dry_run.layout_cost import Measured
+    from trainer.dry_run.shards import Measured
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     _WORKER_CACHE = Measured()
@@ -60,23 +60,23 @@ def shard_job(cfg, world_size: int, measured=None):
     """The whole model's (sharded state, FSDP units) under a trial config."""
     from models import get_model_spec
     from parallelisms.dims import ParallelDims
-    from trainer.dry_run.layout_cost import _shard
+    from trainer.dry_run.shards import shard
 
     dims = ParallelDims.of(cfg.parallel, world_size)
     measured = measured or _WORKER_CACHE
     spec = get_model_spec(cfg.model.name)
-    return _shard(cfg, spec, dims, world_size, measured.meshes_of(dims), measured)
+    return shard(cfg, spec, dims, world_size, measured.meshes_of(dims), measured)
 
 
 def search_jobs(trials: list, world_size: int, reuse) -> list[tuple]:
     """(cache, key, job, args) for every trace and whole-model sharding `trials` (configs)
-    need that `reuse` (`layout_cost.Measured`) lacks, each in the trials' order: the
+    need that `reuse` (`shards.Measured`) lacks, each in the trials' order: the
     shardings first, so that what a worker still runs when this process has taken back
     the rest is a short trace. A trial whose degrees do not resolve is left to its own measurement, which
-    reports it; pipeline stages are sharded in pieces (`pipeline_cost`), not here."""
+    reports it; pipeline stages are sharded in pieces (`pipeline_stages`), not here."""
     from parallelisms.dims import ParallelDims
     from trainer.config import ConfigError
-    from trainer.dry_run.layout_cost import MODES, shard_key
+    from trainer.dry_run.shards import MODES, shard_key
     from trainer.dry_run.traces import trace_key
 
     traces, shards = {}, {}
@@ -116,7 +116,7 @@ class SearchPool:
 
     def take_back(self, measured) -> int:
         """Run here, last first, the jobs no worker has started (`measured`: this process's
-        `layout_cost.Measured`, for its meshes), then wait for the rest, running here too
+        `shards.Measured`, for its meshes), then wait for the rest, running here too
         any a worker left when it died (killed for memory, say); returns how many ran
         here. A job that fails here is left out of the cache, for its layout to run again
         and report."""

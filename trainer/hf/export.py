@@ -18,52 +18,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from models import HFFormatError, get_model_spec
+from models import HFFormatError
 from models.common.lora import adapted_weights, merged
 from models.spec import ModelSpec
 from parallelisms.init import named_weights
-from trainer.checkpoint.markers import check_checkpoint, read_trainer_state
-from trainer.config.moe_peft import PeftSection
+from trainer.checkpoint.markers import read_trainer_state
 from trainer.errors import CheckpointError
+from trainer.hf.checkpoint_source import build_model, checkpoint_spec, read_model_state
 from trainer.hf.export_dir import staged_export
 from trainer.hf.export_tokenizer import recorded_tokenizer, write_tokenizer
 from trainer.hf.weights import SafetensorsWriter, hf_entries
-
-
-def checkpoint_spec(path: str) -> tuple[ModelSpec, Any]:
-    """The model spec and args a checkpoint was trained with (from its saved config)."""
-    check_checkpoint(path)
-    config = read_trainer_state(path)["config"]
-    model_cfg = dict(config["model"])
-    spec = get_model_spec(model_cfg.pop("name"))
-    model_cfg.pop("init_from_hf", None)
-    return spec, spec.args_cls(**model_cfg)
-
-
-def _build(path: str, spec: ModelSpec, args: Any) -> torch.nn.Module:
-    """The model a checkpoint holds, on the current device: with its LoRA adapters when it
-    was trained with them (`[peft]` of its saved config)."""
-    model = spec.build(args)
-    peft = read_trainer_state(path)["config"].get("peft", {})
-    if peft.get("method", "none") == "lora":
-        from trainer.loop.peft import apply_lora
-
-        apply_lora(model, spec.plan, PeftSection(**peft), spec.name)
-    return model
-
-
-def _read(path: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Fill `tensors` (native name -> global-size tensor) from the checkpoint's model state;
-    only those tensors are read."""
-    dcp.load(
-        {"model": tensors},
-        checkpoint_id=path,
-        planner=DefaultLoadPlanner(allow_partial_load=True),
-        no_dist=True,
-    )
 
 
 def load_checkpoint_model(path: str) -> tuple[torch.nn.Module, ModelSpec, Any]:
@@ -71,7 +36,7 @@ def load_checkpoint_model(path: str) -> tuple[torch.nn.Module, ModelSpec, Any]:
     (for tests and small models; `export_checkpoint` streams instead)."""
     spec, args = checkpoint_spec(path)
     with torch.device("meta"):
-        model = _build(path, spec, args)
+        model = build_model(path, spec, args)
     model.to_empty(device="cpu")  # no init: every weight comes from the checkpoint
     state = model.state_dict()
     if not read_trainer_state(path).get("frozen_saved", True):  # LoRA adapters alone
@@ -79,7 +44,7 @@ def load_checkpoint_model(path: str) -> tuple[torch.nn.Module, ModelSpec, Any]:
             for name, value in _base(path, spec, args).items():
                 state.pop(name).copy_(value)
         state.update({n: b for n, b in model.named_buffers()})  # saved all the same
-    _read(path, state)
+    read_model_state(path, state)
     return model.eval(), spec, args
 
 
@@ -142,7 +107,7 @@ def _write(
     """Stream checkpoint `path`'s weights, merged where LoRA, through `writer`."""
     max_shard_bytes = writer.max_shard_bytes
     with torch.device("meta"):  # names, global shapes and dtypes; no memory
-        model = _build(path, spec, args)
+        model = build_model(path, spec, args)
     buffers = {name for name, _ in model.named_buffers()}
     adapted, params = adapted_weights(model), dict(model.named_parameters())
     # LoRA adapters saved alone (checkpoint.save_frozen=false): the base is rebuilt whole,
@@ -156,7 +121,7 @@ def _write(
             tensors.update({name: base[name] for name in tensors if name not in buffers})
         adapters = {a: torch.empty_like(params[a], device="cpu")
                     for name in tensors if name in adapted for a in adapted[name][:2]}  # fmt: skip
-        _read(path, {**saved, **adapters})
+        read_model_state(path, {**saved, **adapters})
         for name in tensors.keys() & adapted.keys():  # LoRA: W + alpha/r * B @ A
             a, b, scale = adapted[name]
             tensors[name] = merged(tensors[name], adapters[a], adapters[b], scale)

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from models import HFFormatError
 from trainer.checkpoint.markers import read_trainer_state
+from trainer.hf.checkpoint_source import build_model, checkpoint_spec, read_model_state
 from trainer.hf.export_dir import staged_export
 from trainer.hf.peft_format import CONFIG, WEIGHTS, adapter_config, check_peft_version, peft_layout
 
@@ -34,7 +35,6 @@ def export_adapters(
 ) -> str | None:
     """Write checkpoint `path`'s adapters into `out_dir`, with the tokenizer its data was
     prepared with (`tokenizer`); returns the line that says which, or why none."""
-    from trainer.hf.export import _build, _read, checkpoint_spec
     from trainer.hf.export_tokenizer import recorded_tokenizer, write_tokenizer
 
     spec, args = checkpoint_spec(path)
@@ -43,7 +43,7 @@ def export_adapters(
     if peft.get("method", "none") != "lora":
         raise HFFormatError(f"{path} holds no LoRA adapters (peft.method=none): nothing to export")
     with torch.device("meta"):
-        model = _build(path, spec, args)
+        model = build_model(path, spec, args)
     layout = peft_layout(model, spec.hf_adapter, args)
     if layout.parameters:
         check_peft_version()
@@ -55,7 +55,7 @@ def export_adapters(
     with staged_export(out_dir) as staging:  # replaces out_dir whole, once complete
         if record is not None:
             line = write_tokenizer(record, staging, path)
-        _read(path, values)
+        read_model_state(path, values)
         save_file(
             {PREFIX + k: e.to_peft(values[e.native]).to(dtype).contiguous() for k, e in entries},
             os.path.join(staging, WEIGHTS),

@@ -236,9 +236,11 @@ def build_model(
 
 def pipeline_cut(cfg: JobConfig, spec: ModelSpec, model: nn.Module) -> PipelineCut:
     """The pipeline cut of the whole (meta) `model` for the config."""
-    attention = spec.flops_per_token(model, cfg.data.seq_len).by_kind["attention"]
+    flops = spec.flops_per_token(model, cfg.data.seq_len)
     mtp_depth = spec.loss_terms(cfg.model.args).mtp_depth
-    return cut_pipeline(model, spec.plan, cfg.parallel, attention, mtp_depth)
+    return cut_pipeline(
+        model, spec.plan, cfg.parallel, flops.by_kind["attention"], mtp_depth, flops
+    )
 
 
 def resolve_device(choice: str) -> torch.device:

@@ -4,7 +4,9 @@
 - `plan`: the tokenizer's identity, the files and the deterministic work units;
 - `run`: claim the output directory, run the units on worker processes, write the manifest;
 - `worker`: one unit in a worker process: read, tokenize, write one shard (no torch);
-- `instructions`: `--format chat|prompt_completion`: tokens and the loss mask.
+- `instructions`: `--format chat|prompt_completion`: tokens and the loss mask
+  (`instruction_unit`: one such unit);
+- `unit_files`: what both kinds of unit write and share (the shard writer, marker names).
 
 The format written is `trainer.data.shards`'; training reads it with `data.source=tokens`.
 """

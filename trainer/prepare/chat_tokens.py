@@ -57,7 +57,7 @@ class Tokens:
                 at, count = at + len(piece), count + len(enc.ids)
             batch = []
 
-        cutter = long_docs.Cutter(long_docs._Joins(backend).joins, where)
+        cutter = long_docs.Cutter(long_docs.Joins(backend).joins, where)
         step = long_docs.PIECE_CHARS
         chars = 0
         for i in range(0, len(text), step):  # pushed a piece's worth at a time, as a stream

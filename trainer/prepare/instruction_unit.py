@@ -23,14 +23,14 @@ from trainer.errors import DataError
 from trainer.fileio import write_atomic
 from trainer.prepare import instructions
 from trainer.prepare.encode import BATCH_CHARS
-from trainer.prepare.worker import (
+from trainer.prepare.unit_files import (
     Job,
     Report,
     ShardWriter,
-    _line_number,
-    _replaced_fields,
+    line_number,
     load_hf,
     marker_path,
+    replaced_fields,
     shard_name,
 )
 
@@ -44,15 +44,15 @@ def _lines(job: Job, unit: dict, replaced: OnReplaced) -> Iterator[tuple[Any, in
     for file_index, start, end in unit["pieces"]:
         path = job["files"][file_index]
         lineno = 0
-        for chunk in reader._chunks(path, start, end, instructions.MAX_LINE_BYTES):
+        for chunk in reader.line_chunks(path, start, end, instructions.MAX_LINE_BYTES):
             if not isinstance(chunk, bytes):  # a line over the limit: refused, never read whole
-                where = f"{path}:{_line_number(path, start, lineno + 1)}"
+                where = f"{path}:{line_number(path, start, lineno + 1)}"
                 raise instructions.too_long(job["format"], where)
 
             def replaced_line(
                 index: int, n: int = lineno, path: str = path, a: int = start
             ) -> None:
-                replaced(lambda: f"{path}:{_line_number(path, a, n + index + 1)}")
+                replaced(lambda: f"{path}:{line_number(path, a, n + index + 1)}")
 
             text = decode_lines(chunk, replaced_line)
             if "\r" in text:  # universal newlines, as in text mode
@@ -62,7 +62,7 @@ def _lines(job: Job, unit: dict, replaced: OnReplaced) -> Iterator[tuple[Any, in
                 if line.strip():
 
                     def where(n: int = lineno, path: str = path, start: int = start) -> str:
-                        return f"{path}:{_line_number(path, start, n)}"
+                        return f"{path}:{line_number(path, start, n)}"
 
                     record = instructions.parse(line, where)
                     yield instructions.documents(job, record, where), 0
@@ -125,7 +125,7 @@ def run_instruction_unit(job: Job, index: int, report: Report, alive: Callable[[
             if pending >= BATCH_CHARS // 4:  # ~1 MB of text's tokens at a time
                 flush()
         flush()
-        marker = {"unit": unit, **writer.finish(), **_replaced_fields(replaced)}
+        marker = {"unit": unit, **writer.finish(), **replaced_fields(replaced)}
         if job["format"] == "chat":
             marker["chat_turns"] = modes
     except DataError as err:

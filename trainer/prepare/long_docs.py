@@ -55,10 +55,10 @@ CANDIDATES = (
     re.compile(r"(?<=\w)(?=[^\w\s])|(?<=[^\w\s])(?=\w)|(?<=[^\W\d])(?=\d)|(?<=\d)(?=[^\W\d])"),
 )
 
-Report = Callable[[int, int, int, bool], None]  # worker.Report
+Report = Callable[[int, int, int, bool], None]  # unit_files.Report
 
 
-class _Joins:
+class Joins:
     """Where a `tokenizers.Tokenizer` cannot merge across: `joins(left, right)`."""
 
     def __init__(self, tok: Any) -> None:
@@ -162,10 +162,10 @@ class Cutter:
 def write(
     stream: TextStream, writer: Any, tok: Any, report: Report, alive: Callable[[], bool]
 ) -> None:
-    """Tokenize a streamed document in pieces and append it to `writer` (a worker.ShardWriter)
+    """Tokenize a streamed document in pieces and append it to `writer` (a unit_files.ShardWriter)
     in parts, then its EOS; nothing for an empty one. Progress goes to `report` as it goes."""
     encode = encoder_of(tok)
-    cutter = None if tok is None else Cutter(_Joins(tok).joins, stream.where)
+    cutter = None if tok is None else Cutter(Joins(tok).joins, stream.where)
     batch: list[str] = []
     chars, empty = 0, True
 
