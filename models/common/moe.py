@@ -23,7 +23,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.common.grouped_gemm import grouped_mm_op
-from models.common.mlp import SwiGLU
+from models.common.mlp import SwiGLU, swiglu
+from models.common.recompute import recomputed
 from models.common.replay import is_replay
 
 
@@ -251,7 +252,7 @@ class GroupedExperts(RoutedExperts):
 
     def ffn(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         gate, up = self.project(x_sorted, "gate_up", tokens_per_expert).chunk(2, dim=-1)
-        return self.project(F.silu(gate) * up, "down", tokens_per_expert)
+        return self.project(recomputed(swiglu, gate, up), "down", tokens_per_expert)
 
     def project(self, x: torch.Tensor, name: str, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Rows [N, in] through each one's expert's `{name}_proj` ("gate_up" or "down")."""

@@ -99,9 +99,17 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
     need(
         not (t.compile and t.activation_checkpoint == "selective"),
         "train.compile=true cannot compile under train.activation_checkpoint=selective (its "
-        "keep/reuse dispatch modes make torch.compile run the blocks eagerly); use "
-        "activation_checkpoint=full or none with compile, or set train.compile=false",
+        "recomputed regions swap autograd's saved tensors through hooks, which dynamo does "
+        "not trace); use activation_checkpoint=full or none with compile, or set "
+        "train.compile=false",
     )
+    need(
+        not (t.activation_checkpoint == "selective" and cfg.peft.method == "lora"
+             and cfg.peft.dropout > 0),
+        f"peft.dropout={cfg.peft.dropout} with train.activation_checkpoint=selective: a "
+        "recomputed region (DeepSeek-V3's up-projections) would draw a new dropout mask when "
+        "backward rebuilds it; set peft.dropout=0, or activation_checkpoint=full or none",
+    )  # fmt: skip
     need(
         cfg.peft.method != "lora" or bool(cfg.peft.targets),
         "peft.method=lora with peft.targets=[] would train nothing: name what gets adapters "
@@ -239,13 +247,14 @@ def _pipeline_problems(cfg: JobConfig) -> list[str]:
                 f"{key}={why} does not run under parallel.pp={p.pp} yet (it needs every "
                 "micro-batch or every layer in one place); use the default, or parallel.pp=1"
             )
-    if t.activation_checkpoint != "none" and p.pp_schedule in V_SCHEDULES:
+    if t.activation_checkpoint == "full" and p.pp_schedule in V_SCHEDULES:
         problems.append(
             f"parallel.pp_schedule={p.pp_schedule} splits the backward in input and weight "
-            "parts, and a checkpointed block cannot replay its forward for both (nor, with "
-            "parallel.ep > 1 under DualPipeV, replay its all-to-alls in turn beside an "
-            "overlapped forward); use train.activation_checkpoint=none, or pp_schedule=1F1B "
-            "/ Interleaved1F1B"
+            "parts, and a block checkpointed in full cannot replay its forward for both (nor, "
+            "with parallel.ep > 1 under DualPipeV, replay its all-to-alls in turn beside an "
+            "overlapped forward); use train.activation_checkpoint=selective (recomputes norms, "
+            "SwiGLU and the attention's inputs in either part) or none, or pp_schedule=1F1B / "
+            "Interleaved1F1B"
         )
     if p.pp_schedule == "DualPipeV" and p.ep > 1 and p.cp > 1 and p.ep_overlap != "none":
         problems.append(

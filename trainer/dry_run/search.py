@@ -309,10 +309,10 @@ def _rank(tried, trials, world_size, hw, budget, log, by_kind, reuse, flops) -> 
         for mode in MODES:
             if (
                 trial.parallel.pp > 1
-                and mode != "none"
+                and mode == "full"
                 and trial.parallel.pp_schedule in V_SCHEDULES
             ):
-                continue  # their split backward cannot replay a checkpointed block (config)
+                continue  # their split backward cannot replay a whole block (config)
             trial.train.activation_checkpoint = mode
             peak = peak_bytes(layout, mode)
             if peak > budget:
