@@ -145,6 +145,13 @@ class TrainSection:
         "(torch's multi-tensor ops, several passes); checkpoints resume across the two",
         choices=("fused", "foreach"),
     )
+    optimizer_state_dtype: str = arg(
+        "fp32",
+        "the dtype AdamW stores its moments (exp_avg, exp_avg_sq) in: fp32 | bf16 (half the "
+        "optimizer state; each step widens them to fp32, one parameter at a time, and rounds "
+        "back; not the fused kernel); a resume casts the checkpoint's moments to this dtype",
+        choices=("fp32", "bf16"),
+    )
     max_grad_norm: float = arg(
         1.0, "clip the global gradient L2 norm to this (0 = no clipping)", ge=0, note="0 = off"
     )
