@@ -12,7 +12,9 @@ under `torch.profiler` with `profile_memory=True`, which records every CPU alloc
 free; `peak_mib` is the highest live total above what was live when the step began (the
 weights and the optimizer state). It includes the gradients (`grads_mib`, the same for
 every mode); `activations_mib = peak_mib - grads_mib` is what checkpointing changes.
-Step time is the median of the timed steps, without the profiler.
+Step time is the median of the timed steps, without the profiler. `block_bytes`: per plan
+block, what its forward leaves allocated for the backward (`block_activation_bytes`, the
+figure the planner's activation model gives per block).
 """
 
 from __future__ import annotations
@@ -61,6 +63,72 @@ def peak_bytes(fn, before=None) -> int:
     return peak
 
 
+def block_activation_bytes(argv: list[str], mode: str) -> dict[str, int]:
+    """Per plan block (FQN): the bytes its forward leaves allocated for the backward (what
+    autograd saves, plus the block's output), for one micro-batch of the config on CPU in
+    fp32, read from the allocator's events inside the block's forward window. The attention
+    cores run the fused CPU kernel (`use_fused_attention`).
+
+    NOTE: the planner's activation model (`trainer.dry_run.footprint.trace_step`) measures
+    the same quantity on the meta device (`StepTrace.saved_by_structure`);
+    tests/test_activation_checkpoint.py holds the two within 5% of each other."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from models import get_model_spec
+    from parallelisms.activation_checkpoint import apply_activation_checkpointing
+    from parallelisms.plan import match_modules
+    from trainer.config import load_config
+    from trainer.dry_run.meta_trace import use_fused_attention
+
+    cfg = load_config(argv)
+    spec = get_model_spec(cfg.model.name)
+    model = spec.build(cfg.model.args)
+    model.init_weights(cfg.train.seed)
+    # the fused attention kernel the planner assumes (a GPU run's; on CPU, SDPA with MLA's
+    # two head dims takes its math path, which saves the [S, S] scores)
+    use_fused_attention(model, spec.plan)
+    blocks = match_modules(model, spec.plan.blocks, "blocks")
+    apply_activation_checkpointing(blocks, mode)
+    model.train()
+    B, S = cfg.train.micro_batch_size, cfg.data.seq_len
+    ids = torch.randint(
+        0, cfg.model.args.vocab_size, (B, S), generator=torch.Generator().manual_seed(0)
+    )
+    depth = getattr(cfg.model.args, "num_nextn_predict_layers", 0)
+    extra = {"mtp_input_ids": ids[..., None].expand(B, S, depth)} if depth else {}
+    ranges: dict[str, record_function] = {}
+
+    def enter(fqn):
+        def hook(*_) -> None:  # (a pre-hook returning a value would replace the inputs)
+            ranges.setdefault(fqn, record_function(f"block:{fqn}")).__enter__()
+
+        return hook
+
+    def leave(fqn):
+        def hook(*_) -> None:
+            ranges.pop(fqn).__exit__(None, None, None)
+
+        return hook
+
+    hooks = [h for fqn, b in blocks for h in (b.register_forward_pre_hook(enter(fqn)),
+                                              b.register_forward_hook(leave(fqn)))]  # fmt: skip
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = model(ids, **extra)
+    del out
+    for h in hooks:
+        h.remove()
+    events = prof.profiler.kineto_results.events()
+    memory = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"]
+    return {
+        e.name().removeprefix("block:"): sum(
+            n for t, n in memory if e.start_ns() <= t <= e.end_ns()
+        )
+        for e in events
+        if e.name().startswith("block:")
+    }
+
+
 def measure_mode(argv: list[str], mode: str, warmup: int, measure: int) -> dict:
     """One rank, this process: a Trainer with `mode`, timed steps, then one profiled step."""
     from parallelisms.dims import ParallelDims
@@ -106,6 +174,8 @@ def measure_mode(argv: list[str], mode: str, warmup: int, measure: int) -> dict:
             "peak_mib": peak / MIB,
             "grads_mib": grads / MIB,
             "activations_mib": (peak - grads) / MIB,
+            # what each block's forward leaves for its backward (and its output), bytes
+            "block_bytes": block_activation_bytes(argv, mode),
         }
 
 
@@ -133,7 +203,7 @@ def main() -> None:
 
     def part(mode: str) -> str:
         r = results[mode]
-        text = f"{mode} {r['activations_mib']:.1f} MiB"
+        text = f"{mode} {r['activations_mib']:.1f} MiB ({max(r['block_bytes'].values())} B/block)"
         if base is not None and mode != "none":
             text += f" ({100 * (r['activations_mib'] / base['activations_mib'] - 1):+.0f}%)"
         return f"{text}, {1000 * r['step_time_s']:.0f} ms/step"

@@ -60,7 +60,7 @@ class Dispatcher:
         self._sending: list[tuple] = []  # (output, extra state): pushed by send, for arrive
         self._pending: list[tuple] = []  # pushed by arrive, popped by combine
         # the transfer the last `all_to_all(..., wait=False)` left running (None: its body
-        # did not run, as in a selective-checkpoint replay, which gets the kept output)
+        # did not run)
         self.started: dist.Work | None = None
         self._in_flight: list[InFlight] = []
         # gradients on their way back, started by `_Landed`: (gradient sent, its transfer)
@@ -177,9 +177,8 @@ def all_to_all(
 ) -> torch.Tensor:
     """all_to_all_single over one of a dispatcher's groups with variable splits (rows of x).
 
-    One op, not a Python function: selective activation checkpointing keeps its output and
-    hands it back to the replayed forward, so the body below (the transfer and its bytes)
-    runs only when data really moves. Its gradient is the reverse op, counted alike.
+    One op, not a Python function: one opaque call for dispatch modes and compile; the body
+    below (the transfer and its bytes) runs only when data really moves. Its gradient is the reverse op, counted alike.
     `wait=False` returns while the transfer still runs (on gloo's own threads, or NCCL's
     stream): the output must not be read before the dispatcher's `started` is waited for.
     """

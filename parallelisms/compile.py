@@ -22,12 +22,12 @@ breaks is compiled):
 
 NOTE: compile goes *inside* activation checkpointing (torchtitan puts it outside): our
 checkpointing runs the replay in eager `torch.utils.checkpoint` with its own contexts
-(`models.common.replay`, the selective keep/reuse modes), which dynamo cannot trace (it
+(`models.common.replay`), which dynamo cannot trace (it
 accepts only torch's selective-checkpoint modes as `context_fn`). So the replay calls the
 compiled forward again, and everything `parallelisms/activation_checkpoint.py` promises
-(counts once, pending dispatches paired, bytes) holds as in eager. Under `selective` the
-keep/reuse dispatch modes are active around the forward and dynamo does not compile
-frames under a dispatch mode: that combination is refused (trainer/config/checks.py).
+(counts once, pending dispatches paired, bytes) holds as in eager. `selective` swaps
+autograd's saved tensors through saved-tensor hooks, which dynamo does not trace: that
+combination is refused (trainer/config/checks.py).
 """
 
 from __future__ import annotations

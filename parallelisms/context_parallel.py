@@ -139,8 +139,7 @@ def _ring_op(
     sinks: torch.Tensor | None,
     ring: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ring's forward as one op: selective activation checkpointing keeps its (out, lse)
-    and hands them back to the replayed forward, so the ring does not go round again."""
+    """The ring's forward as one op (one opaque call for dispatch modes and compile)."""
     return _ring_forward(q, k, v, ids, sinks, _RINGS[ring])
 
 

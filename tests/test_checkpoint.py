@@ -55,6 +55,19 @@ def test_resume_on_the_same_layout_is_exact(ep_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_bf16_optimizer_state_resumes_exactly_under_ep(tmp_path):
+    """`train.optimizer_state_dtype=bf16` on DTensor parameters (EP 2 x efsdp 2, the dense
+    ones over 4 FSDP ranks): a resume from step 2 logs steps 3 and 4 as the straight run."""
+    argv = FOUR_STEPS + ["--parallel.ep=2", "--train.optimizer_state_dtype=bf16"]
+    straight = run_train(argv, tmp_path / "straight", nproc=4)
+    resumed_dir = _resume_from(tmp_path / "straight" / "checkpoints" / "step-2", tmp_path / "r")
+    resumed = run_train(argv, resumed_dir, nproc=4)
+    assert [r["step"] for r in resumed] == [3, 4]
+    for ours, ref in zip(resumed, straight[2:], strict=True):
+        assert ours["loss"] == ref["loss"] and ours["grad_norm"] == ref["grad_norm"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "nproc,layout", [(4, ["--parallel.ep=4"]), (2, ["--parallel.pp=2"])], ids=["ep4", "pp2"]
 )

@@ -352,6 +352,10 @@ def test_stray_argument_and_missing_value():
             "ring attention's transfers (parallel.cp > 1) would run on both at once",
         ),  # fmt: skip
         (
+            ["--train.activation_checkpoint=selective", "--peft.method=lora", "--peft.dropout=0.1"],
+            "peft.dropout=0.1 with train.activation_checkpoint=selective",
+        ),
+        (
             ["--parallel.ep_overlap=chunks"],
             "parallel.ep_overlap=chunks splits each MoE layer's tokens to overlap the expert "
             "all-to-all, and parallel.ep=1 has none",

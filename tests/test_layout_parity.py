@@ -35,6 +35,7 @@ class Layout(NamedTuple):
 EP2, CP2 = "--parallel.ep=2", "--parallel.cp=2"
 PP2, L4, TIED = "--parallel.pp=2", "--model.num_hidden_layers=4", "--model.tie_word_embeddings=true"
 AC = "--train.activation_checkpoint=selective"
+ZBV, DUALPIPEV = "--parallel.pp_schedule=ZBVZeroBubble", "--parallel.pp_schedule=DualPipeV"
 # The reference steps foreach AdamW; the rows step the default, fused, except these (dense
 # and expert meshes both).
 FOREACH = "--train.optimizer_impl=foreach"
@@ -88,21 +89,28 @@ LAYOUTS = {
     # input and weight parts, with FSDP and EP inside each stage.
     # ... with the global-batch aux loss (counts over the stage's ranks), the z-loss, and a
     # tied head: the first and the last stage, each with the embedding, on one rank.
-    "pp2_zbv_dp2_ep2_global_aux_z_tied": Layout(
-        TINY, 4, [PP2, "--parallel.pp_schedule=ZBVZeroBubble", EP2, L4, GLOBAL_AUX, Z_LOSS, TIED], 2
+    # ... with `selective` recomputation: the input pass rebuilds the attention's inputs,
+    # the weight pass the projections' inputs (models/common/recompute.py).
+    "pp2_zbv_dp2_ep2_global_aux_z_tied_selective": Layout(
+        TINY, 4, [PP2, ZBV, EP2, L4, GLOBAL_AUX, Z_LOSS, TIED, AC], 2
     ),
     # Looped stages over a ring; a tied head: the last stage's copy of the embedding.
     "pp2_interleaved_cp2_tied_selective_ac": Layout(
         TINY, 4, [PP2, "--parallel.pp_schedule=Interleaved1F1B", CP2, TIED, L4, AC], 1
     ),
     # ... with LoRA: a frozen embedding, yet the stages pass gradients back.
-    "pp2_dualpipev_lora": Layout(
-        TINY, 2, [PP2, "--parallel.pp_schedule=DualPipeV", L4, *LORA], 1, steps=5
-    ),
+    "pp2_dualpipev_lora": Layout(TINY, 2, [PP2, DUALPIPEV, L4, *LORA], 1, steps=5),
     # ... with EP: each overlapped pair of a forward and a backward runs on two threads,
     # their all-to-alls taking turns (parallelisms/pipeline_overlap.py).
-    "pp2_dualpipev_ep2_overlap": Layout(
-        TINY, 4, [PP2, "--parallel.pp_schedule=DualPipeV", EP2, L4, "--train.micro_batch_size=1"], 2
+    # ... with `selective` recomputation, rebuilt on the backward's thread.
+    "pp2_dualpipev_ep2_overlap_selective": Layout(
+        TINY, 4, [PP2, DUALPIPEV, EP2, L4, "--train.micro_batch_size=1", AC], 2
+    ),
+    # DeepSeek-V3 (MLA's up-projections recomputed, the MTP block on the last stage) in the
+    # V schedules with EP and `selective`.
+    "dsv3_pp2_zbv_ep2_selective": Layout(TINY_DSV3, 4, [PP2, ZBV, EP2, L4, AC], 2),
+    "dsv3_pp2_dualpipev_ep2_selective": Layout(
+        TINY_DSV3, 4, [PP2, DUALPIPEV, EP2, L4, "--train.micro_batch_size=1", AC], 2
     ),
     # DeepSeek-V3 (MLA, the bias update, MTP and its embedding copy on the last stage) in
     # 1F1B stages with CP and EP: tests/test_document_mask_train.py, with document masks.
@@ -131,9 +139,10 @@ def test_layout_matches_single_process(name, tmp_path):
             assert sent == expected > 0
     if "--peft.method=lora" in case.layout:
         _assert_frozen_base(argv, out["records"])
-    if case.model is TINY_DSV3:  # the bias update acted, in 2 MoE layers and the MTP one
+    if case.model is TINY_DSV3:  # the bias update acted, in 2 MoE layers (3 with L4) and MTP's
         bias = {n: b for n, b in ref[-1]["buffers"].items() if n.endswith("correction_bias")}
-        assert len(bias) == 3 and all(b.abs().max() > 0 for b in bias.values())
+        routers = 4 if L4 in case.layout else 3
+        assert len(bias) == routers and all(b.abs().max() > 0 for b in bias.values())
 
 
 def _assert_frozen_base(argv: list[str], records: list[dict]) -> None:

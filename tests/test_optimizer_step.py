@@ -102,3 +102,85 @@ def test_checkpoint_resumes_across_implementations(saved, resumed, tmp_path):
     straight, _ = _train(saved, 4)
     for a, b in zip(fresh.parameters(), straight.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+# --- train.optimizer_state_dtype=bf16 ------------------------------------------------------
+
+BF16 = replace(TrainSection(), optimizer_state_dtype="bf16", weight_decay=0.1, lr=1e-2)
+
+
+def test_bf16_moments_stay_within_their_rounding_of_exact_adamw():
+    """The same gradients, 20 steps, against AdamW in float64. The bf16 state adds one
+    rounding (relative u = 2^-8) to each stored moment per step; propagated to first order
+    (a moment's error decays by its beta and gains u |moment| each step; the update
+    lr/bc1 * m / (sqrt(v/bc2) + eps) moves by its derivatives times them) it bounds every
+    parameter's distance from the exact one. Twice that bound holds; and the distance is
+    real (the state is bf16, the run differs from fp32 state's)."""
+    u, steps = 2.0**-8, 20
+    b1, b2, eps, lr, wd = BF16.beta1, BF16.beta2, BF16.eps, BF16.lr, BF16.weight_decay
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(64, 32, generator=gen)
+    grads = [torch.randn(64, 32, generator=gen) for _ in range(steps)]
+    runs = {}
+    for dtype in ("bf16", "fp32"):
+        p = nn.Parameter(start.clone())
+        opt = build_optimizer(nn.ParameterList([p]), replace(BF16, optimizer_state_dtype=dtype))
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        runs[dtype] = (p.detach(), opt.state[p], optimizer_impl(opt))
+    bf16, fp32 = runs["bf16"][1], runs["fp32"][1]
+    assert bf16["exp_avg"].dtype == torch.bfloat16 == bf16["exp_avg_sq"].dtype
+    assert fp32["exp_avg"].dtype == torch.float32 and runs["bf16"][2] == "per-parameter"
+    p, m, v = start.double(), torch.zeros_like(start.double()), torch.zeros_like(start.double())
+    err_m, err_v, err_p = torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        bc1, bc2 = 1 - b1**t, 1 - b2**t
+        root = (v / bc2).sqrt()
+        d = root + eps
+        pre_m, pre_v = b1 * err_m, b2 * err_v  # what the widened moments carry into step t
+        slip = lr / bc1 * (pre_m / d + m.abs() * (pre_v / bc2) / (2 * root * d * d))
+        err_p = (1 - lr * wd) * err_p + slip
+        err_m, err_v = pre_m + u * m.abs(), pre_v + u * v
+        p = p * (1 - lr * wd) - lr / bc1 * m / d
+    gap = (runs["bf16"][0].double() - p).abs()
+    # the fp32 arithmetic of either run: a few roundings (2^-24) of the parameter per step
+    fp32_noise = steps * 8 * 2.0**-24 * p.abs()
+    assert (gap <= 2 * err_p + fp32_noise).all(), (gap - 2 * err_p).max()
+    assert ((runs["fp32"][0].double() - p).abs() <= fp32_noise).all()
+    assert (gap > 10 * fp32_noise).any()  # the rounding is there
+
+
+def _steps(model: nn.Module, opt, steps: range) -> None:
+    for step in steps:
+        _backward(model, step)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("saved", ["bf16", "fp32"])
+def test_bf16_state_resumes_bit_exact_and_casts_an_fp32_checkpoint(saved, tmp_path):
+    """A bf16-state checkpoint resumes into a bf16-state run bit for bit (2 + 2 steps equal
+    4). Changing the dtype across a resume converts: an fp32 checkpoint's moments load as
+    their bf16 rounding (and a bf16 one's into an fp32 run exactly)."""
+    model = _model()
+    opt = build_optimizer(model, replace(BF16, optimizer_state_dtype=saved))
+    _steps(model, opt, range(2))
+    dcp.save(_state(model, opt, _OPTIONS), checkpoint_id=str(tmp_path))
+    fresh = _model(seed=1)
+    fresh_opt = build_optimizer(fresh, BF16)
+    Checkpointer.load_weights(str(tmp_path), fresh, fresh_opt)
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q) and fresh_opt.state[q]["step"].item() == 2
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert fresh_opt.state[q][key].dtype == torch.bfloat16
+            assert torch.equal(fresh_opt.state[q][key], opt.state[p][key].bfloat16())
+    if saved == "fp32":
+        return
+    _steps(fresh, fresh_opt, range(2, 4))
+    straight = _model()
+    _steps(straight, build_optimizer(straight, BF16), range(4))
+    for a, b in zip(fresh.parameters(), straight.parameters(), strict=True):
+        assert torch.equal(a, b)

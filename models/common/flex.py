@@ -5,8 +5,8 @@ dense [Sq, Sk] mask (a `BlockMask` keeps one bit per 128 x 128 tile and reads th
 Two users:
 - `AttentionCore` on CUDA (`flex_attention_core`): one op, `moetrain::flex_attention`,
   whose backward recomputes the forward and differentiates it. NOTE: why an op and not a
-  plain call: selective activation checkpointing keeps op outputs through a dispatch mode,
-  and the flex higher-order op refuses dispatch modes; an op is one opaque call for them.
+  plain call: dispatch modes (the dry-run planner's tracers) see one opaque call, which
+  the flex higher-order op would refuse.
 - the ring's `flex` block kernel (parallelisms/attention_kernels_cuda.py): forward and a
   backward against the ring's final (out, lse), `flex_vjp`.
 

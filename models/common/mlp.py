@@ -2,6 +2,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.common.recompute import recomputed
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up: under `selective` recomputation its output and silu's are rebuilt in
+    backward from gate and up (models/common/recompute.py)."""
+    return F.silu(gate) * up
+
 
 class SwiGLU(nn.Module):
     """Dense feed-forward: down(silu(gate(x)) * up(x)). `bias`: each of the three
@@ -14,4 +22,4 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(recomputed(swiglu, self.gate_proj(x), self.up_proj(x)))

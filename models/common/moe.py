@@ -3,11 +3,10 @@
 The routed experts are one module holding stacked `[E, ...]` weights (`RoutedExperts`). It
 takes the tokens, each (token, expert) assignment's token and routing weight in expert-major
 order, and the count per expert, and returns each assignment's weighted output row; a second
-module (`Unpermute`) sums them per token. A third, `Permute`, only passes the routed tokens
-on before the experts. Those three calls are the seams expert parallelism hooks into: a
-plan wraps them so that the tokens travel to the ranks owning their experts (all-to-all)
-and back, each transfer possibly still in flight while the layer computes something else
-(the other chunk's experts, the shared experts), while this file stays mesh-agnostic.
+module (`Unpermute`) sums them per token; a third, `Permute`, passes the routed tokens on.
+Those three calls are the seams expert parallelism hooks into (all-to-all to the experts'
+ranks and back, in flight while the layer computes something else); this file stays
+mesh-agnostic.
 """
 
 from __future__ import annotations
@@ -23,7 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.common.grouped_gemm import grouped_mm_op
-from models.common.mlp import SwiGLU
+from models.common.mlp import SwiGLU, swiglu
+from models.common.recompute import recomputed
 from models.common.replay import recording
 
 
@@ -263,7 +263,7 @@ class GroupedExperts(RoutedExperts):
 
     def ffn(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         gate, up = self.project(x_sorted, "gate_up", tokens_per_expert).chunk(2, dim=-1)
-        return self.project(F.silu(gate) * up, "down", tokens_per_expert)
+        return self.project(recomputed(swiglu, gate, up), "down", tokens_per_expert)
 
     def project(self, x: torch.Tensor, name: str, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Rows [N, in] through each one's expert's `{name}_proj` ("gate_up" or "down")."""
@@ -335,11 +335,9 @@ class MoE(nn.Module):
         per_seq = torch.zeros(B, self.num_experts, dtype=torch.float32, device=x.device)
         per_seq.scatter_(1, top_experts.reshape(B, -1), 1.0, reduce="add")
         tokens_per_expert = per_seq.sum(0, dtype=torch.int64)  # [E]
-        ranked = None  # a router choosing by its probabilities' top-k: the same counts
-        if routing.ranked is not None:
-            ranked = torch.zeros_like(per_seq).scatter_(
-                1, routing.ranked.view(B, -1), 1.0, reduce="add"
-            )
+        ranked = routing.ranked  # None: the router chose by its probabilities' top-k
+        if ranked is not None:
+            ranked = torch.zeros_like(per_seq).scatter_(1, ranked.view(B, -1), 1.0, reduce="add")
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.z_loss):
             z_sum = torch.logsumexp(logits, dim=-1).square().view(B, S).sum(1)  # [B]
         stats = RouterStats(per_seq, probs.view(B, S, -1).sum(1), z_sum, S, self.top_k, ranked)

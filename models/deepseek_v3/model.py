@@ -24,6 +24,7 @@ from models.common.mlp import SwiGLU
 from models.common.moe import GroupLimitedRouter, MoE, MoEOptions, RouterStats
 from models.common.norm import RMSNorm
 from models.common.output import CausalLMOutput
+from models.common.recompute import recomputed
 from models.common.rope import (
     apply_rope,
     apply_rope_interleaved,
@@ -78,20 +79,39 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         B, S, _ = x.shape
         if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
+            q_in = x
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_rope = q.view(B, S, self.heads, -1).split([self.nope, self.rope], dim=-1)
+            q_in = self.q_a_layernorm(self.q_a_proj(x))  # the query latent, normed
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, S, self.heads, -1)
+        # NOTE: one region from the latents to the attention's inputs: under `selective`
+        # recomputation (DeepSeek-V3 report §3.2.3) the kernel's saved q, k, v are rebuilt
+        # in backward from the latents, the up-projections run again
+        # (models/common/recompute.py); the latents' norms are regions of their own.
+        q, k, v = recomputed(self._expand, q_in, self.kv_a_layernorm(latent), k_rope, cos, sin)
+        out = self.core(q, k, v, document_ids)  # [B, S, H, v_head_dim]
+        return self.o_proj(out.reshape(B, S, self.heads * self.v_dim))
+
+    def _expand(
+        self,
+        q_in: torch.Tensor,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The up-projections and RoPE: (the normed query latent, or x without q LoRA; the
+        normed KV latent; the RoPE key) -> q, k [B, S, H, nope + rope], v [B, S, H, v]."""
+        B, S, _ = latent.shape
+        q = self.q_proj(q_in) if hasattr(self, "q_proj") else self.q_b_proj(q_in)
+        q_nope, q_rope = q.view(B, S, self.heads, -1).split([self.nope, self.rope], dim=-1)
+        kv = self.kv_b_proj(latent).view(B, S, self.heads, -1)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, S, H, nope], [B, S, H, v]
         rotate = apply_rope_interleaved if self.interleave else apply_rope
         q_rope = rotate(q_rope, cos, sin)
         k_rope = rotate(k_rope.view(B, S, 1, self.rope), cos, sin)  # one head, shared
         q = torch.cat([q_nope, q_rope], dim=-1)  # [B, S, H, nope + rope]
         k = torch.cat([k_nope, k_rope.expand(B, S, self.heads, self.rope)], dim=-1)
-        out = self.core(q, k, v, document_ids)  # [B, S, H, v_head_dim]
-        return self.o_proj(out.reshape(B, S, self.heads * self.v_dim))
+        return q, k, v
 
 
 def decoder_block(args: DeepseekV3Args, layer_idx: int, moe_options: MoEOptions) -> DecoderBlock:

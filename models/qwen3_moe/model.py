@@ -19,6 +19,7 @@ from models.common.init import init_all_, normal_init_
 from models.common.mlp import SwiGLU
 from models.common.moe import MoE, MoEOptions, TopKRouter
 from models.common.norm import RMSNorm
+from models.common.recompute import recomputed
 from models.common.rope import apply_rope, yarn_of
 from models.common.staged import DecoderLM
 from models.qwen3_moe.args import Qwen3MoeArgs
@@ -45,11 +46,17 @@ class Attention(nn.Module):
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, S, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, S, -1, self.head_dim))  # [B, S, Hq, D]
-        k = self.k_norm(self.k_proj(x).view(B, S, -1, self.head_dim))  # [B, S, Hkv, D]
+        q = self.q_proj(x).view(B, S, -1, self.head_dim)  # [B, S, Hq, D]
+        k = self.k_proj(x).view(B, S, -1, self.head_dim)  # [B, S, Hkv, D]
         v = self.v_proj(x).view(B, S, -1, self.head_dim)  # [B, S, Hkv, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # one region: under `selective` recomputation the kernel's saved q, k are rebuilt
+        # in backward from the projections (models/common/recompute.py)
+        q, k = recomputed(self._norm_rope, q, k, cos, sin)
         return self.o_proj(self.core(q, k, v, document_ids).reshape(B, S, -1))
+
+    def _norm_rope(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head norms, then RoPE."""
+        return apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
 
 
 def decoder_block(args: Qwen3MoeArgs, layer_idx: int, moe_options: MoEOptions) -> DecoderBlock:

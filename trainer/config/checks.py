@@ -99,9 +99,17 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
     need(
         not (t.compile and t.activation_checkpoint == "selective"),
         "train.compile=true cannot compile under train.activation_checkpoint=selective (its "
-        "keep/reuse dispatch modes make torch.compile run the blocks eagerly); use "
-        "activation_checkpoint=full or none with compile, or set train.compile=false",
+        "recomputed regions swap autograd's saved tensors through hooks, which dynamo does "
+        "not trace); use activation_checkpoint=full or none with compile, or set "
+        "train.compile=false",
     )
+    need(
+        not (t.activation_checkpoint == "selective" and cfg.peft.method == "lora"
+             and cfg.peft.dropout > 0),
+        f"peft.dropout={cfg.peft.dropout} with train.activation_checkpoint=selective: a "
+        "recomputed region (DeepSeek-V3's up-projections) would draw a new dropout mask when "
+        "backward rebuilds it; set peft.dropout=0, or activation_checkpoint=full or none",
+    )  # fmt: skip
     need(
         cfg.peft.method != "lora" or bool(cfg.peft.targets),
         "peft.method=lora with peft.targets=[] would train nothing: name what gets adapters "

@@ -54,6 +54,13 @@ def startup_notes(cfg: JobConfig, dims: ParallelDims | None = None) -> list[str]
             f"parallel.cp_layout={p.cp_layout} has no effect with parallel.cp=1: one "
             "context-parallel rank holds every sequence whole"
         )
+    if t.optimizer_state_dtype != "fp32":
+        notes.append(
+            f"train.optimizer_impl={t.optimizer_impl} has no effect with "
+            f"train.optimizer_state_dtype={t.optimizer_state_dtype}: AdamW steps one parameter "
+            "at a time, widening its moments to fp32 (trainer/loop/adamw_bf16.py), and the host "
+            "reads the step's verdict before the update"
+        )
     if cfg.checkpoint.save_frozen and cfg.peft.method == "none":
         notes.append(
             "checkpoint.save_frozen=true has no effect with peft.method=none: nothing is "

@@ -99,7 +99,7 @@ def meta_op(func, args, kwargs):
 
     NOTE: the grouped GEMM's meta kernel takes bf16 only; the shapes do not depend on the
     dtype, so an fp32 product is shaped by its bf16 twin. Not `moetrain::grouped_mm` (the
-    compile path): the trace runs the op a real run runs, the one `selective` keeps."""
+    compile path): the trace runs the op a real run runs."""
     if func in ELEMENTWISE:
         out = elementwise(args, kwargs)
         if out is not None:

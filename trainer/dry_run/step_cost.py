@@ -5,8 +5,8 @@ FLOPs (`estimate`; `python -m trainer.dry_run`, and `--search` ranks layouts by 
 The model, per rank and step (every figure it uses is printed with the estimate):
 
 - compute: training FLOPs of the rank's tokens (the model's own `flops_per_token`, as MFU
-  counts them; `full` checkpointing adds one forward: x4/3; `selective` keeps the matmul
-  outputs, so its replay adds only element-wise work, not counted) / (peak x efficiency);
+  counts them; `full` checkpointing adds one forward: x4/3; `selective` recomputes
+  element-wise regions, and MLA's up-projections, not counted yet) / (peak x efficiency);
   with measured rates (`--gemm-rates FILE`, the JSON of `benchmarks/gemm_rates.py`) the
   sum over kinds of kernel (dense GEMMs, grouped expert GEMMs, attention: the split the
   model's count carries, `models.common.flops.FlopsPerToken`) of each kind's FLOPs /

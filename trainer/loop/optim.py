@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.config import TrainSection
+from trainer.loop.adamw_bf16 import STATE_DTYPES, AdamWLowPrecisionState
 
 # NOTE: the devices torch ships a fused AdamW kernel (`torch._fused_adamw_`) for, among
 # those a run can use (train.device): any floating dtype on either. torch refuses
@@ -36,7 +37,8 @@ def build_optimizer(
     first layer with adapters on the experts alone), which torch's optimizers refuse.
     `train.optimizer_impl=fused` builds the fused kernels where torch has them for the
     parameters (`fused_unsupported`; `device` as there), foreach elsewhere;
-    `optimizer_impl` says which it built.
+    `optimizer_impl` says which it built. `train.optimizer_state_dtype=bf16`: moments in
+    bf16 (trainer.loop.adamw_bf16), whatever `optimizer_impl` says.
 
     NOTE: parameters are grouped by device mesh too: the foreach kernels take one list per
     group, and DTensor refuses one op over tensors of different meshes (dense params live
@@ -57,6 +59,11 @@ def build_optimizer(
     if not param_groups:
         return None
     trained = [p for params in groups.values() for p in params]
+    hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
+    if cfg.optimizer_state_dtype != "fp32":  # moments stored narrower than the parameters
+        return AdamWLowPrecisionState(
+            param_groups, STATE_DTYPES[cfg.optimizer_state_dtype], **hyper
+        )
     fused = cfg.optimizer_impl == "fused" and fused_unsupported(trained, device) is None
     return torch.optim.AdamW(
         param_groups,
@@ -69,7 +76,10 @@ def build_optimizer(
 
 
 def optimizer_impl(optimizer: torch.optim.Optimizer) -> str:
-    """The kernels `optimizer` (from `build_optimizer`) runs: "fused" or "foreach"."""
+    """The kernels `optimizer` (from `build_optimizer`) runs: "fused", "foreach" or
+    "per-parameter" (bf16 moments)."""
+    if isinstance(optimizer, AdamWLowPrecisionState):
+        return "per-parameter"
     return "fused" if optimizer.defaults.get("fused") else "foreach"
 
 
