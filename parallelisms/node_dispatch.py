@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from models.common.row_sum import sum_rows
 from parallelisms.all_to_all import NOTHING, ROUTING, ROWS, Dispatcher, all_to_all
 from parallelisms.all_to_all import exclusive_cumsum as starts_of
 
@@ -132,11 +133,12 @@ class NodeDispatcher(Dispatcher):
         (send1, recv1), pair_token, (send2, recv2), key_row, received, row_of, rows = (
             self._pending.pop(0)
         )
-        # The expert's rank sums its weighted assignments per row it received: [rows2, H].
-        y_local = y_local.new_zeros(rows, y_local.shape[1]).index_add_(0, row_of, y_local)
+        # The expert's rank sums its weighted assignments per row it received: [rows2, H]
+        # (sum_rows: its backward keeps the index, not the summed rows).
+        y_local = sum_rows(y_local, row_of, rows)
         y_keys = all_to_all(y_local, send2, recv2, self.handle, NODE, ROWS)  # [keys, H]
         # Sum inside the node: one row per (token, node) goes back across.
-        y_rows = y_keys.new_zeros(received, y_keys.shape[1]).index_add_(0, key_row, y_keys)
+        y_rows = sum_rows(y_keys, key_row, received)
         # [pairs, H], in flight
         return self.start("ep.combine", pair_token, y_rows, send1, recv1, RAIL, ROWS, wait)
 

@@ -84,3 +84,48 @@ def test_the_search_runs_here_what_a_dead_worker_left():
         assert [resolved(cache[i]) for i in range(4)] == [0, 1, 2, 3]
     finally:
         pool.close()
+
+
+def test_narrow_v_attention_keeps_what_the_memory_efficient_kernel_keeps():
+    """MLA's V head (narrower than Q/K's) under the planner's `FusedAttention`: the same
+    output and gradients as the fused CPU kernel on V padded to Q's width, bit for bit,
+    while it keeps q, k, v, the output at V's width (laid out [B, S, H, Dv], so that the
+    output projection's input is a view) and the log-sum-exp, as CUDA's memory-efficient
+    kernel does; padded, it kept V and the output at Q's width."""
+    import torch.nn.functional as F
+    from torch.autograd.graph import saved_tensors_hooks
+
+    g = torch.Generator().manual_seed(0)
+    B, H, S, D, Dv = 2, 4, 16, 12, 8
+    q, k = (torch.randn(B, H, S, D, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(B, H, S, Dv, generator=g, requires_grad=True)
+
+    def padded(q, k, v):
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, F.pad(v, (0, D - Dv)), 0.0, True, scale=0.3
+        )
+        return out[0][..., :Dv]
+
+    def run(fn):
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+            return t
+
+        with saved_tensors_hooks(pack, lambda t: t):
+            out = fn(q, k, v)
+        return out, torch.autograd.grad(out.square().sum(), (q, k, v)), sum(saved.values())
+
+    def fused(q, k, v):
+        with meta_trace.FusedAttention():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+
+    ours, reference = run(fused), run(padded)
+    assert torch.equal(ours[0], reference[0])
+    assert all(torch.equal(a, b) for a, b in zip(ours[1], reference[1], strict=True))
+    assert ours[0].transpose(1, 2).is_contiguous()  # [B, S, H, Dv] in memory
+    f32 = 4
+    lse = B * H * S * f32
+    assert ours[2] == (2 * B * H * S * D + 2 * B * H * S * Dv) * f32 + lse
+    assert reference[2] == (2 * B * H * S * D + 2 * B * H * S * D) * f32 + lse

@@ -210,3 +210,36 @@ def test_a_moved_key_changes_module_and_shape_both_ways():
         assert part.tolist() == [1.0, 2.0]
     assert names.hf_keys("layers.3.mlp.gate.counts", (4,), None, lambda key: True) == {}
     assert names.to_hf("layers.3.mlp.gate.counts", value, None) == {}
+
+
+def test_routed_sum_keeps_only_the_index_and_gives_index_add_gradients():
+    """Unpermute's sum of each token's routed rows (models/common/row_sum.py): the same
+    output and row gradients as autograd's index_add_, bit for bit, while what its backward
+    keeps is the index alone (index_add_ keeps the [N, dim] rows as well)."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from models.common.moe import Unpermute
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(12, 6, generator=g, requires_grad=True)
+    token_of = torch.randint(0, 5, (12,), generator=g)
+    upstream = torch.randn(5, 6, generator=g)
+
+    def run(fn) -> tuple[torch.Tensor, torch.Tensor, int]:
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+            return t
+
+        with saved_tensors_hooks(pack, lambda t: t):
+            out = fn(rows * 2.0, token_of, 5)  # rows * 2: a non-leaf, as the experts' output
+        (grad,) = torch.autograd.grad(out, rows, upstream)
+        return out, grad, sum(saved.values())
+
+    plain = lambda r, i, t: r.new_zeros(t, r.shape[1]).index_add_(0, i, r)  # noqa: E731
+    ours, reference = run(Unpermute()), run(plain)
+    assert torch.equal(ours[0], reference[0]) and torch.equal(ours[1], reference[1])
+    index_bytes = token_of.numel() * token_of.element_size()
+    assert ours[2] == index_bytes
+    assert reference[2] == index_bytes + rows.numel() * rows.element_size()

@@ -25,6 +25,7 @@ from models.common.grouped_gemm import grouped_mm_op
 from models.common.mlp import SwiGLU, swiglu
 from models.common.recompute import recomputed
 from models.common.replay import recording
+from models.common.row_sum import sum_rows
 
 
 class Routing(NamedTuple):
@@ -248,7 +249,7 @@ class Unpermute(nn.Module):
     the routed output is first needed: it waits there for the combine in flight."""
 
     def forward(self, rows: torch.Tensor, token_of: torch.Tensor, tokens: int) -> torch.Tensor:
-        return rows.new_zeros(tokens, rows.shape[1]).index_add_(0, token_of, rows)
+        return sum_rows(rows, token_of, tokens)
 
 
 class GroupedExperts(RoutedExperts):

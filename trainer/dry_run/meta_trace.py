@@ -161,7 +161,15 @@ class FusedAttention(TorchFunctionMode):
     """SDPA as a fused kernel on the meta device. NOTE: on meta, SDPA decomposes into its
     math path, which saves the [S, S] scores; the CPU and CUDA kernels a run uses save only
     q, k, v, the output and the log-sum-exp. The fused CPU kernel's meta form has that
-    footprint (and takes GQA and masks)."""
+    footprint (and takes GQA and masks).
+
+    A V head narrower than Q/K's (MLA: 128 against 192), unmasked and without GQA, takes
+    CUDA's memory-efficient kernel (flash wants one head dim; the trainer does not pad),
+    which saves q, k, v and the output at V's width, the output laid out [B, S, H, Dv] so
+    that the output projection's input is a view of it. `_NarrowV` has that footprint on
+    meta and on CPU (so the allocator checks it). Padding V to one width instead would save
+    a padded V and a padded output, and the projection's input as a copy: 96 KiB a token
+    more in each DeepSeek-V3 block."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -170,7 +178,10 @@ class FusedAttention(TorchFunctionMode):
         q, k, v = args[:3]
         kwargs.pop("enable_gqa", None)
         dv = v.shape[-1]
-        if dv != q.shape[-1]:  # the fused kernels want one head dim: pad V (as MLA code does)
+        plain = kwargs.get("attn_mask") is None and k.shape[-3] == q.shape[-3]
+        if dv != q.shape[-1] and plain and not kwargs.get("dropout_p"):
+            return _NarrowV.apply(q, k, v, kwargs.get("is_causal", False), kwargs.get("scale"))
+        if dv != q.shape[-1]:  # the CPU flash kernel wants one head dim: pad V
             v = F.pad(v, (0, q.shape[-1] - dv))
         out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q,
@@ -182,6 +193,34 @@ class FusedAttention(TorchFunctionMode):
             scale=kwargs.pop("scale", None),
         )
         return out[0][..., :dv]
+
+
+class _NarrowV(torch.autograd.Function):
+    """Attention with V narrower than Q/K (`FusedAttention`), run by the fused CPU kernel
+    on V padded to Q's width, keeping what CUDA's memory-efficient kernel keeps: q, k, v,
+    the output at V's width (a [B, H, S, Dv] view of a [B, S, H, Dv] tensor) and the
+    log-sum-exp. Backward pads V and the output again for the kernel's backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float | None):
+        d, dv = q.shape[-1], v.shape[-1]
+        padded, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, F.pad(v, (0, d - dv)), 0.0, causal, scale=scale
+        )[:2]
+        out = padded[..., :dv].transpose(1, 2).contiguous().transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        pad = (0, q.shape[-1] - v.shape[-1])
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            F.pad(grad, pad), q, k, F.pad(v, pad), F.pad(out, pad), lse, 0.0, ctx.causal,
+            scale=ctx.scale,
+        )  # fmt: skip
+        return dq, dk, dv[..., : v.shape[-1]], None, None
 
 
 class _FusedCore(nn.Module):
