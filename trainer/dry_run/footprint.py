@@ -250,9 +250,9 @@ class StepTrace:
     top_k: int = 0
     kv: int = 0  # bytes of K and V entering the attention cores (all layers)
     kv_fp32: int = 0  # the same elements in fp32 (the dK/dV sums the ring passes on)
-    # block_structure -> what one such block's forward leaves for its backward (the
-    # pipeline stages' activations are built from these: trainer.dry_run.pipeline_cost)
+    # block_structure -> what one such block's forward leaves for its backward (pipeline_stages)
     saved_by_structure: dict = field(default_factory=dict, repr=False, compare=False)
+    gemm_flops: object = None  # recompute_cost.GemmFlops (`none` and `selective` traces)
     # What `peak` was computed from, so another rank's gradient bytes re-price it
     # (`at_grad_bytes`) without tracing again: the storage spans, which of them are
     # gradients, the dropped blocks' windows, and the plain model's gradient bytes.

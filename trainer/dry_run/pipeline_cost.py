@@ -7,7 +7,8 @@
   backward after the next stage's, plus a send's time between two ranks. A forward takes
   a third of the stage's training compute, the backward two thirds (the zero-bubble
   schedules split it evenly into input and weight backward; `full` checkpointing's replay
-  adds a third to the input backward). The stage's share of the expert all-to-all runs in
+  adds a third to the input backward, `selective`'s rebuilds the stage's measured share of
+  them: `recompute_cost`). The stage's share of the expert all-to-all runs in
   its forward and input backward, less what `parallel.ep_overlap` hides under them
   (`a2a_cost.a2a_hidden`, as without pp); the ring's transfers
   run under the compute. The step is the last action's end plus the FSDP traffic compute
@@ -23,20 +24,29 @@ from trainer.dry_run.pipeline_schedule import simulate
 
 
 def pipeline_step(
-    layout, mode: str, compute_s: float, seconds: dict, hw, hides=(0.0, 0.0), form="none"
+    layout,
+    mode: str,
+    compute_s: float,
+    seconds: dict,
+    hw,
+    hides=(0.0, 0.0),
+    form="none",
+    recompute_s: float = 0.0,
 ) -> tuple[float, dict]:
     """(step seconds, what else the estimate reports) of a layout with pipeline stages.
     `compute_s`: the training compute of a rank's share of the step as if the ranks were
     one stage group each (step_cost.estimate's, replay included); `seconds`: its collective
     times (FSDP's are once per step here); `hides`: the routed and shared experts' shares
     of the compute (`a2a_cost.overlap_shares`), for the credit of `form`
-    (parallel.ep_overlap)."""
+    (parallel.ep_overlap); `recompute_s`: what `selective` runs again, on the same
+    footing as `compute_s` (not in it), in the input backward of each stage by its share."""
     pc, dims = layout.pipeline, layout.dims
     trace = layout.activations[mode]
     n, full = pc.micro_batches, mode == "full"
     replay = 4 / 3 if full else 1.0
     # one micro-batch through the whole model, on one rank of a stage group
     third = compute_s / replay * dims.pp / n / 3
+    again = recompute_s * dims.pp / n  # one micro-batch's rebuilds, the whole model's
     pair = trace.routed * (dims.ep - 1) / dims.ep * 2  # dispatch + combine, all MoE layers
     a2a_pass = a2a_seconds(pair, layout, hw)[0]
     cp, ring_link = dims.cp, link(dims.cp, hw) * GB
@@ -46,7 +56,8 @@ def pipeline_step(
     # of each stage's forward and full backward, the all-to-all seconds left exposed: an
     # overlapped pair of DualPipeV hides them under each other (pipeline_schedule.simulate)
     exposed: dict[str, list[float]] = {"F": [], "B": []}
-    for phi, mu, core in zip(pc.flops_share, pc.moe_share, pc.core_share, strict=True):
+    rhos = pc.recompute_share
+    for phi, mu, core, rho in zip(pc.flops_share, pc.moe_share, pc.core_share, rhos, strict=True):
         # the stage's all-to-all in one pass; what of it hides under a forward's compute,
         # which is also an input backward's (the input gradients: a forward's worth), and
         # under a whole backward's (twice that)
@@ -57,7 +68,7 @@ def pipeline_step(
         a2a_i = a2a * (2 if full else 1) - (hidden_f if full else 0.0)
         f = max(phi * third, core * ring_fwd) + a2a - hidden_f
         i = max(phi * third * (2 if full else 1), core * (ring_bwd + (ring_fwd if full else 0)))
-        i += a2a_i
+        i += a2a_i + rho * again
         w = phi * third
         durations["F"].append(f)
         durations["I"].append(i - hidden_f)
@@ -79,7 +90,10 @@ def pipeline_step(
     busiest = max(range(dims.pp), key=lambda r: busy[r])
     mine = pc.ranks[busiest].stages
     return span + exposed, {
-        "compute_s": sum(pc.flops_share[s] for s in mine) * third * (3 + (1 if full else 0)) * n,
+        "compute_s": sum(
+            pc.flops_share[s] * third * (3 + (1 if full else 0)) + rhos[s] * again for s in mine
+        )
+        * n,
         "exposed_background_s": exposed,
         "pipeline_span_s": span,
         "bubble_s": span - busy[busiest],

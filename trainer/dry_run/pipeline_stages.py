@@ -57,6 +57,8 @@ class PipelineCost:
     hidden_bytes: int  # one micro-batch's hidden states at a stage boundary
     ranks: list[RankStages]
     order: dict  # pp rank -> its actions
+    # stage -> its part of what `selective` computes again (recompute_cost; none measured: 0)
+    recompute_share: list[float] = None
 
 
 @dataclass
@@ -165,7 +167,24 @@ def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
         p.pp_schedule, p.pp, n, rank_of,
         [f / total(c.flops) for f in c.flops], [m / total(c.moe) for m in c.moe],
         [x / total(c.cores) for x in c.cores], saved, transient, activations, hidden, ranks, order,
+        _recompute_share(traces, c.structures),
     )  # fmt: skip
+
+
+def _recompute_share(traces: dict, structures: list) -> list[float]:
+    """stage -> its part of the FLOPs `selective` runs again: its trunk blocks' (by
+    structure, measured), the rest (the head's, MTP's) on the last stage."""
+    from trainer.dry_run.recompute_cost import recomputed_by_structure, recomputed_per_token
+
+    if "selective" not in traces or "none" not in traces:
+        return [0.0] * len(structures)
+    whole = sum(recomputed_per_token(traces).values())
+    if not whole:
+        return [0.0] * len(structures)
+    by_structure = recomputed_by_structure(traces)
+    per = [sum(by_structure.get(k, 0.0) for k in ks) for ks in structures]
+    per[-1] += max(0.0, whole - sum(per))
+    return [f / whole for f in per]
 
 
 def _held(reuse, order_key: tuple, r: int, per: list[float], cut) -> float:

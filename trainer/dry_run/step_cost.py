@@ -5,8 +5,9 @@ FLOPs (`estimate`; `python -m trainer.dry_run`, and `--search` ranks layouts by 
 The model, per rank and step (every figure it uses is printed with the estimate):
 
 - compute: training FLOPs of the rank's tokens (the model's own `flops_per_token`, as MFU
-  counts them; `full` checkpointing adds one forward: x4/3; `selective` recomputes
-  element-wise regions, and MLA's up-projections, not counted yet) / (peak x efficiency);
+  counts them; `full` checkpointing adds one forward: x4/3; `selective` adds the GEMM
+  FLOPs its recomputed regions run again, measured: `recompute_cost`, DeepSeek-V3's MLA
+  up-projections, dense GEMMs) / (peak x efficiency);
   with measured rates (`--gemm-rates FILE`, the JSON of `benchmarks/gemm_rates.py`) the
   sum over kinds of kernel (dense GEMMs, grouped expert GEMMs, attention: the split the
   model's count carries, `models.common.flops.FlopsPerToken`) of each kind's FLOPs /
@@ -39,6 +40,7 @@ from __future__ import annotations
 from trainer.dry_run.a2a_cost import a2a_hidden, a2a_seconds, overlap_shares
 from trainer.dry_run.hardware import GB, Hardware, link
 from trainer.dry_run.pipeline_cost import pipeline_step
+from trainer.dry_run.recompute_cost import recomputed_per_token
 
 
 def estimate(
@@ -57,13 +59,30 @@ def estimate(
     tokens = cfg.train.global_batch_size * cfg.data.seq_len  # per step, all ranks
     replay = 4 / 3 if mode == "full" else 1.0
     flops = flops_per_token * tokens / dims.world_size * replay
+    # what `selective` runs again in backward, per token, by kind (measured)
+    again = recomputed_per_token(layout.activations) if mode == "selective" else {}
+    flops += sum(again.values()) * tokens / dims.world_size
     by_kind_s = None
     if by_kind is None:
-        compute_s = flops / (hw.tflops * 1e12 * hw.efficiency)
+        compute_s = (
+            flops_per_token * tokens / dims.world_size * replay / (hw.tflops * 1e12 * hw.efficiency)
+        )
+        again_s = {
+            k: f * tokens / dims.world_size / (hw.tflops * 1e12 * hw.efficiency)
+            for k, f in again.items()
+        }
     else:
-        by_kind_s = {k: f * tokens / dims.world_size * replay / (hw.tflops * 1e12 * e)
-                     for k, (f, e) in by_kind.items()}  # fmt: skip
+        by_kind_s = {
+            k: f * tokens / dims.world_size * replay / (hw.tflops * 1e12 * e)
+            for k, (f, e) in by_kind.items()
+        }
         compute_s = sum(by_kind_s.values())
+        # a kind the model's split lacks runs at its dense GEMMs' efficiency
+        eff = lambda k: by_kind.get(k, by_kind.get("dense", (0.0, hw.efficiency)))[1]  # noqa: E731
+        again_s = {
+            k: f * tokens / dims.world_size / (hw.tflops * 1e12 * eff(k)) for k, f in again.items()
+        }
+    recompute_s = sum(again_s.values())  # fmt: skip
     fsdp_n = dims.dp_shard * dims.cp
     ring_f = (fsdp_n - 1) / fsdp_n
     gather = comm[
@@ -85,22 +104,28 @@ def estimate(
     # the optimizer step streams the rank's state once per step, after the last backward
     optimizer_s = comm["optimizer_memory"] / (hw.memory_gbps * GB)
     if layout.pipeline is not None:
-        step_s, extra = pipeline_step(layout, mode, compute_s, seconds, hw, hides, form)
+        step_s, extra = pipeline_step(
+            layout, mode, compute_s, seconds, hw, hides, form, recompute_s
+        )
         step_s += optimizer_s
         return {"flops_per_rank": flops, "compute_s": extra.pop("compute_s"), "comm_s": seconds,
                 "node_share": share, "experts": layout.experts, "top_k": layout.top_k,
                 "optimizer_s": optimizer_s, "step_s": step_s, "tokens_per_s": tokens / step_s,
+                "recompute_s": recompute_s, "recomputed_flops_per_token": sum(again.values()),
                 **extra}  # fmt: skip
     forwards = 2 if mode == "full" else 1  # the replay's forward moves its tokens again
     pass_s = seconds["ep_all_to_all"] / (forwards + 1)
     experts_s, shared_s = (compute_s / (forwards + 2) * h for h in hides)  # in one forward
     hidden = forwards * a2a_hidden(form, pass_s, experts_s, shared_s)
     hidden += a2a_hidden(form, pass_s, 2 * experts_s, 2 * shared_s)  # backward: twice
+    compute_s += recompute_s  # the rebuilds run in backward, under no all-to-all of theirs
     step_s = compute_s + seconds["ep_all_to_all"] - hidden + max(0.0, background - compute_s)
     step_s += optimizer_s
     out = {
         "flops_per_rank": flops,
         "compute_s": compute_s,
+        "recompute_s": recompute_s,  # of compute_s, what `selective` runs again
+        "recomputed_flops_per_token": sum(again.values()),
         "comm_s": seconds,
         "ep_hidden_s": hidden,  # of comm_s["ep_all_to_all"], what runs under compute
         "exposed_background_s": max(0.0, background - compute_s),
@@ -112,5 +137,5 @@ def estimate(
         "tokens_per_s": tokens / step_s,
     }
     if by_kind_s is not None:
-        out["compute_by_kind_s"] = by_kind_s
+        out["compute_by_kind_s"] = {k: v + again_s.get(k, 0.0) for k, v in by_kind_s.items()}
     return out

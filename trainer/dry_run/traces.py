@@ -23,7 +23,8 @@ def trace_layout(cfg, spec, dims, mode: str, meshes, models=None):
     from parallelisms.plan import match_modules
     from trainer.data.batch import Batch
     from trainer.dry_run.footprint import sample_blocks, trace_step
-    from trainer.dry_run.meta_trace import use_fused_attention
+    from trainer.dry_run.meta_trace import MetaShortcuts, use_fused_attention
+    from trainer.dry_run.recompute_cost import flop_counter, gemm_flops
     from trainer.dry_run.shards import param_dtype as compute_dtype
     from trainer.loop import losses
     from trainer.loop.peft import apply_lora
@@ -50,26 +51,39 @@ def trace_layout(cfg, spec, dims, mode: str, meshes, models=None):
     use_fused_attention(model, spec.plan)  # before checkpointing: the replay runs it too
     apply_activation_checkpointing(match_modules(model, spec.plan.blocks, "blocks"), mode)
     terms = spec.loss_terms(cfg.model.args)
-    B, S = cfg.train.micro_batch_size, cfg.data.seq_len // dims.cp
-    ids = torch.zeros(B, S, dtype=torch.long, device="meta")
-    positions = torch.arange(S, device="meta")[None].expand(B, S)
-    batch = Batch(ids, ids, positions, ids)
-    if terms.mtp_depth:
-        batch = losses.with_mtp_targets(batch, terms.mtp_depth)
+    S = cfg.data.seq_len // dims.cp
     grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
     step_loss = losses.StepLoss(
         terms, losses.BalanceTerms.of(cfg.moe), dims, meshes.world.get_group("cp"),
         cfg.train.global_batch_size, grad_accum, torch.device("meta"),
     )  # fmt: skip
 
-    def run_step(mark_forward_end) -> None:
-        step_loss.start(losses.GlobalCounts(B * S, B * S, 0, [B * S] * terms.mtp_depth))
-        inputs = losses.model_inputs(batch, terms, cfg.data.document_mask)
-        # NOTE: `out` held through the backward, as `Trainer.forward_backward` holds it:
-        # its logits ([B, S, vocab] in the compute dtype) outlive the loss's use of them
-        out = model(batch.input_ids, batch.position_ids, **inputs)
-        loss = step_loss(out, batch)
-        mark_forward_end()
-        loss.backward()
+    def step_of(B: int):  # one micro-batch of B sequences: forward, loss, backward
+        ids = torch.zeros(B, S, dtype=torch.long, device="meta")
+        positions = torch.arange(S, device="meta")[None].expand(B, S)
+        batch = Batch(ids, ids, positions, ids)
+        if terms.mtp_depth:
+            batch = losses.with_mtp_targets(batch, terms.mtp_depth)
 
-    return trace_step(model, spec.plan, run_step, 0, sampled)
+        def run_step(mark_forward_end) -> None:
+            step_loss.start(losses.GlobalCounts(B * S, B * S, 0, [B * S] * terms.mtp_depth))
+            inputs = losses.model_inputs(batch, terms, cfg.data.document_mask)
+            # NOTE: `out` held through the backward, as `Trainer.forward_backward` holds it:
+            # its logits ([B, S, vocab] in the compute dtype) outlive the loss's use of them
+            out = model(batch.input_ids, batch.position_ids, **inputs)
+            loss = step_loss(out, batch)
+            mark_forward_end()
+            loss.backward()
+
+        return run_step
+
+    trace = trace_step(model, spec.plan, step_of(cfg.train.micro_batch_size), 0, sampled)
+    if mode in ("none", "selective"):
+        # their difference is what `selective` computes again (recompute_cost). NOTE: a
+        # pass of its own, on one sequence (the FLOPs are per token): the counter's module
+        # hooks hold gradients a little longer, which the trace above must not see.
+        counter = flop_counter()
+        with MetaShortcuts(), counter:
+            step_of(1)(lambda: None)
+        trace.gemm_flops = gemm_flops(counter, model, spec.plan, sampled, S)
+    return trace
