@@ -22,7 +22,7 @@ ROOMS = ("trainer", "parallelisms", "models")
 # layer or below, never above.
 PLANNER_LAYERS = {
     "hardware": ["hardware"],
-    "costs": ["a2a_cost", "pipeline_schedule", "pipeline_cost", "step_cost"],
+    "costs": ["a2a_cost", "pipeline_schedule", "pipeline_cost", "recompute_cost", "step_cost"],
     "measurement": [
         "meta_trace",
         "footprint",

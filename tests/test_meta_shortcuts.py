@@ -52,6 +52,10 @@ def test_each_shortcut_gives_what_the_meta_kernel_gives(monkeypatch):
     model = _model()
     monkeypatch.setattr(meta_trace, "meta_op", checking)
     with_shortcuts = footprint.update_transient(_optimizer(model), {})
+    # One mesh group takes the norm in one op (parallelisms.clip), without the square the
+    # sharded norm sums; that shortcut is checked on its own.
+    squares = torch.empty(3, 5, device="meta").t()
+    checking(torch.ops.aten.pow.Tensor_Scalar, (squares, 2), {})
     assert not wrong, wrong
     assert {"aten._foreach_addcmul_.Scalar", "aten._foreach_sqrt.default", "aten.pow.Tensor_Scalar"} <= set(checked)  # fmt: skip
 

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.distributed import ROOT
+from trainer.dry_run.recompute_cost import GemmFlops
 from trainer.dry_run.search import Hardware, estimate, rates_by_kind, read_rates
 
 GB = 1e9
@@ -210,9 +211,14 @@ def _layout(r: dict, tokens: int) -> SimpleNamespace:
     cfg = SimpleNamespace(train=train, data=SimpleNamespace(seq_len=128),
                           parallel=SimpleNamespace(fsdp_gather="micro_batch",
                                                    ep_overlap=r["ep_overlap"]))  # fmt: skip
+    # the selective recomputation's FLOPs as printed (Qwen3-MoE's regions hold no GEMM: 0)
+    again = GemmFlops({"dense": r.get("recomputed_flops_per_token", 0.0)}, {})
+    activations = {"selective": SimpleNamespace(gemm_flops=again),
+                   "none": SimpleNamespace(gemm_flops=GemmFlops({}, {}))}  # fmt: skip
     return SimpleNamespace(
         cfg=cfg,
         dims=dims,
+        activations=activations,
         comm=r["comm_bytes"],
         experts=r["experts"],
         top_k=r["top_k"],

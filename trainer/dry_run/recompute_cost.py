@@ -1,6 +1,7 @@
-"""What `train.activation_checkpoint = "selective"` computes again in backward, measured
+"""What `train.activation_checkpoint = "selective"` computes again in backward
 (`trainer.dry_run.step_cost.estimate` adds it to a step's compute; docs/planner.md,
-"Step-time model").
+"Step-time model"), from the FLOPs the traces measured (a costs-layer file: figures in,
+FLOPs out; the counting itself is `trainer.dry_run.traces.gemm_flops`).
 
 The planner's traces of `none` and `selective` (`trainer.dry_run.traces.trace_layout`) run
 under torch's `FlopCounterMode`, which counts the FLOPs of matrix products and attention
@@ -20,10 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch.utils.flop_counter import FlopCounterMode
-
-from parallelisms.plan import match_modules
-
 
 @dataclass
 class GemmFlops:
@@ -31,50 +28,6 @@ class GemmFlops:
 
     total: dict[str, float]  # kind -> the whole model's (dropped blocks added back)
     by_structure: dict  # footprint.block_structure -> kind -> one such block's
-
-
-def flop_counter() -> FlopCounterMode:
-    return FlopCounterMode(display=False)
-
-
-def _kind(op) -> str:
-    # the kinds of models.common.flops.KINDS: what the counter counts is a dense GEMM
-    # (mm, addmm, bmm) or an attention kernel
-    return "attention" if "attention" in str(op) else "dense"
-
-
-def _by_kind(op_counts: dict) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for op, flops in op_counts.items():
-        out[_kind(op)] = out.get(_kind(op), 0.0) + flops
-    return out
-
-
-def gemm_flops(counter: FlopCounterMode, model, plan, sampled, tokens: int) -> GemmFlops:
-    """The counts of `counter` (which ran one micro-batch of `tokens` tokens through the
-    plain `model`) per token, per block structure, and for the whole model with what
-    `footprint.sample_blocks` dropped added back (`sampled`), as the trace adds its bytes."""
-    from trainer.dry_run.footprint import block_structure
-
-    counts = counter.get_flop_counts()
-    root = type(model).__name__  # the counter names modules from the model it saw first
-    blocks = match_modules(model, plan.blocks, "blocks")
-    outer = [(f, b) for f, b in blocks if not any(f.startswith(g + ".") for g, _ in blocks)]
-    per_block = {id(b): _by_kind(counts.get(f"{root}.{f}", {})) for f, b in outer}
-
-    def mean(ids: list[int]) -> dict[str, float]:
-        kinds = {k for i in ids for k in per_block[i]}
-        return {k: sum(per_block[i].get(k, 0.0) for i in ids) / len(ids) for k in kinds}
-
-    groups: dict[tuple, list[int]] = {}
-    for _, b in outer:
-        groups.setdefault(block_structure(b), []).append(id(b))
-    total = _by_kind(counts.get("Global", {}))
-    for kept, dropped in sampled:
-        for k, f in mean([id(b) for b in kept if id(b) in per_block]).items():
-            total[k] = total.get(k, 0.0) + dropped * f
-    by_structure = {s: {k: f / tokens for k, f in mean(ids).items()} for s, ids in groups.items()}
-    return GemmFlops({k: f / tokens for k, f in total.items()}, by_structure)
 
 
 def _pair(activations: dict) -> tuple[GemmFlops, GemmFlops]:

@@ -24,7 +24,6 @@ def trace_layout(cfg, spec, dims, mode: str, meshes, models=None):
     from trainer.data.batch import Batch
     from trainer.dry_run.footprint import sample_blocks, trace_step
     from trainer.dry_run.meta_trace import MetaShortcuts, use_fused_attention
-    from trainer.dry_run.recompute_cost import flop_counter, gemm_flops
     from trainer.dry_run.shards import param_dtype as compute_dtype
     from trainer.loop import losses
     from trainer.loop.peft import apply_lora
@@ -87,3 +86,53 @@ def trace_layout(cfg, spec, dims, mode: str, meshes, models=None):
             step_of(1)(lambda: None)
         trace.gemm_flops = gemm_flops(counter, model, spec.plan, sampled, S)
     return trace
+
+
+def flop_counter():
+    """A `FlopCounterMode` that prints nothing: what `gemm_flops` reads."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    return FlopCounterMode(display=False)
+
+
+def _kind(op) -> str:
+    # the kinds of models.common.flops.KINDS: what the counter counts is a dense GEMM
+    # (mm, addmm, bmm) or an attention kernel
+    return "attention" if "attention" in str(op) else "dense"
+
+
+def _by_kind(op_counts: dict) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for op, flops in op_counts.items():
+        out[_kind(op)] = out.get(_kind(op), 0.0) + flops
+    return out
+
+
+def gemm_flops(counter, model, plan, sampled, tokens: int):
+    """The counts of `counter` (which ran one micro-batch of `tokens` tokens through the
+    plain `model`) per token, per block structure, and for the whole model with what
+    `footprint.sample_blocks` dropped added back (`sampled`), as the trace adds its bytes:
+    a `recompute_cost.GemmFlops`."""
+    from parallelisms.plan import match_modules
+    from trainer.dry_run.footprint import block_structure
+    from trainer.dry_run.recompute_cost import GemmFlops
+
+    counts = counter.get_flop_counts()
+    root = type(model).__name__  # the counter names modules from the model it saw first
+    blocks = match_modules(model, plan.blocks, "blocks")
+    outer = [(f, b) for f, b in blocks if not any(f.startswith(g + ".") for g, _ in blocks)]
+    per_block = {id(b): _by_kind(counts.get(f"{root}.{f}", {})) for f, b in outer}
+
+    def mean(ids: list[int]) -> dict[str, float]:
+        kinds = {k for i in ids for k in per_block[i]}
+        return {k: sum(per_block[i].get(k, 0.0) for i in ids) / len(ids) for k in kinds}
+
+    groups: dict[tuple, list[int]] = {}
+    for _, b in outer:
+        groups.setdefault(block_structure(b), []).append(id(b))
+    total = _by_kind(counts.get("Global", {}))
+    for kept, dropped in sampled:
+        for k, f in mean([id(b) for b in kept if id(b) in per_block]).items():
+            total[k] = total.get(k, 0.0) + dropped * f
+    by_structure = {s: {k: f / tokens for k, f in mean(ids).items()} for s, ids in groups.items()}
+    return GemmFlops({k: f / tokens for k, f in total.items()}, by_structure)
