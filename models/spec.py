@@ -175,8 +175,9 @@ class AttentionShape:
 
 def derived_flops_per_token(shape: AttentionShape, model: nn.Module, seq_len: int) -> float:
     """`training_flops_per_token` with the attention shape `shape` names, read from
-    `model.args`; the input embedding (`embed_tokens`) is left out unless the head is tied
-    to it (`lm_head` None, `models.common.staged.DecoderLM`)."""
+    `model.args`; the input embedding (`embed_tokens`, a lookup) is left out unless it is the
+    head's matmul: tied, the head holds no weight of its own (`lm_head` None,
+    `models.common.staged.DecoderLM`, or a head holding only a bias)."""
     a, layers = model.args, shape.layers
     return training_flops_per_token(
         model,
@@ -185,7 +186,7 @@ def derived_flops_per_token(shape: AttentionShape, model: nn.Module, seq_len: in
         heads=getattr(a, shape.heads),
         qk_dim=getattr(a, shape.qk_dim),
         v_dim=getattr(a, shape.v_dim),
-        input_embedding=model.embed_tokens if model.lm_head is not None else None,
+        input_embedding=model.embed_tokens if hasattr(model.lm_head, "weight") else None,
     )
 
 
