@@ -3,6 +3,8 @@
 #
 #   bash benchmarks/gpu_suite.sh PART...   run the parts in order:
 #     tests          pytest -m gpu tests/test_gpu.py (CUDA kernels against plain attention)
+#     step           pytest -m gpu tests/test_gpu_step.py (the trainer's step on CUDA: no
+#                    sync while queued, fused AdamW's skip, fused against foreach)
 #     attention      benchmarks/attention_kernels.py (ring blocks 4k-32k, core 8k-32k)
 #     flex_training  debug GPT-OSS with document masks: eager, selective, compiled
 #     proxy          Qwen3-30B-A3B proxy: the planner's peak, then training (PROXY_MODES)
@@ -17,9 +19,10 @@
 # Each part writes $OUT/results.json (one object: env, per-step rc and seconds, summaries,
 # benchmark JSON) and $OUT/log.txt. Carry .whl/ (torchdata, torchtitan and its needs) and
 # .gpu/ (the BPE tokenizer of benchmarks/bpe_tokenizer.py), both git-ignored.
-# Knobs: PY (python3), BUDGET_S (540), PROXY_LAYERS (4), PROXY_STEPS (30).
+# Knobs: PY (python3), BUDGET_S (540), PROXY_LAYERS (4), PROXY_STEPS (30), TITAN_MODES
+# (eager,compiled,accum8).
 set -u
-(($#)) || { echo "usage: gpu_suite.sh PART... (tests attention flex_training proxy gemm titan balance lora)" >&2; exit 2; }
+(($#)) || { echo "usage: gpu_suite.sh PART... (tests step attention flex_training proxy gemm titan balance lora)" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_suite_out}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
@@ -29,6 +32,7 @@ BUDGET_S=${BUDGET_S:-540}
 PROXY_LAYERS=${PROXY_LAYERS:-4}
 PROXY_STEPS=${PROXY_STEPS:-30}
 PROXY_MODES=${PROXY_MODES:-none,selective,full,compile}
+TITAN_MODES=${TITAN_MODES:-eager,compiled,accum8}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
 RESULTS=$OUT/results.json
@@ -58,6 +62,10 @@ tests() { # two processes: a kernel that faults the device cannot take the other
         -k "not efficient" --junitxml="$OUT/pytest_gpu.xml"
     step pytest_gpu_efficient 120 "$PY" -m pytest -v -s -m gpu tests/test_gpu.py \
         -p no:cacheprovider -k efficient --junitxml="$OUT/pytest_gpu_efficient.xml"
+}
+step_checks() { # "step" is taken by gpu_lib.sh's runner
+    step pytest_gpu_step 150 "$PY" -m pytest -v -s -m gpu tests/test_gpu_step.py \
+        -p no:cacheprovider --junitxml="$OUT/pytest_gpu_step.xml"
 }
 attention() {
     step attention_kernels 200 "$PY" benchmarks/attention_kernels.py --json "$RUNS/attn.json"
@@ -129,22 +137,29 @@ lora() { # LoRA (rank 8, attention and routed experts) against full fine-tuning 
 titan() { # eager, compiled, then 8 micro-batches a step: each side's real step, 8 min at most
     # (about 0.2 s a step: most of each limit is two processes building, and compiling)
     local common=(benchmarks/vs_torchtitan.py --layers "$PROXY_LAYERS" --seq 4096)
-    step vs_torchtitan_eager 120 "$PY" "${common[@]}" --warmup 3 --steps 10 \
-        --json "$RUNS/titan_eager.json"
-    merge bench.vs_torchtitan.eager file "$RUNS/titan_eager.json"
-    step vs_torchtitan_compiled 240 "$PY" "${common[@]}" --warmup 3 --steps 10 --compile \
-        --json "$RUNS/titan_compiled.json"
-    merge bench.vs_torchtitan.compiled file "$RUNS/titan_compiled.json"
-    step vs_torchtitan_accum8 120 "$PY" "${common[@]}" --warmup 1 --steps 3 --profile-steps 1 \
-        --accum 8 --json "$RUNS/titan_accum8.json"
-    merge bench.vs_torchtitan.accum8 file "$RUNS/titan_accum8.json"
+    if [[ ,$TITAN_MODES, == *,eager,* ]]; then
+        step vs_torchtitan_eager 120 "$PY" "${common[@]}" --warmup 3 --steps 10 \
+            --json "$RUNS/titan_eager.json"
+        merge bench.vs_torchtitan.eager file "$RUNS/titan_eager.json"
+    fi
+    if [[ ,$TITAN_MODES, == *,compiled,* ]]; then
+        step vs_torchtitan_compiled 240 "$PY" "${common[@]}" --warmup 3 --steps 10 --compile \
+            --json "$RUNS/titan_compiled.json"
+        merge bench.vs_torchtitan.compiled file "$RUNS/titan_compiled.json"
+    fi
+    if [[ ,$TITAN_MODES, == *,accum8,* ]]; then
+        step vs_torchtitan_accum8 120 "$PY" "${common[@]}" --warmup 1 --steps 3 \
+            --profile-steps 1 --accum 8 --json "$RUNS/titan_accum8.json"
+        merge bench.vs_torchtitan.accum8 file "$RUNS/titan_accum8.json"
+    fi
 }
 
 for part in "$@"; do
     case $part in
     tests | attention | flex_training | proxy | gemm | titan | balance | lora) "$part" ;;
+    step) step_checks ;;
     *)
-        echo "unknown part $part: tests | attention | flex_training | proxy | gemm | titan | balance | lora" >&2
+        echo "unknown part $part: tests | step | attention | flex_training | proxy | gemm | titan | balance | lora" >&2
         exit 2
         ;;
     esac

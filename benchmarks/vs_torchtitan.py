@@ -231,6 +231,9 @@ def measure(args, shapes, device, load, step, counts, optimizer, info) -> dict:
         **prof,
         compile_took_effect=(prof["triton_kernel_names"] > 0) if args.compile and cuda else None,
     )
+    if cuda:  # the profiler's own overhead stretches its window: also against the timed steps
+        per_step = prof["gpu_kernel_s"] / max(1, args.profile_steps)
+        result["gpu_busy_timed"] = per_step / step_time
     return result
 
 
@@ -240,7 +243,9 @@ def said(name: str, side: dict) -> str:
     if "tokens_per_s" not in side:
         return f"{name} built ({side['params_total']:,} params) but not trained on this device"
     mem = f", {side['peak_mem_gib']:.1f} GiB" if side["peak_mem_gib"] is not None else ""
-    busy = f", GPU busy {side['gpu_busy']:.0%}" if side["gpu_busy"] is not None else ""
+    busy = ""
+    if side["gpu_busy"] is not None:
+        busy = f", GPU busy {side['gpu_busy_timed']:.0%} ({side['gpu_busy']:.0%} profiled)"
     return (
         f"{name} {side['tokens_per_s']:,.0f} tok/s, {1000 * side['step_time_s']:.0f} ms{mem}"
         f"{busy}, {side['optimizer_impl']} AdamW"
@@ -303,7 +308,10 @@ def main() -> None:
             cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], f"--side={side}"]
             proc = subprocess.run([*cmd, f"--json={out}"], capture_output=True, text=True)
             if proc.returncode:  # keep the other side's numbers; say why this one has none
-                result[side] = {"error": (proc.stderr or proc.stdout).strip()[-3000:]}
+                text = (proc.stderr or proc.stdout).strip()
+                # A device-side assert prints its kernel's condition long before the trace.
+                asserts = sorted({ln for ln in text.splitlines() if "Assertion" in ln})[:5]
+                result[side] = {"error": text[-3000:], "asserts": asserts}
                 continue
             with open(out) as f:
                 result[side] = json.load(f)

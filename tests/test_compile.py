@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from models.common.grouped_gemm import grouped_mm_op
-from models.common.moe import grouped_mm
+from models.common.moe import MoE, TopKRouter, grouped_mm
 from tests.distributed import run_distributed
 from tests.parity import STEPS, TINY, build_trainer, stepped_records
 from trainer.config import ConfigError, load_config
@@ -126,6 +126,22 @@ def test_fp32_grouped_mm_traces_as_one_op(impl):
     ):
         assert torch.equal(ours, theirs)
     torch.library.opcheck(grouped_mm_op, (x, w, counts, impl))
+
+
+def test_a_compiled_moe_layer_counts_its_routing_as_eager_does():
+    """Inductor on CPU, one MoE layer of one sequence: its output and routing statistics are
+    eager's. (The per-sequence counts were once a scalar `scatter_(..., reduce="add")`,
+    which inductor lowers with its ones shaped like the output instead of the index: the
+    compiled layer failed, while the 3-block training above did not reach that lowering.)"""
+    torch.manual_seed(0)
+    moe = MoE(16, 8, TopKRouter(16, 8, 2, True))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(1, 64, 16)
+    (ref, ref_stats), (out, stats) = moe(x), torch.compile(moe)(x)
+    torch.testing.assert_close(out, ref)
+    counts = stats.tokens_per_expert
+    assert torch.equal(counts, ref_stats.tokens_per_expert) and counts.sum() == 64 * 2
 
 
 def test_compile_with_selective_checkpointing_is_refused():

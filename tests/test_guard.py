@@ -201,11 +201,22 @@ GUARD_LAYOUTS = {
 def test_injected_nan_step_is_skipped_on_every_rank_and_changes_nothing(name, tmp_path):
     world, argv = GUARD_LAYOUTS[name]
     run_distributed(_guard_worker, world, argv, str(tmp_path / "out.pt"))
-    out = torch.load(tmp_path / "out.pt")
+    check_skip_changed_nothing(torch.load(tmp_path / "out.pt"), routing_bias=name == "dsv3_ep2")
+
+
+def check_skip_changed_nothing(
+    out: dict, routing_bias: bool, loss_rtol: float = 0.0, allowed_reads: str | None = None
+) -> None:
+    """What `_guard_worker` saved: no host read, step INJECT skipped on every rank and
+    nothing moved over it, and the run after it is the run whose data lacked that batch
+    (bitwise; within `loss_rtol` where the device's backward sums by atomics, as CUDA's).
+    `allowed_reads`: a file whose reads are allowed (one the issue names)."""
     records, states = out["records"], out["states"]
     # No step read a tensor's value on the host while it was being queued, the skipped one
     # included (`.tolist()` on CPU escapes the mode: test_host_reads.py checks the code).
-    assert out["reads"] == [[]] * STEPS
+    reads = [[r for r in step if allowed_reads is None or allowed_reads not in r]
+             for step in out["reads"]]  # fmt: skip
+    assert reads == [[]] * STEPS
     # Every rank skipped step INJECT, and only it.
     for rank_flags in out["flags"]:
         assert [f is not None for f in rank_flags] == [s == INJECT for s in range(1, STEPS + 1)]
@@ -222,13 +233,15 @@ def test_injected_nan_step_is_skipped_on_every_rank_and_changes_nothing(name, tm
         if k.startswith("param") and not torch.equal(states[0][k], states[1][k])
     ]
     assert moved, "the applied step should have moved the parameters"
-    if name == "dsv3_ep2":
+    if routing_bias:
         bias = [k for k in before if k.endswith("correction_bias")]
         assert bias and any(not torch.equal(states[0][k], states[1][k]) for k in bias)
     # The rest of the run is the run whose data skipped that batch, bit for bit.
     a_losses = [r["loss"] for r in records]
-    assert a_losses[: INJECT - 1] == out["b"][: INJECT - 1]
-    assert a_losses[INJECT:] == out["b"][INJECT - 1 :]
+    b_losses = [*out["b"][: INJECT - 1], math.nan, *out["b"][INJECT - 1 :]]
+    for step, (a, b) in enumerate(zip(a_losses, b_losses), 1):
+        if step != INJECT:
+            assert a == b if loss_rtol == 0 else math.isclose(a, b, rel_tol=loss_rtol), step
     assert all(math.isfinite(x) for x in a_losses)
 
 

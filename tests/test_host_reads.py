@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import textwrap
+import traceback
+import warnings
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,16 +28,50 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from parallelisms import clip
 from trainer.loop import balance, guard, losses, report, run_state, step, trainer
 
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TESTS = os.path.join(_REPO, "tests")
 # Ops that hand a tensor's value to Python.
 _READS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal"}
 
 
 class HostReads(TorchDispatchMode):
-    """Records the ops that read a tensor's value into Python while it is active."""
+    """Records the ops that read a tensor's value into Python while it is active, and on a
+    CUDA device every synchronizing CUDA call besides (torch's sync debug mode: a blocking
+    copy to or from the host, `.tolist()`, a `nonzero`), by the Python line that made it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: list[str] = []
+        self._warnings = None
+
+    def __enter__(self):
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._warnings = warnings.catch_warnings()
+            self._warnings.__enter__()
+            warnings.simplefilter("always")
+            warnings.showwarning = self._sync_seen
+            torch.cuda.set_sync_debug_mode("warn")
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        if self._warnings is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._warnings.__exit__(*exc)  # restores showwarning
+            self._warnings = None
+        return out
+
+    def _sync_seen(self, message, category, filename, lineno, *rest) -> None:
+        """Name a sync by the innermost line of this repository that led to it."""
+        if "synchronizing" not in str(message):
+            return
+        stack = traceback.extract_stack()
+        ours = [f for f in stack if f.filename.startswith(_REPO)]
+        ours = [f for f in ours if not f.filename.startswith(_TESTS)]
+        if not ours:  # the harness's own (torch's first sync debug call in a process)
+            return
+        where = f"{ours[-1].filename[len(_REPO) :]}:{ours[-1].lineno}"
+        self.reads.append(f"cuda sync at {where} ({filename}:{lineno})")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func._schema.name in _READS:

@@ -12,7 +12,12 @@ keeps `aten._grouped_mm` on CPU, an extern kernel), no graph break, and the numb
 those of eager (same kernel, same inputs). Its gradients are the same op on transposed
 weights (dx) and `moetrain::grouped_mm_wgrad` (dw): the formulas of `_grouped_mm`'s own
 autograd, so a compiled step matches an eager one. `models.common.moe.grouped_mm` calls
-it only while compiling and not on bf16's native path; eager runs never reach it.
+it only while compiling; eager runs never reach it.
+
+In bf16 on CUDA the traced `aten._grouped_mm` compiles, but inductor may hand it inputs
+laid out otherwise than eager does (a transposed activation), and the CUDA kernel then
+requires every expert's rows to be a 16-byte multiple: a device-side assert in backward
+on an H200 (torch 2.11). The op takes its inputs row-major, as eager's autograd does.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ def grouped_mm_op(
     x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor, impl: str
 ) -> torch.Tensor:
     """x [N, K] expert-major, w [E, K, M] -> [N, M]; impl: "grouped_mm" or "loop"."""
-    if impl == "grouped_mm":
-        out = torch._grouped_mm(x, w, offs=_offsets(tokens_per_expert))
+    if impl == "grouped_mm":  # (eager's layouts: the CUDA kernel's alignment rules hold)
+        out = torch._grouped_mm(x.contiguous(), w, offs=_offsets(tokens_per_expert))
     else:
         chunks = torch.split(x, tokens_per_expert.tolist())
         out = torch.cat([chunk @ w[e] for e, chunk in enumerate(chunks)], dim=0)
@@ -50,7 +55,7 @@ def grouped_mm_wgrad(
     """The weight gradient of `grouped_mm_op`: x [N, K], grad [N, M] -> [E, K, M], expert e
     gets x_e^T @ grad_e over its rows (zeros for an expert without tokens)."""
     if impl == "grouped_mm":
-        out = torch._grouped_mm(x.t(), grad, offs=_offsets(tokens_per_expert))
+        out = torch._grouped_mm(x.contiguous().t(), grad, offs=_offsets(tokens_per_expert))
     else:
         xs = torch.split(x, tokens_per_expert.tolist())
         gs = torch.split(grad, tokens_per_expert.tolist())

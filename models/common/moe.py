@@ -96,11 +96,13 @@ def grouped_mm(
     """
     if impl == "auto":
         impl = "grouped_mm" if _grouped_mm_supported(x, w) else "loop"
-    native_bf16 = impl == "grouped_mm" and x.dtype == torch.bfloat16
-    if torch.compiler.is_compiling() and impl in ("grouped_mm", "loop") and not native_bf16:
+    if torch.compiler.is_compiling() and impl in ("grouped_mm", "loop"):
         # NOTE: traced by torch.compile: the same kernels as one opaque op, because
-        # `_grouped_mm`'s fake kernel refuses all but bf16 and the loop's host read breaks
-        # the graph (models/common/grouped_gemm.py). Eager runs never come here.
+        # `_grouped_mm`'s fake kernel refuses all but bf16, the loop's host read breaks the
+        # graph, and in bf16 inductor hands the traced op inputs laid out otherwise than
+        # eager's, which CUDA's kernel refuses by a device-side assert in backward (groups
+        # of rows not 16-byte multiples) (models/common/grouped_gemm.py). Eager runs never
+        # come here.
         return grouped_mm_op(x, w, tokens_per_expert, impl)
     if impl == "grouped_mm":
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
@@ -332,13 +334,18 @@ class MoE(nn.Module):
         flat_experts = top_experts.reshape(-1)  # [T*k]
         order = torch.argsort(flat_experts, stable=True)  # assignment ids, expert-major
         # [B, E] assignments, counted in fp32 (exact to 2^24 a sequence) as the statistics
-        # want them; the scalar scatter needs no tensor of ones (a launch fewer).
+        # want them. NOTE: not the scalar `scatter_(..., 1.0, reduce="add")`, a launch fewer:
+        # inductor lowers it with the ones shaped like the output, not like the index, and
+        # the compiled block fails (torch 2.11-2.13).
         per_seq = torch.zeros(B, self.num_experts, dtype=torch.float32, device=x.device)
-        per_seq.scatter_(1, top_experts.reshape(B, -1), 1.0, reduce="add")
+        one = per_seq.new_ones(())
+        per_seq.scatter_add_(1, top_experts.reshape(B, -1), one.expand(B, S * self.top_k))
         tokens_per_expert = per_seq.sum(0, dtype=torch.int64)  # [E]
         ranked = routing.ranked  # None: the router chose by its probabilities' top-k
         if ranked is not None:
-            ranked = torch.zeros_like(per_seq).scatter_(1, ranked.view(B, -1), 1.0, reduce="add")
+            ranked = torch.zeros_like(per_seq).scatter_add_(
+                1, ranked.view(B, -1), one.expand(B, S * self.top_k)
+            )
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.z_loss):
             z_sum = torch.logsumexp(logits, dim=-1).square().view(B, S).sum(1)  # [B]
         stats = RouterStats(per_seq, probs.view(B, S, -1).sum(1), z_sum, S, self.top_k, ranked)

@@ -207,6 +207,17 @@ class StepGuard:
         self.norms.extend(float(v) for v in state["norms"])
 
 
+def to_device_unblocked(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to `device` without the host waiting for the copy.
+
+    NOTE: a copy from pageable memory makes CUDA finish the stream first (torch waits for
+    it, a sync); from pinned memory it is queued like a kernel, and torch keeps the pinned
+    block alive until the copy has run."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class DeviceGuard:
     """`StepGuard.judge` on the device: the verdict is a bool tensor, so the update can be
     skipped (fused AdamW's `found_inf`, the bias update's `skip`) without the host reading
@@ -241,8 +252,9 @@ class DeviceGuard:
         self.losses.zero_()
         self.norms.zero_()
         if n:
-            self.losses[:n] = torch.tensor(list(guard.losses), dtype=torch.float64)
-            self.norms[:n] = torch.tensor(list(guard.norms), dtype=torch.float64)
+            window = torch.tensor([list(guard.losses), list(guard.norms)], dtype=torch.float64)
+            window = to_device_unblocked(window, self.losses.device)
+            self.losses[:n], self.norms[:n] = window[0], window[1]
         self.filled.fill_(n)
         self.next.fill_(n % len(self.slots))
         self.skipped.fill_(guard.skipped_total)
@@ -293,5 +305,5 @@ def poison_one_gradient(params: list[torch.Tensor]) -> None:
     for p in params:
         g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         if g is not None and g.numel():
-            g.view(-1)[0] = float("nan")
+            g.view(-1)[:1].fill_(float("nan"))  # (not `= nan`: a copy from the host)
             return

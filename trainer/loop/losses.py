@@ -158,7 +158,8 @@ def global_counts(
         part = torch.stack(
             [
                 (mb.labels != IGNORE_INDEX).sum(),
-                torch.tensor(mb.input_ids.numel(), device=mb.input_ids.device),
+                # (a fill, not torch.tensor: that copies from the host, and waits for it)
+                torch.full((), mb.input_ids.numel(), device=mb.input_ids.device),
                 (mb.input_ids * (mb.position_ids + 1)).sum(),
                 *((mb.mtp_labels != IGNORE_INDEX).sum((0, 1)) if mtp_depth else []),
             ]

@@ -37,7 +37,7 @@ from parallelisms.trace import named_range
 from trainer.config import JobConfig
 from trainer.data.batch import Batch
 from trainer.loop.balance import BiasUpdate
-from trainer.loop.guard import DeviceGuard, poison_one_gradient
+from trainer.loop.guard import DeviceGuard, poison_one_gradient, to_device_unblocked
 from trainer.loop.losses import read_record
 from trainer.loop.optim import lr_factor, set_lr
 from trainer.loop.report import balance_figures, global_load
@@ -188,14 +188,9 @@ class StepQueue:
     def _update_on_device(self, loss: torch.Tensor, norm: torch.Tensor) -> dict:
         if self.device_guard is None:  # built from the host guard (a resume loaded it)
             self.device_guard = DeviceGuard(self.guard, self.device)
-            self.lr_table = torch.tensor(
-                [
-                    self.cfg.train.lr * lr_factor(k, self.cfg.train)
-                    for k in range(self.cfg.train.steps + 1)
-                ],
-                dtype=torch.float32,
-                device=self.device,
-            )
+            table = [self.cfg.train.lr * lr_factor(k, self.cfg.train)
+                     for k in range(self.cfg.train.steps + 1)]  # fmt: skip
+            self.lr_table = to_device_unblocked(torch.tensor(table), self.device)
         guard = self.device_guard
         # The schedule counts applied updates: a skipped step does not advance it.
         applied = (self.state.step - guard.skipped).clamp(0, len(self.lr_table) - 1)
