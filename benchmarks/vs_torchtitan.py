@@ -50,6 +50,7 @@ FULL = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, hea
 TINY = dict(FULL, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
             vocab_size=1024)  # fmt: skip
+TOP_KERNELS = 25  # the kernels listed per side, by their time in a profiled step
 MAX_GRAD_NORM, LR = 1.0, 1e-5  # LR: our config's peak, on both sides
 
 # Where the two sides still differ (each trainer's own defaults), for the JSON.
@@ -141,10 +142,11 @@ def build_ours(args, shapes: dict, device: torch.device, out_dir: str):
     return load, step, counts, trainer.optimizer, info
 
 
-def profiled(run, cuda: bool) -> dict:
-    """`run()` under torch.profiler: on CUDA the kernels' summed time over the window's wall
-    time (streams that overlap count twice) and the Triton kernels among them (inductor's:
-    compile took effect); nothing of either on CPU."""
+def profiled(run, cuda: bool, steps: int = 1) -> dict:
+    """`run()` (`steps` steps) under torch.profiler: on CUDA the kernels' summed time over
+    the window's wall time (streams that overlap count twice), the Triton kernels among them
+    (inductor's: compile took effect) and the kernels that take the most time, in ms a step
+    (where the two sides' GPU work differs); nothing of these on CPU."""
     sync = torch.cuda.synchronize if cuda else lambda: None
     sync()
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
@@ -155,7 +157,12 @@ def profiled(run, cuda: bool) -> dict:
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy_s = sum(e.device_time_total for e in kernels) / 1e6
     triton = {e.name for e in kernels if "triton" in e.name.lower()}
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time_total / 1e3 / steps
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
     return {
+        "top_kernels_ms_per_step": [[name[:120], round(ms, 3)] for name, ms in top],
         "profiled_wall_s": wall,
         "gpu_kernel_s": busy_s if cuda else None,
         "gpu_busy": busy_s / wall if cuda else None,
@@ -213,7 +220,7 @@ def measure(args, shapes, device, load, step, counts, optimizer, info) -> dict:
         sync()
         wall = time.perf_counter() - marks[0]
         rest = range(timed.stop, steps)
-        prof = profiled(lambda: losses.extend(step(batches[i]) for i in rest), cuda)
+        prof = profiled(lambda: losses.extend(step(batches[i]) for i in rest), cuda, len(rest))
     except NotImplementedError as err:  # an op without a CPU kernel: report what was built
         if cuda:
             raise
