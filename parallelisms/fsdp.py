@@ -42,8 +42,12 @@ def apply_fsdp(
     policy = mixed_precision_policy(param_dtype)
     if param_dtype != torch.float32:
         # Routers decide discrete top-k choices: keep their weights in fp32 so that bf16
-        # rounding does not flip routing decisions between layouts.
-        fp32 = mixed_precision_policy(torch.float32)
+        # rounding does not flip routing decisions between layouts. NOTE: their inputs are
+        # not cast here: a router casts its bf16 input itself and keeps it in bf16 for
+        # backward (models/common/fp32_linear.py), where a cast here would keep an fp32 copy.
+        fp32 = MixedPrecisionPolicy(
+            param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
         for _, module in match_modules(model, plan.fp32_modules, "fp32_modules", required=False):
             fully_shard(
                 module, mesh=meshes.dense, mp_policy=fp32,

@@ -8,9 +8,9 @@ Its own file: `models/common/moe.py` holds the MoE layer and the routers that ca
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from models.common.fp32_linear import fp32_linear
 from models.common.moe import Routing
 from models.common.replay import recording
 
@@ -36,7 +36,7 @@ class BiasedSoftmaxRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         """x [T, dim] -> softmax probabilities [T, E] (what the balance losses read) and the
         top-k experts chosen with the bias, weighted without it."""
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        logits = fp32_linear(x, self.weight)  # [T, E]
         probs = logits.softmax(dim=-1)
         # The bias steers selection only: no gradient flows through the choice.
         biased = (probs + self.e_score_correction_bias.float()).detach()

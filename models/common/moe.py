@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from models.common.fp32_linear import fp32_linear
 from models.common.grouped_gemm import grouped_mm_op
 from models.common.mlp import SwiGLU, swiglu
 from models.common.recompute import recomputed
@@ -129,8 +129,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x [T, dim] -> softmax probabilities [T, E] and the top-k among them."""
-        bias = self.bias.float() if self.bias is not None else None
-        logits = F.linear(x.float(), self.weight.float(), bias)
+        logits = fp32_linear(x, self.weight, self.bias)
         probs = logits.softmax(dim=-1)
         top_weights, top_experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -175,7 +174,7 @@ class GroupLimitedRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         """x [T, dim] -> normalised affinities [T, E] (for the aux losses) and the top-k
         experts with their (unbiased, scaled) weights."""
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        logits = fp32_linear(x, self.weight)  # [T, E]
         scores = logits.sigmoid()
         biased = (scores + self.e_score_correction_bias).detach()
         grouped = biased.view(-1, self.n_group, self.num_experts // self.n_group)
