@@ -213,6 +213,21 @@ class SharedEmbedding:
             self._local(copy).copy_(self._local(kept))
 
 
+class _Stage(PipelineStage):
+    """torch's stage, minus the first step's warm-up messages a rank would send to itself.
+
+    NOTE: the V schedules (ZBVZeroBubble, DualPipeV) place the two middle stages on one
+    rank. torch 2.11's schedules open every stage's links with a message to each neighbour
+    at the first step, this rank included, and gloo has no link to a rank itself ("Pair is
+    not connected"): every V schedule failed on CPU there. Activations between stages on
+    one rank never take a message, so the warm-up to itself has nothing to open (torch
+    2.13 no longer sends it)."""
+
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        ops = super()._get_init_p2p_neighbors_ops()
+        return [op for op in ops if op.group_peer != self.group_rank]
+
+
 class Pipeline:
     """This rank's stages and the schedule that runs them for a step (the held-out loss runs
     them forward only: `parallelisms.pipeline_forward`)."""
@@ -239,7 +254,7 @@ class Pipeline:
 
     def _schedule(self, metas: dict, micro_batches: int, loss_fn: Callable[..., torch.Tensor]):
         pipe_stages = [
-            PipelineStage(
+            _Stage(
                 stage,
                 index,
                 self.num_stages,

@@ -128,20 +128,35 @@ def test_fp32_grouped_mm_traces_as_one_op(impl):
     torch.library.opcheck(grouped_mm_op, (x, w, counts, impl))
 
 
-def test_a_compiled_moe_layer_counts_its_routing_as_eager_does():
-    """Inductor on CPU, one MoE layer of one sequence: its output and routing statistics are
-    eager's. (The per-sequence counts were once a scalar `scatter_(..., reduce="add")`,
-    which inductor lowers with its ones shaped like the output instead of the index: the
-    compiled layer failed, while the 3-block training above did not reach that lowering.)"""
+def test_a_compiled_moe_layer_routes_counts_and_backpropagates_as_eager_does():
+    """Inductor on CPU, one MoE layer of one sequence: its output, routing statistics and
+    every gradient are eager's. Two bugs this caught: the per-sequence counts were a scalar
+    `scatter_(..., reduce="add")`, which inductor lowers with its ones shaped like the
+    output, not the index (the compiled layer failed; the 3-block training above did not
+    reach that lowering); and the routed sum's in-place `index_add_` inside its autograd
+    Function, which torch 2.11's compile took for an output of nothing: the experts got no
+    gradient at all (models/common/row_sum.py)."""
     torch.manual_seed(0)
     moe = MoE(16, 8, TopKRouter(16, 8, 2, True))
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    x = torch.randn(1, 64, 16)
-    (ref, ref_stats), (out, stats) = moe(x), torch.compile(moe)(x)
+    x = torch.randn(1, 64, 16, requires_grad=True)
+
+    def run(layer) -> tuple:
+        moe.zero_grad(set_to_none=True)
+        x.grad = None
+        out, stats = layer(x)
+        (out.square().sum() + stats.prob_sum.square().sum()).backward()
+        grads = {"x": x.grad, **{n: p.grad for n, p in moe.named_parameters()}}
+        return out.detach(), stats.tokens_per_expert, grads
+
+    (ref, ref_counts, ref_grads), (out, counts, grads) = run(moe), run(torch.compile(moe))
     torch.testing.assert_close(out, ref)
-    counts = stats.tokens_per_expert
-    assert torch.equal(counts, ref_stats.tokens_per_expert) and counts.sum() == 64 * 2
+    assert torch.equal(counts, ref_counts) and counts.sum() == 64 * 2
+    # Norm-wise, as the training tests hold gradients (inductor reorders fp32 sums: 1.5e-6)
+    errors = {n: ((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items()}
+    assert all(g.norm() > 0 for g in ref_grads.values())
+    assert all(e <= 1e-5 for e in errors.values()), errors
 
 
 def test_compile_with_selective_checkpointing_is_refused():

@@ -7,6 +7,7 @@ import re
 from dataclasses import MISSING, fields, replace
 
 import pytest
+import torch
 
 from models import get_model_spec, model_names
 from models.qwen3_moe.args import Qwen3MoeArgs
@@ -16,11 +17,13 @@ from trainer.config import (
     JobConfig,
     ModelSection,
     TrainSection,
+    checks,
     config_to_dict,
     format_help,
     load_config,
     validate,
 )
+from trainer.config.checks import ZBV_EXACT_FROM
 
 # A small model that passes Qwen3MoeArgs.validate(), written as a TOML [model] table.
 SMALL_MODEL = """
@@ -364,6 +367,20 @@ def test_stray_argument_and_missing_value():
 )
 def test_impossible_values(argv, expected):
     assert expected in config_error(argv)
+
+
+@pytest.mark.parametrize("version", ["2.11.0", "2.12.1+cu130"])
+def test_zbv_is_refused_on_a_torch_whose_zbv_was_not_exact(version, monkeypatch):
+    """torch 2.11's ZBVZeroBubble disagreed with one rank (the embedding's gradient, with EP
+    or DeepSeek-V3's MTP): refused there, naming the versions and DualPipeV; accepted from
+    2.13."""
+    argv = ["--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble"]
+    if torch.__version__ >= ZBV_EXACT_FROM:
+        load_config(argv)
+    monkeypatch.setattr(checks, "installed_torch", lambda: version)
+    err = config_error(argv)
+    assert f"ZBVZeroBubble does not train as one rank does on torch {version}" in err
+    assert "exact from torch 2.13" in err and "pp_schedule=DualPipeV" in err
 
 
 def test_all_problems_are_reported_together(tmp_path):

@@ -71,15 +71,17 @@ def _real_state_bytes(rank: int, world_size: int, layouts: list[list[str]], out:
             trainer.optimizer.step()
             state = [v for s in trainer.optimizer.state.values() for v in s.values()]
             optimizer = _storage_bytes(v for v in state if isinstance(v, torch.Tensor))
-        sends = [e for e in prof.events() if e.name == "gloo:send"]
+        # (kineto's events: torch 2.11's FunctionEvent has no input dtypes)
+        sends = [e for e in prof.profiler.kineto_results.events() if e.name() == "gloo:send"]
         dtypes = {"float": torch.float32, "c10::BFloat16": torch.bfloat16}
-        # NOTE: the hidden states and their gradients; each step also sends one 1-element
-        # integer (a control message, not data the planner sizes)
+        # NOTE: the hidden states and their gradients. The schedules also send 1-element
+        # control messages at the first step (torch 2.13 an integer vote, 2.11 a float
+        # warm-up to each neighbour): not data the planner sizes.
         sent = sum(
             math.prod(shape) * torch.empty(0, dtype=dtypes[dtype]).element_size()
             for e in sends
-            for shape, dtype in zip(e.input_shapes, e.input_dtypes, strict=True)
-            if dtype in dtypes
+            for shape, dtype in zip(e.shapes(), e.dtypes(), strict=True)
+            if dtype in dtypes and math.prod(shape) > 1
         )
         found.append({"rank": rank, "params": params, "grads": grads, "optimizer": optimizer,
                       "sent": sent})  # fmt: skip

@@ -18,7 +18,9 @@ class _SumRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, token_of: torch.Tensor, tokens: int) -> torch.Tensor:
         ctx.save_for_backward(token_of)
-        return rows.new_zeros(tokens, rows.shape[1]).index_add_(0, token_of, rows)
+        # NOTE: out of place. torch 2.11's compile took `index_add_` into a fresh tensor for
+        # an output of nothing: no gradient reached the rows (2.13 traces it right).
+        return rows.new_zeros(tokens, rows.shape[1]).index_add(0, token_of, rows)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:

@@ -21,7 +21,7 @@ from models.common.args import field_problems
 from models.common.hf_names import PrefixedStackedNames
 from models.common.hf_rope import rope_config, rope_kwargs
 from models.glm4_moe.args import Glm4MoeArgs
-from models.spec import GetSlice, HasKey
+from models.spec import HasKey
 
 # transformers' Glm4MoeConfig default of each key we read, for a config.json that leaves it
 # out (they are mostly GLM-4.5-Air's, not our defaults, which are GLM-4.5's).
@@ -117,8 +117,11 @@ def hf_config_dict(args: Glm4MoeArgs, dtype: torch.dtype = torch.float32) -> dic
 _NAMES = PrefixedStackedNames(
     expert_width=lambda args: (args.n_routed_experts, args.moe_intermediate_size),
     tied=lambda args: args.tie_word_embeddings,
+    no_checkpoint=("tokens_per_expert",),  # counts since the last bias update
 )
-_NO_HF = ".tokens_per_expert"  # counts since the last bias update: no checkpoint key
+hf_keys = _NAMES.hf_keys
+from_hf = _NAMES.from_hf
+to_hf = _NAMES.to_hf
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -138,21 +141,3 @@ def is_redundant_key(key: str, args: Glm4MoeArgs, has: HasKey) -> bool:
     i = int(layer[1])
     mtp = args.num_hidden_layers <= i < args.num_hidden_layers + args.num_nextn_predict_layers
     return mtp and has(f"model.layers.{i}.eh_proj.weight")
-
-
-def hf_keys(
-    name: str, shape: tuple[int, ...], args: Glm4MoeArgs, has: HasKey
-) -> dict[str, tuple[int, ...]]:
-    return {} if name.endswith(_NO_HF) else _NAMES.hf_keys(name, shape, args, has)
-
-
-def from_hf(
-    name: str, args: Glm4MoeArgs, has: HasKey, get: GetSlice, index: tuple[slice, ...]
-) -> torch.Tensor:
-    if name.endswith(_NO_HF):  # no assignments counted yet
-        return torch.zeros([s.stop - s.start for s in index], dtype=torch.int64)
-    return _NAMES.from_hf(name, args, has, get, index)
-
-
-def to_hf(name: str, tensor: torch.Tensor, args: Glm4MoeArgs) -> dict[str, torch.Tensor]:
-    return {} if name.endswith(_NO_HF) else _NAMES.to_hf(name, tensor, args)

@@ -8,6 +8,7 @@ model's hyper-parameters alike. What is left is what relates two or more fields.
 from __future__ import annotations
 
 from dataclasses import fields, is_dataclass
+from importlib.metadata import version
 
 from models.common.args import field_problems
 from parallelisms.dims import (
@@ -216,6 +217,22 @@ def _mix_problems(cfg: JobConfig) -> list[str]:
     return problems
 
 
+# The first torch whose ZBVZeroBubble matched one rank on every layout row (2.11 did not:
+# tests/test_layout_parity.py's ZBV rows with EP or MTP; its DualPipeV rows did).
+ZBV_EXACT_FROM = "2.13"
+
+
+def installed_torch() -> str:
+    """The installed torch's version, read without importing torch (a refusal answers
+    before torch is imported)."""
+    return version("torch")
+
+
+def _release(text: str) -> tuple[int, ...]:
+    """A version's release numbers: 2.11.0+cu130 -> (2, 11, 0)."""
+    return tuple(int(part) for part in text.split("+")[0].split(".") if part.isdigit())
+
+
 def _pipeline_problems(cfg: JobConfig) -> list[str]:
     """What parallel.pp does not combine with yet, and pp_layers' length."""
     p, t = cfg.parallel, cfg.train
@@ -263,6 +280,13 @@ def _pipeline_problems(cfg: JobConfig) -> list[str]:
             "attention's transfers (parallel.cp > 1) would run on both at once, out of order "
             "between ranks; set parallel.ep_overlap=none (the pairs run one after the other) "
             "or parallel.cp=1"
+        )
+    if p.pp_schedule == "ZBVZeroBubble" and _release(installed_torch()) < _release(ZBV_EXACT_FROM):
+        problems.append(
+            f"parallel.pp_schedule=ZBVZeroBubble does not train as one rank does on torch "
+            f"{installed_torch()} (with expert parallelism or DeepSeek-V3's MTP the embedding's "
+            f"gradient was 15% off); it is exact from torch {ZBV_EXACT_FROM}: upgrade torch, or "
+            "use pp_schedule=DualPipeV (the same V placement, exact on torch 2.11)"
         )
     if t.compile and p.pp_schedule in V_SCHEDULES:
         problems.append(
