@@ -12,7 +12,7 @@ every routed-expert weight stack `[E, out, in]`, each with the number of times t
 holds it. At `--tokens` rows (default: micro-batch x seq_len / cp, one rank's tokens), each
 distinct GEMM is timed forward and backward (autograd's dgrad and wgrad, as training runs
 them) with CUDA events after --warmup calls (3), median of --iters (20). The routed experts go
-through the project's grouped GEMM (`models.common.moe.grouped_mm`: torch._grouped_mm)
+through the project's grouped GEMM (`models.common.grouped_gemm.grouped_mm`: torch._grouped_mm)
 at balanced routing: tokens x top_k rows spread evenly over E / --ep experts; next to
 each, one dense GEMM of the same FLOPs. Attention: the model's own `AttentionCore` (SDPA,
 causal; a window or sinks take its masked path) at micro-batch x seq_len, whatever --tokens
@@ -47,7 +47,8 @@ sys.path.insert(0, ROOT)
 from benchmarks.report import write_result  # noqa: E402
 from models.common.attention import AttentionCore  # noqa: E402
 from models.common.flops import KINDS  # noqa: E402
-from models.common.moe import MoE, _grouped_mm_supported, grouped_mm  # noqa: E402
+from models.common.grouped_gemm import grouped_mm, grouped_mm_supported  # noqa: E402
+from models.common.moe import MoE  # noqa: E402
 from trainer.dry_run.search import PRESETS, flops_per_token  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -193,7 +194,7 @@ def time_grouped(run, m, k, n, groups, dtype, device) -> tuple[float, float, str
     counts = torch.full((groups,), m // groups, dtype=torch.int64)
     counts[: m % groups] += 1
     counts = counts.to(device)
-    impl = "grouped_mm" if _grouped_mm_supported(x, stack.transpose(-2, -1)) else "loop"
+    impl = "grouped_mm" if grouped_mm_supported(x, stack.transpose(-2, -1)) else "loop"
     fwd, bwd = fwd_bwd(run, lambda: grouped_mm(x, stack.transpose(-2, -1), counts), [x, stack])
     return fwd, bwd, impl
 

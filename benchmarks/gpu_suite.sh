@@ -137,21 +137,18 @@ lora() { # LoRA (rank 8, attention and routed experts) against full fine-tuning 
 titan() { # eager, compiled, then 8 micro-batches a step: each side's real step, 8 min at most
     # (about 0.2 s a step: most of each limit is two processes building, and compiling)
     local common=(benchmarks/vs_torchtitan.py --layers "$PROXY_LAYERS" --seq 4096)
-    if [[ ,$TITAN_MODES, == *,eager,* ]]; then
-        step vs_torchtitan_eager 120 "$PY" "${common[@]}" --warmup 3 --steps 10 \
-            --json "$RUNS/titan_eager.json"
-        merge bench.vs_torchtitan.eager file "$RUNS/titan_eager.json"
-    fi
-    if [[ ,$TITAN_MODES, == *,compiled,* ]]; then
-        step vs_torchtitan_compiled 240 "$PY" "${common[@]}" --warmup 3 --steps 10 --compile \
-            --json "$RUNS/titan_compiled.json"
-        merge bench.vs_torchtitan.compiled file "$RUNS/titan_compiled.json"
-    fi
-    if [[ ,$TITAN_MODES, == *,accum8,* ]]; then
-        step vs_torchtitan_accum8 120 "$PY" "${common[@]}" --warmup 1 --steps 3 \
-            --profile-steps 1 --accum 8 --json "$RUNS/titan_accum8.json"
-        merge bench.vs_torchtitan.accum8 file "$RUNS/titan_accum8.json"
-    fi
+    for mode in ${TITAN_MODES//,/ }; do
+        local args limit=120
+        case $mode in
+        eager) args=(--warmup 3 --steps 10) ;;
+        compiled) args=(--warmup 3 --steps 10 --compile) limit=240 ;;
+        accum8) args=(--warmup 1 --steps 3 --profile-steps 1 --accum 8) ;;
+        *) echo "unknown TITAN_MODES entry $mode: eager | compiled | accum8" >&2 && continue ;;
+        esac
+        step "vs_torchtitan_$mode" "$limit" "$PY" "${common[@]}" "${args[@]}" \
+            --json "$RUNS/titan_$mode.json"
+        merge "bench.vs_torchtitan.$mode" file "$RUNS/titan_$mode.json"
+    done
 }
 
 for part in "$@"; do

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models.common.grouped_gemm import grouped_mm_op
-from models.common.moe import MoE, TopKRouter, grouped_mm
+from models.common.grouped_gemm import grouped_mm, grouped_mm_op
+from models.common.moe import MoE, TopKRouter
 from tests.distributed import run_distributed
 from tests.parity import STEPS, TINY, build_trainer, stepped_records
 from trainer.config import ConfigError, load_config

@@ -7,7 +7,6 @@ import re
 from dataclasses import MISSING, fields, replace
 
 import pytest
-import torch
 
 from models import get_model_spec, model_names
 from models.qwen3_moe.args import Qwen3MoeArgs
@@ -375,7 +374,7 @@ def test_zbv_is_refused_on_a_torch_whose_zbv_was_not_exact(version, monkeypatch)
     or DeepSeek-V3's MTP): refused there, naming the versions and DualPipeV; accepted from
     2.13."""
     argv = ["--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble"]
-    if torch.__version__ >= ZBV_EXACT_FROM:
+    if checks.torch_release() >= ZBV_EXACT_FROM:
         load_config(argv)
     monkeypatch.setattr(checks, "installed_torch", lambda: version)
     err = config_error(argv)

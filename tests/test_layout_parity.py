@@ -21,7 +21,7 @@ from models.common.lora import is_adapter
 from tests.distributed import run_distributed
 from tests.parity import TINY, TINY_DSV3, assert_same_training, layout_worker, reference_run
 from trainer.config import load_config
-from trainer.config.checks import ZBV_EXACT_FROM
+from trainer.config.checks import ZBV_EXACT_FROM, torch_release
 
 
 class Layout(NamedTuple):
@@ -123,7 +123,7 @@ LAYOUTS = {
 def test_layout_matches_single_process(name, tmp_path):
     case = LAYOUTS[name]
     argv = case.model + case.layout
-    if ZBV in argv and torch.__version__ < ZBV_EXACT_FROM:
+    if ZBV in argv and torch_release() < ZBV_EXACT_FROM:
         pytest.skip(f"ZBVZeroBubble is refused on torch {torch.__version__} (not exact there)")
     out_path = str(tmp_path / "out.pt")
     run_distributed(layout_worker, case.world, argv, out_path, case.routing, case.steps)

@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from models.common.bias_router import BiasedSoftmaxRouter
+from models.common.grouped_gemm import grouped_mm
 from models.common.hf_names import Moved, PrefixedStackedNames
 from models.common.mlp import SwiGLU
-from models.common.moe import MoE, MoEOptions, TopKRouter, grouped_mm
+from models.common.moe import MoE, MoEOptions, TopKRouter
 from models.common.replay import replay
 from models.common.rope import apply_rope_interleaved, rope_cos_sin
 from trainer.config import TrainSection

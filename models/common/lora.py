@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models.common.moe import GroupedExperts, grouped_mm
+from models.common.grouped_gemm import grouped_mm
+from models.common.moe import GroupedExperts
 
 ADAPTER_SUFFIXES = ("lora_A", "lora_B")
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.common.fp32_linear import fp32_linear
-from models.common.grouped_gemm import grouped_mm_op
+from models.common.grouped_gemm import grouped_mm
 from models.common.mlp import SwiGLU, swiglu
 from models.common.recompute import recomputed
 from models.common.replay import recording
@@ -69,48 +69,6 @@ class MoEOptions:
     # through `permute` before any reaches the experts, so that under expert parallelism
     # one piece's transfer runs while another's experts compute (parallel.ep_overlap).
     chunks: int = 1
-
-
-def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    # Rows of both operands must start on 16-byte boundaries.
-    if any(t.shape[-1] * t.element_size() % 16 for t in (x, w)):
-        return False
-    if x.device.type == "cpu":
-        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    if x.device.type == "cuda":
-        # NOTE: the CUDA kernel is bf16-only on Hopper-class GPUs; other cases take the loop.
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    return False
-
-
-def grouped_mm(
-    x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor, impl: str = "auto"
-) -> torch.Tensor:
-    """Per-expert matmul of expert-major rows: x [N, K], w [E, K, M] -> [N, M].
-
-    Rows [offset_e, offset_e + tokens_per_expert[e]) of x are multiplied by w[e].
-    impl: "auto" (torch._grouped_mm where the dtype/device allows, else loop), "grouped_mm",
-    or "loop" (one matmul per expert: the reference, and the fallback).
-    """
-    if impl == "auto":
-        impl = "grouped_mm" if _grouped_mm_supported(x, w) else "loop"
-    if torch.compiler.is_compiling() and impl in ("grouped_mm", "loop"):
-        # NOTE: traced by torch.compile: the same kernels as one opaque op, because
-        # `_grouped_mm`'s fake kernel refuses all but bf16, the loop's host read breaks the
-        # graph, and in bf16 inductor hands the traced op inputs laid out otherwise than
-        # eager's, which CUDA's kernel refuses by a device-side assert in backward (groups
-        # of rows not 16-byte multiples) (models/common/grouped_gemm.py). Eager runs never
-        # come here.
-        return grouped_mm_op(x, w, tokens_per_expert, impl)
-    if impl == "grouped_mm":
-        offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-        return torch._grouped_mm(x, w, offs=offsets)
-    if impl != "loop":
-        raise ValueError(f"unknown grouped GEMM impl {impl!r}; use auto, grouped_mm or loop")
-    chunks = torch.split(x, tokens_per_expert.tolist())  # host sync: the loop needs sizes
-    return torch.cat([chunk @ w[e] for e, chunk in enumerate(chunks)], dim=0)
 
 
 class TopKRouter(nn.Module):

@@ -24,14 +24,9 @@ from torch.distributed.tensor import DTensor
 
 from models.common.attention import AttentionCore
 from models.common.block import DecoderBlock
+from models.common.grouped_gemm import grouped_mm
 from models.common.init import init_all_, normal_init_
-from models.common.moe import (
-    MoE,
-    MoEOptions,
-    RoutedExperts,
-    TopKRouter,
-    grouped_mm,
-)
+from models.common.moe import MoE, MoEOptions, RoutedExperts, TopKRouter
 from models.common.norm import RMSNorm
 from models.common.rope import apply_rope, yarn_of
 from models.common.staged import DecoderLM

@@ -219,7 +219,7 @@ def _mix_problems(cfg: JobConfig) -> list[str]:
 
 # The first torch whose ZBVZeroBubble matched one rank on every layout row (2.11 did not:
 # tests/test_layout_parity.py's ZBV rows with EP or MTP; its DualPipeV rows did).
-ZBV_EXACT_FROM = "2.13"
+ZBV_EXACT_FROM = (2, 13)
 
 
 def installed_torch() -> str:
@@ -228,9 +228,10 @@ def installed_torch() -> str:
     return version("torch")
 
 
-def _release(text: str) -> tuple[int, ...]:
-    """A version's release numbers: 2.11.0+cu130 -> (2, 11, 0)."""
-    return tuple(int(part) for part in text.split("+")[0].split(".") if part.isdigit())
+def torch_release() -> tuple[int, ...]:
+    """The installed torch's release numbers: 2.11.0+cu130 -> (2, 11, 0)."""
+    text = installed_torch().split("+")[0]
+    return tuple(int(part) for part in text.split(".") if part.isdigit())
 
 
 def _pipeline_problems(cfg: JobConfig) -> list[str]:
@@ -281,11 +282,12 @@ def _pipeline_problems(cfg: JobConfig) -> list[str]:
             "between ranks; set parallel.ep_overlap=none (the pairs run one after the other) "
             "or parallel.cp=1"
         )
-    if p.pp_schedule == "ZBVZeroBubble" and _release(installed_torch()) < _release(ZBV_EXACT_FROM):
+    if p.pp_schedule == "ZBVZeroBubble" and torch_release() < ZBV_EXACT_FROM:
+        exact = ".".join(map(str, ZBV_EXACT_FROM))
         problems.append(
             f"parallel.pp_schedule=ZBVZeroBubble does not train as one rank does on torch "
             f"{installed_torch()} (with expert parallelism or DeepSeek-V3's MTP the embedding's "
-            f"gradient was 15% off); it is exact from torch {ZBV_EXACT_FROM}: upgrade torch, or "
+            f"gradient was 15% off); it is exact from torch {exact}: upgrade torch, or "
             "use pp_schedule=DualPipeV (the same V placement, exact on torch 2.11)"
         )
     if t.compile and p.pp_schedule in V_SCHEDULES:
