@@ -50,7 +50,7 @@ FULL = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, hea
 TINY = dict(FULL, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
             vocab_size=1024)  # fmt: skip
-TOP_KERNELS = 25  # the kernels listed per side, by their time in a profiled step
+TOP_KERNELS = 40  # the kernels (and ops) listed per side, by their time in a profiled step
 MAX_GRAD_NORM, LR = 1.0, 1e-5  # LR: our config's peak, on both sides
 
 # Where the two sides still differ (each trainer's own defaults), for the JSON.
@@ -66,6 +66,11 @@ DIFFERENCES = [
     "experts: both torch._grouped_mm in bf16; torchtitan pads each expert's rows to 8",
     "FSDP units: ours routers, blocks, root; titan embeddings, blocks, [norm, output], root",
     "torchtitan's own trainer would autocast fp32 parameters on one GPU instead of FSDP",
+    "FSDP on one rank: ours casts and copies each unit once per step (parallel.fsdp_gather="
+    "auto) and sets no gradient divide factor there; torchtitan reshards blocks after "
+    "forward (recast in backward) and its divide factor costs a pass over the gradients",
+    "clipping: ours hands the clip scale to fused AdamW (its grad_scale); torchtitan "
+    "scales the gradients in a pass of their own before the update",
     "AdamW: torchtitan fused (its default), ours as optimizer_impl says; ours spares 1-D "
     "params weight decay",
     "lr: ours the config's warmup and cosine from 1e-5 (set_lr, part of its step); "
@@ -149,20 +154,37 @@ def profiled(run, cuda: bool, steps: int = 1) -> dict:
     (where the two sides' GPU work differs); nothing of these on CPU."""
     sync = torch.cuda.synchronize if cuda else lambda: None
     sync()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    # NOTE: CPU activity too on CUDA, so each kernel's time is also charged to the aten op
+    # that launched it (cutlass kernel names do not say which GEMM they are).
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         run()
         sync()
         wall = time.perf_counter() - start
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    # NOTE: with CPU activity, record_function ranges (FSDP's, the optimizer's) also appear
+    # on the GPU timeline as annotations spanning their kernels: not kernels themselves.
+    kernels = [
+        e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+    ]
     busy_s = sum(e.device_time_total for e in kernels) / 1e6
     triton = {e.name for e in kernels if "triton" in e.name.lower()}
     by_name: dict[str, float] = {}
     for e in kernels:
         by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time_total / 1e3 / steps
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
+    ops = [
+        (a.key, a.self_device_time_total / 1e3 / steps, a.count // steps)
+        for a in prof.key_averages()
+        if a.device_type == DeviceType.CPU and not a.is_user_annotation
+    ]
+    top_ops = sorted((o for o in ops if o[1] > 0), key=lambda o: -o[1])[:TOP_KERNELS]
     return {
-        "top_kernels_ms_per_step": [[name[:120], round(ms, 3)] for name, ms in top],
+        "top_kernels_ms_per_step": [[name[:160], round(ms, 3)] for name, ms in top],
+        # [op, its kernels' ms a step, calls a step]
+        "top_ops_ms_per_step": [[k[:80], round(ms, 3), n] for k, ms, n in top_ops]
+        if cuda
+        else None,
         "profiled_wall_s": wall,
         "gpu_kernel_s": busy_s if cuda else None,
         "gpu_busy": busy_s / wall if cuda else None,

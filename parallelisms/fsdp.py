@@ -76,14 +76,31 @@ def apply_fsdp(
     fully_shard(model, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=False)
 
     # The loss is already divided by the number of tokens in the global batch, so the
-    # gradient reduction must sum, not average (docs/parallelisms.md, "Loss and gradient scale"). Plain SUM collectives (no
-    # PreMulSum) also run on gloo, and a factor of 1 makes FSDP skip its division.
+    # gradient reduction must sum, not average (docs/parallelisms.md, "Loss and gradient
+    # scale"). Plain SUM collectives (no PreMulSum) also run on gloo, and a factor of 1
+    # makes FSDP skip its division. NOTE: not on a mesh of one rank, where FSDP copies the
+    # gradients out through `grads / factor` whenever a factor is set (a pass over every fp32
+    # gradient, 6 ms a step on the H200 proxy); with no factor, sums alone divide by nothing.
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
+            if not _one_rank(module):
+                module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     if expert_units:
         set_prefetch_chains(model, blocks, expert_units)
+
+
+def _one_rank(unit: FSDPModule) -> bool:
+    """Whether the unit's own parameters (not those of units inside it) are sharded and
+    reduced over a mesh of one rank (FSDP made them DTensors on that mesh)."""
+    nested = {
+        id(p)
+        for m in unit.modules()
+        if m is not unit and isinstance(m, FSDPModule)
+        for p in m.parameters()
+    }
+    own = [p for p in unit.parameters() if id(p) not in nested]
+    return bool(own) and all(p.device_mesh.size() == 1 for p in own)
 
 
 def _experts_by_rows(model: nn.Module, plan: ParallelPlan, ranks: int):

@@ -127,10 +127,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def stepped_records(trainer, steps: int):
     """Run `steps` steps through `trainer.train_step` (its record is what metrics.jsonl
-    gets) and yield each record with the gradients the optimizer stepped with (after
-    clipping, captured by a pre-step hook) and the updated parameters, as full tensors."""
+    gets) and yield each record with the gradients the optimizer stepped with (clipped:
+    captured by a post-step hook, since fused AdamW clips them inside its kernel and writes
+    them back) and the updated parameters, as full tensors."""
     seen = {}
-    trainer.optimizer.register_step_pre_hook(
+    trainer.optimizer.register_step_post_hook(
         lambda *_: seen.update(
             grads={n: _full(q.grad) for n, q in trainer.model.named_parameters() if q.requires_grad}
         )

@@ -169,13 +169,15 @@ def test_proxy_peak_within_5_percent_of_its_h100_measurement():
     """The Qwen3-30B-A3B proxy on one H100 peaked at the first optimizer step
     (benchmarks/results/2026-11-25-gpu-smoke-h100.json): parameters, gradients and Adam's
     moments plus the step's fp32 temporaries. The planner once put the peak in the
-    backward, 12% under."""
+    backward, 12% under. That run gathered per micro-batch, before `auto` made one rank
+    gather once per step."""
     with open(os.path.join(ROOT, "benchmarks/results/2026-11-25-gpu-smoke-h100.json")) as f:
         measured = json.load(f)["results"]["train"]["qwen3_30b_proxy"]["peak_mem_gib"]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
         subprocess.run(
-            [sys.executable, "-m", "trainer.dry_run", "--world-size=1", *PROXY, "--json", out],
+            [sys.executable, "-m", "trainer.dry_run", "--world-size=1", *PROXY,
+             "--parallel.fsdp_gather=micro_batch", "--json", out],
             cwd=ROOT, check=True, capture_output=True, text=True,
         )  # fmt: skip
         with open(out) as f:

@@ -91,3 +91,62 @@ def test_gathering_once_per_step_trains_the_same_and_moves_a_micro_batchs_bytes(
         f"bytes per step, rank 0: all-gather {sum(per_step['gathers'])} -> {sum(once['gathers'])}, "
         f"reduce-scatter {sum(per_step['scatters'])} -> {sum(once['scatters'])}"
     )
+
+
+class FlatDivisions(TorchDispatchMode):
+    """Divisions of a flat (1-D) fp32 buffer of over 1,024 elements by a Python number: how
+    FSDP applies a gradient divide factor to a unit's packed gradients (the model's own
+    1-D divisions, RoPE's frequencies, are of a few elements)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.div.Tensor, torch.ops.aten.div_.Tensor):
+            t, other = args[0], args[1]
+            flat = t.ndim == 1 and t.numel() > 1024 and t.dtype == torch.float32
+            self.count += flat and isinstance(other, (int, float))
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_rank_fsdp_reduces_gradients_without_dividing_them():
+    """On a mesh of one rank FSDP copies each unit's gradients out through `grads / factor`
+    whenever a divide factor is set: a pass over every fp32 gradient for nothing. None is
+    set there; the control sets it back and the detector sees one division per unit."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _, trainer = build_trainer(TINY, 1)
+        units = [m for m in trainer.model.modules() if isinstance(m, FSDPModule)]
+        counts = []
+        for control in (False, True):
+            if control:
+                for unit in units:
+                    unit.set_gradient_divide_factor(1.0)
+            scalings = FlatDivisions()
+            with scalings:
+                trainer.train_step(trainer.next_micro_batches())
+            counts.append(scalings.count)
+        # Each unit reduced once a step: on one rank `auto` gathers and reduces once per
+        # step (4 micro-batches here).
+        assert counts == [0, len(units)], counts
+    finally:
+        dist.destroy_process_group()
+
+
+def test_auto_gathers_once_per_step_where_fsdp_has_one_rank_only():
+    from parallelisms.dims import ParallelDims
+
+    one = ParallelDims.resolve(1, -1, 1, 1, 1)
+    assert one.fsdp_gather("auto") == "step"
+    assert one.fsdp_gather("micro_batch") == "micro_batch"  # what is set is what runs
+    for dims in (
+        ParallelDims.resolve(1, -1, 1, 1, 2),  # FSDP 2
+        ParallelDims.resolve(2, 1, 1, 1, 2),  # replicas
+        ParallelDims.resolve(1, 1, 2, 1, 2),  # CP 2
+        ParallelDims.resolve(1, 1, 1, 1, 2, pp=2),  # stages gather once already
+    ):
+        assert dims.fsdp_gather("auto") == "micro_batch", dims

@@ -57,7 +57,7 @@ def _train(impl: str, steps: int, model: nn.Module | None = None, opt=None):
     opt = opt or build_optimizer(model, cfg)
     for step in range(steps):
         _backward(model, step)
-        clip_grads_(list(model.parameters()), 1.0, grad_norm(model.parameters()))
+        clip_grads_(list(model.parameters()), 1.0, grad_norm(model.parameters()), opt)
         opt.step()
         opt.zero_grad()
     return model, opt
@@ -70,6 +70,34 @@ def test_fused_agrees_with_foreach_within_fp32_rounding():
     assert optimizer_impl(opt) == "foreach"
     for a, b in zip(fused.parameters(), foreach.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e9], ids=["clipping", "under_the_limit"])
+def test_fused_adamw_clips_inside_its_update_as_the_separate_pass_does(max_norm):
+    """Given the fused optimizer, `clip_grads_` leaves the gradients to its kernel (its
+    `grad_scale`): the update and the gradients it writes back are those of clipping first
+    and stepping after, within fp32 rounding, and bit for bit when nothing is clipped."""
+    cfg = replace(TrainSection(), optimizer_impl="fused", weight_decay=0.1, lr=1e-2)
+    sides = []
+    for inside in (True, False):
+        model = _model()
+        opt = build_optimizer(model, cfg)
+        _backward(model, 0)
+        params = list(model.parameters())
+        norm = grad_norm(params)
+        raw = [p.grad.clone() for p in params]
+        clip_grads_(params, max_norm, norm, opt if inside else None)
+        if inside:  # nothing touched yet: the kernel clips
+            assert all(torch.equal(p.grad, g) for p, g in zip(params, raw, strict=True))
+        opt.step()
+        sides.append(([p.detach().clone() for p in params], [p.grad for p in params]))
+    (params_in, grads_in), (params_out, grads_out) = sides
+    assert norm > 0.5  # so that 0.5 clips
+    for a, b in zip(params_in + grads_in, params_out + grads_out, strict=True):
+        if max_norm > norm:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_fused_falls_back_to_foreach_where_torch_has_none():
@@ -96,7 +124,7 @@ def test_checkpoint_resumes_across_implementations(saved, resumed, tmp_path):
         assert fresh_opt.state[q]["step"].item() == 2
     for step in (2, 3):  # the next batches of the uninterrupted run
         _backward(fresh, step)
-        clip_grads_(list(fresh.parameters()), 1.0, grad_norm(fresh.parameters()))
+        clip_grads_(list(fresh.parameters()), 1.0, grad_norm(fresh.parameters()), fresh_opt)
         fresh_opt.step()
         fresh_opt.zero_grad()
     straight, _ = _train(saved, 4)

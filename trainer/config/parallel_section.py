@@ -74,11 +74,12 @@ class ParallelSection:
         ge=1,
     )
     fsdp_gather: str = arg(
-        "micro_batch",
-        "when FSDP gathers parameters and reduces gradients under accumulation: micro_batch "
+        "auto",
+        "when FSDP gathers parameters and reduces gradients: auto (step where FSDP shards "
+        "over one rank, where a gather is only a cast; micro_batch elsewhere) | micro_batch "
         "(gathered again for every micro-batch's forward and backward, gradients reduced per "
         "micro-batch: least memory) | step (gathered once per step and kept until the last "
         "micro-batch's backward, gradients accumulated unsharded in fp32 and reduced once: "
         "the bytes of one micro-batch, the memory of unsharded parameters and gradients)",
-        choices=("micro_batch", "step"),
+        choices=("auto", "micro_batch", "step"),
     )

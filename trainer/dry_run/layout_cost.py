@@ -209,7 +209,7 @@ def step_bytes(layout: Layout, mode: str, rank: int = 0, gather: str | None = No
         pp_rank = rank // layout.dims.stage_ranks
         held = pc.ranks[pp_rank].step_buffers
         return pc.activations[mode][pp_rank] + layout.state.grads[rank] + held
-    if (gather or layout.cfg.parallel.fsdp_gather) == "step":
+    if (gather or layout.dims.fsdp_gather(layout.cfg.parallel.fsdp_gather)) == "step":
         return trace.activations + layout.fsdp_step_buffers
     if layout.comm["micro_batches"] > 1:
         working = trace.activations + layout.state.grads[rank]

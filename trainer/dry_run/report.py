@@ -89,7 +89,7 @@ def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str
         }  # fmt: skip
     c, ac = layout.comm, cfg.train.activation_checkpoint
     out["fsdp_gather"] = {
-        "configured": cfg.parallel.fsdp_gather,
+        "configured": layout.dims.fsdp_gather(cfg.parallel.fsdp_gather),  # auto resolved
         "micro_batch": {"all_gather": c["fsdp_all_gather"], "reduce_scatter":
                         c["fsdp_reduce_scatter"], "peak": peak_bytes(layout, ac, gather="micro_batch")},
         "step": {"all_gather": c["fsdp_all_gather_once"], "reduce_scatter":

@@ -85,10 +85,9 @@ def estimate(
     recompute_s = sum(again_s.values())  # fmt: skip
     fsdp_n = dims.dp_shard * dims.cp
     ring_f = (fsdp_n - 1) / fsdp_n
-    gather = comm[
-        "fsdp_all_gather_once" if cfg.parallel.fsdp_gather == "step" else "fsdp_all_gather"
-    ]
-    scatter = comm["fsdp_reduce_scatter_once" if cfg.parallel.fsdp_gather == "step" else "fsdp_reduce_scatter"]  # fmt: skip
+    once = dims.fsdp_gather(cfg.parallel.fsdp_gather) == "step"
+    gather = comm["fsdp_all_gather_once" if once else "fsdp_all_gather"]
+    scatter = comm["fsdp_reduce_scatter_once" if once else "fsdp_reduce_scatter"]
     seconds = {
         "fsdp": (gather + scatter) * ring_f / (link(fsdp_n, hw) * GB),
         # replicas are fsdp_n ranks apart: across nodes once a shard group fills a node

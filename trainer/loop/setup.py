@@ -22,7 +22,7 @@ from models.common.args import field_problems
 from models.common.moe import MoEOptions
 from models.spec import ModelSpec
 from parallelisms.attention_kernels import CUDA_ONLY
-from parallelisms.dims import LayoutError, ParallelDims, check_pipeline
+from parallelisms.dims import LayoutError, ParallelDims, check_pipeline, fsdp_gather_of
 from parallelisms.mesh import Meshes
 from parallelisms.parallelize import Parallelized, check_layout, parallelize
 from parallelisms.pipeline import LocalStages
@@ -196,7 +196,9 @@ def build_model(
             cp_kernel=cfg.parallel.cp_kernel,
             activation_checkpoint=cfg.train.activation_checkpoint,
             compile=cfg.train.compile,
-            fsdp_gather=cfg.parallel.fsdp_gather,
+            fsdp_gather=fsdp_gather_of(
+                cfg.parallel.fsdp_gather, meshes.world.size() == 1 and meshes.pp is None
+            ),
             ep_overlap=cfg.parallel.ep_overlap,
             stage=stage,
         )

@@ -196,7 +196,8 @@ class StepQueue:
         applied = (self.state.step - guard.skipped).clamp(0, len(self.lr_table) - 1)
         lr = self.lr_table.index_select(0, applied.view(1)).view(())  # (t[i] would read i)
         skip = guard.judge(loss, norm)
-        clip_grads_(self.params, self.cfg.train.max_grad_norm, norm)
+        # Fused AdamW clips in its own kernel (`clip_grads_`: its `grad_scale`).
+        clip_grads_(self.params, self.cfg.train.max_grad_norm, norm, self.optimizer)
         if self.bias_update is not None:
             self.bias_update.skip = skip
         if self.optimizer is not None:

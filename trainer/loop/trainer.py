@@ -231,7 +231,7 @@ class Trainer:
         if self.pipelined is not None:
             self.pipelined.step(micro_batches)
             return self.step_loss.end()
-        once = self.cfg.parallel.fsdp_gather == "step"
+        once = self.dims.fsdp_gather(self.cfg.parallel.fsdp_gather) == "step"
         for i, mb in enumerate(micro_batches):
             if once:
                 gather_once_per_step(self.model, i == len(micro_batches) - 1)
