@@ -10,7 +10,8 @@ per token with an `Unpermute`. EP wraps the three from outside with hooks:
                             -> (x_local [R, H], counts [E/ep], row_of_local, weights_local)
     experts, post-forward:  y_local [N_local, H] -> combine, started -> rows (in flight)
     unpermute, pre-forward: (rows, token_of [N], T) -> wait for the combine -> the rows the
-                            sum takes ([N, H] weighted, or [P, H] already summed per pair)
+                            sum takes ([N, H], or [P, H] already summed per pair), weighted
+                            by the experts (the routing weights travel with the tokens)
 
 NOTE: a transfer started without waiting runs on the process group's own threads (gloo) or
 stream (NCCL) while the layer computes what does not need it (`parallel.ep_overlap`):
@@ -38,7 +39,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from parallelisms.all_to_all import NOTHING, ROWS, Dispatcher, Traffic, all_to_all
+from parallelisms.all_to_all import NOTHING, ROUTING, ROWS, Dispatcher, Traffic, all_to_all
 from parallelisms.node_dispatch import NodeDispatcher
 
 
@@ -65,7 +66,8 @@ class TokenDispatcher(Protocol):
         self, sent: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Wait for a `send`; the experts' arguments: rows [R, H], counts [E/ep], the row
-        of each local assignment (None: row i) and its weight (None: applied at home)."""
+        of each local assignment (None: row i) and its routing weight, which the experts
+        apply."""
         ...
 
     def combine(self, y_local: torch.Tensor, wait: bool) -> torch.Tensor:
@@ -102,9 +104,14 @@ def _source_major_to_expert_major(recv_counts: torch.Tensor, rows: int) -> torch
 
 
 class AllToAllDispatcher(Dispatcher):
-    """One all-to-all over the `ep` group, one row per (token, expert) assignment. The
-    routing weights stay at the source: the experts return unweighted rows, and the combine
-    weights and sums them where the token lives (the same arithmetic as one process)."""
+    """One all-to-all over the `ep` group, one row per (token, expert) assignment, and one
+    of their routing weights: the experts weight their rows, as in one process, and the
+    combine only sums them where the token lives.
+
+    NOTE: why the weights travel (4 bytes a row): the product's gradient for the weights
+    reads the expert's output. Kept at the source it is the combine's receive buffer, top-k
+    rows of the model width a token, held from forward to backward; at the expert,
+    `selective` rebuilds it instead (models/common/moe.py, `GroupedExperts.ffn`)."""
 
     def __init__(self, ep_mesh: DeviceMesh, num_experts: int, ranks_per_node: int) -> None:
         group = ep_mesh.get_group()
@@ -122,7 +129,9 @@ class AllToAllDispatcher(Dispatcher):
         # implicit prefetch (see parallelisms/fsdp.py).
         send_splits = send_counts.sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
-        keep = (recv_counts, send_splits, recv_splits, weights)
+        # The small weights first: on one NCCL stream they would queue behind the rows.
+        weights_in = all_to_all(weights, recv_splits, send_splits, self.handle, 0, ROUTING)
+        keep = (recv_counts, send_splits, recv_splits, weights_in)
         out = self.start("ep.dispatch", keep, x[token_of], recv_splits, send_splits, 0, ROWS, wait)
         self._sending.append((out, None))
         return out
@@ -130,18 +139,18 @@ class AllToAllDispatcher(Dispatcher):
     def arrive(self, sent):
         x_recv, (recv_counts, send_splits, recv_splits, weights), _ = self.arrived(sent)
         perm = _source_major_to_expert_major(recv_counts, sum(recv_splits))
-        self._pending.append((perm, send_splits, recv_splits, weights))
-        return x_recv[perm], recv_counts.sum(0), None, None
+        self._pending.append((perm, send_splits, recv_splits))
+        return x_recv[perm], recv_counts.sum(0), None, weights[perm]
 
     def combine(self, y_local: torch.Tensor, wait: bool) -> torch.Tensor:
-        perm, send_splits, recv_splits, weights = self._pending.pop(0)
+        perm, send_splits, recv_splits = self._pending.pop(0)
         y_recv = torch.empty_like(y_local).index_copy(0, perm, y_local)  # back to arrival order
-        # [N, H] unweighted, in the source's expert-major order
-        return self.start("ep.combine", weights, y_recv, send_splits, recv_splits, 0, ROWS, wait)
+        # [N, H] weighted, in the source's expert-major order
+        return self.start("ep.combine", None, y_recv, send_splits, recv_splits, 0, ROWS, wait)
 
     def landed(self, rows, token_of, tokens):
-        rows, weights = self.wait_for(rows)
-        return rows * weights[:, None].to(rows.dtype), token_of, tokens
+        rows, _ = self.wait_for(rows)
+        return rows, token_of, tokens
 
 
 def apply_expert_parallel(

@@ -180,9 +180,10 @@ def layout_worker(
         # ring attention's point-to-point operations so far (this rank)
         out["p2p_ops"] = sum(ring.stats.p2p_ops for ring in trainer.parallel.ring_attention)
         if counter is not None:
-            # Per MoE layer and step: dispatch + combine, forward + backward, fp32 rows.
+            # Per MoE layer and step: dispatch + combine, forward + backward, fp32 rows; and
+            # each remote assignment's routing weight (fp32) out, its gradient back.
             row = cfg.model.args.hidden_size * 4
-            out["a2a_expected"] = 4 * counter.remote * row
+            out["a2a_expected"] = 4 * counter.remote * row + 8 * counter.remote
             if dims.ep_nodes > 1:
                 # Each (token, remote node) row: out and back, forward and backward; each
                 # remote assignment's routing: expert and row (int32 x 2) and weight (fp32)

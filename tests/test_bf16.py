@@ -120,9 +120,10 @@ def test_what_is_bf16_and_what_stays_fp32_cp2_ep2(tmp_path):
     assert set(_ops(s, "c10d::_reduce_scatter_base_")) == {(F32, F32)}
     assert {t for t in _ops(s, "gloo:all_reduce")} <= {(F32,), ("long int",)}
     # Expert parallelism: bf16 token rows (int64 counts), half the fp32 bytes for the same
-    # routing; the grouped GEMM takes bf16.
-    assert set(_ops(s, "moetrain::all_to_all")) == {(BF,), ("long int",)}
-    assert s["a2a_bytes"] == 4 * s["remote_rows"] * s["hidden"] * 2 > 0
+    # routing, and the routing weights in fp32 (out, and their gradient back); the grouped
+    # GEMM takes bf16.
+    assert set(_ops(s, "moetrain::all_to_all")) == {(BF,), (F32,), ("long int",)}
+    assert s["a2a_bytes"] == 4 * s["remote_rows"] * s["hidden"] * 2 + 8 * s["remote_rows"] > 0
     assert set(_ops(s, "aten::_grouped_mm")) == {(BF, BF, "int")}
     # The ring: bf16 q/k/v and K/V blocks, bf16 block kernels; the merged output is fp32
     # (its gradient arrives in fp32) and the dK/dV partial sums travel in fp32.
@@ -152,8 +153,8 @@ def test_hsdp_reduces_in_fp32_and_routing_state_stays_fp32(tmp_path):
     assert set(_ops(s, "c10d::_reduce_scatter_base_")) == {(F32, F32)}
     reduced = {t for t in _ops(s, "gloo:all_reduce")}
     assert (F32,) in reduced and reduced <= {(F32,), ("long int",)}  # the replicas' sum too
-    assert set(_ops(s, "moetrain::all_to_all")) == {(BF,), ("long int",)}
-    assert s["a2a_bytes"] == 4 * s["remote_rows"] * s["hidden"] * 2 > 0
+    assert set(_ops(s, "moetrain::all_to_all")) == {(BF,), (F32,), ("long int",)}
+    assert s["a2a_bytes"] == 4 * s["remote_rows"] * s["hidden"] * 2 + 8 * s["remote_rows"] > 0
 
 
 # --- layouts agree in bf16 ----------------------------------------------------------------

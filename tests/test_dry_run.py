@@ -207,6 +207,18 @@ def test_knob_suggestion_brings_the_layout_in():
     assert ac["peak"] == plan["modes"][mode]["peak_rank0"] <= budget * 2**30
 
 
+def test_a_suggestion_is_never_a_flag_the_launch_would_refuse():
+    """Under DualPipeV (split backward) `full` checkpointing is refused at launch: a budget
+    only `full` would meet gets no suggestion of it, whatever its peak."""
+    v = ["--parallel.pp=2", "--parallel.pp_schedule=DualPipeV", "--train.global_batch_size=16"]
+    plan = _plan_in_process(2, CONFIG, *v)
+    full, selective = (plan["modes"][m]["peak_rank0"] for m in ("full", "selective"))
+    assert full < selective
+    plan = _plan_in_process(2, CONFIG, *v, f"--gpu-memory={(selective + full) / 2 / 2**30}")
+    assert plan["fits"] is False
+    assert not any("activation_checkpoint=full" in s["flag"] for s in plan["suggestions"])
+
+
 def test_all_to_all_bytes_follow_the_routed_rows():
     """The planner's EP bytes, from the config alone: each rank's micro-batch of 4 x 128
     tokens takes top-2 experts in 3 MoE layers (layer 0 is dense), fp32 rows of 128; under

@@ -76,16 +76,23 @@ def test_dispatch_matches_unsharded_layer_and_moves_minimum_bytes(kind, tmp_path
     row_bytes = HIDDEN * 4  # fp32
     for r in results:
         assert r["max_err"] < 1e-5 and r["grad_is_dtensor"]
+        # Each remote assignment's routing weight (fp32) goes with its row, and the weight's
+        # gradient comes back in backward: 4 bytes, once a direction.
         if kind == "balanced":
             # Per direction: tokens x top-k x hidden x bytes x (ep - 1) / ep, no padding;
             # forward = dispatch + combine, backward the same again.
-            per_direction = TOKENS * TOP_K * row_bytes * (world - 1) // world
-            assert r["forward_bytes"] == r["backward_bytes"] == 2 * per_direction
+            remote = TOKENS * TOP_K * (world - 1) // world
+            per_direction = remote * row_bytes
+            assert r["forward_bytes"] == r["backward_bytes"] == 2 * per_direction + 4 * remote
         else:
-            # Rank 0 owns every used expert: rank 1 sends all its assignments, rank 0 sends
-            # them back; rank 0 keeps its own and rank 1's expert shard idles.
+            # Rank 0 owns every used expert: rank 1 sends all its assignments (and their
+            # weights), rank 0 sends the rows back (and, in backward, the weights'
+            # gradients); rank 0 keeps its own and rank 1's expert shard idles.
             moved = TOKENS * TOP_K * row_bytes
-            assert r["forward_bytes"] == r["backward_bytes"] == moved
+            weights = 4 * TOKENS * TOP_K
+            sent = [r["forward_bytes"] for r in results], [r["backward_bytes"] for r in results]
+            assert sent == ([moved, moved + weights], [moved + weights, moved])
+            break
 
 
 def _prefetch_worker(rank: int, world: int, out_path: str) -> None:

@@ -223,7 +223,16 @@ class GroupedExperts(RoutedExperts):
 
     def ffn(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         gate, up = self.project(x_sorted, "gate_up", tokens_per_expert).chunk(2, dim=-1)
-        return self.project(recomputed(swiglu, gate, up), "down", tokens_per_expert)
+        hidden = recomputed(swiglu, gate, up)
+        # NOTE: the down-projection is a recomputed region too: its output (top-k rows of
+        # the model width a token), which the routing weights' product keeps for their
+        # gradient, is rebuilt in backward by its GEMM rather than kept; and its input,
+        # SwiGLU's output, is rebuilt from SwiGLU's region alone where only it is needed
+        # (the weight gradient: the split backward's weight pass runs no GEMM again).
+        return recomputed(self._down, hidden, tokens_per_expert)
+
+    def _down(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return self.project(hidden, "down", tokens_per_expert)
 
     def project(self, x: torch.Tensor, name: str, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Rows [N, in] through each one's expert's `{name}_proj` ("gate_up" or "down")."""
@@ -272,7 +281,9 @@ class MoE(nn.Module):
         self.gate = router
         self.experts = experts or GroupedExperts(self.num_experts, dim, hidden_dim, options.gemm)
         self.shared_experts = (
-            SwiGLU(dim, shared_hidden_dim, shared_bias) if shared_hidden_dim else None
+            SwiGLU(dim, shared_hidden_dim, shared_bias, rebuilt_projections=True)
+            if shared_hidden_dim
+            else None
         )
         if shared_gate and not shared_hidden_dim:
             raise ValueError("shared_gate needs shared experts (shared_hidden_dim > 0)")

@@ -50,7 +50,8 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-_local = threading.local()  # .scope: the running block's _Scope, or None
+# .scope: the running block's _Scope, or None; .rebuilding: see `rebuilding`
+_local = threading.local()
 
 
 def recomputed(fn: Callable, *inputs):
@@ -61,6 +62,13 @@ def recomputed(fn: Callable, *inputs):
     if scope is None or not torch.is_grad_enabled():
         return fn(*inputs)
     return scope.run(fn, inputs)
+
+
+def rebuilding():
+    """What backward is rebuilding now: the module whose method the region runs (its
+    function, if a plain one), or None. What the planner charges a recomputation's FLOPs
+    to (trainer/dry_run/traces.py)."""
+    return getattr(_local, "rebuilding", None)
 
 
 @contextmanager
@@ -112,12 +120,22 @@ def _unpack(saved):
 
 
 class _Region:
-    def __init__(self, fn: Callable, inputs: tuple) -> None:
+    def __init__(self, fn: Callable, inputs: tuple, links: dict[int, _Handle]) -> None:
+        """`links`: input index -> a handle to the earlier region output it is (not kept:
+        rebuilt from that region when this one is)."""
         self.fn = fn
-        self.inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
+        self.links = links
+        self.inputs = tuple(
+            None if i in links else x.detach() if isinstance(x, torch.Tensor) else x
+            for i, x in enumerate(inputs)
+        )
         self.grad = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
-        self.versions = [x._version for x in inputs if isinstance(x, torch.Tensor)]
-        self.kept = {_storage_id(x) for x in inputs if _plain_tensor(x)}
+        kept = [x for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and i not in links]
+        self.versions = [x._version for x in kept]
+        self.kept = {_storage_id(x) for x in kept if _plain_tensor(x)}
+        # storage -> the link of an input rebuilt from an earlier region: what this region's
+        # ops save of it is a handle to that region, not to this one
+        self.linked = {_storage_id(inputs[i]): h for i, h in links.items()}
         self.packs = 0  # saves by the region's own ops, in order
         self.handles = 0  # handles given out (inner and outputs)
         self.cache: tuple | None = None  # (graph task, saved, outputs, unpacks so far)
@@ -127,6 +145,9 @@ class _Region:
         base = t._base if t._base is not None else t
         if not _plain_tensor(t) or base.is_leaf or _storage_id(t) in self.kept:
             return t  # a weight, a constant or an input: kept anyway
+        link = self.linked.get(_storage_id(t))
+        if link is not None:  # an input from an earlier region: rebuilt by that one alone
+            return link.region.pack_output(link.index, t)
         self.handles += 1
         return _Handle(self, index)
 
@@ -169,17 +190,26 @@ class _Region:
                 "selective recomputation: an input of a recomputed region was modified in "
                 "place after the region ran, so backward cannot rebuild its activations"
             )
+        given = [
+            self.links[i].region.unpack(self.links[i]) if i in self.links else x
+            for i, x in enumerate(self.inputs)
+        ]
         inputs = tuple(
             x.detach().requires_grad_(g) if isinstance(x, torch.Tensor) else x
-            for x, g in zip(self.inputs, self.grad, strict=True)
+            for x, g in zip(given, self.grad, strict=True)
         )
         saved: list[torch.Tensor] = []
 
         def collect(t: torch.Tensor) -> None:
             saved.append(t.detach())
 
-        with _plain(), torch.enable_grad(), saved_tensors_hooks(collect, _unused):
-            out = self.fn(*inputs)
+        outer = getattr(_local, "rebuilding", None)
+        _local.rebuilding = getattr(self.fn, "__self__", self.fn)
+        try:
+            with _plain(), torch.enable_grad(), saved_tensors_hooks(collect, _unused):
+                out = self.fn(*inputs)
+        finally:
+            _local.rebuilding = outer
         if len(saved) != self.packs:
             raise RuntimeError(
                 f"selective recomputation: the region saved {len(saved)} tensors when rebuilt, "
@@ -203,10 +233,16 @@ class _Scope:
         self.outputs: dict[int, tuple[StorageWeakRef, _Region, int, torch.dtype]] = {}
 
     def run(self, fn: Callable, inputs: tuple):
-        for x in inputs:  # an input of this region is kept by it: no need to rebuild it
-            if _plain_tensor(x):
-                self.outputs.pop(_storage_id(x), None)
-        region = _Region(fn, inputs)
+        links = {}
+        for i, x in enumerate(inputs):
+            if not _plain_tensor(x):
+                continue
+            entry = self.outputs.get(_storage_id(x))
+            if entry is not None and not entry[0].expired() and entry[3] == x.dtype:
+                # an earlier region's output: linked, rebuilt from that region when this
+                # one is, and not kept (SwiGLU's output into the experts' down-projection)
+                links[i] = entry[1].pack_output(entry[2], x)
+        region = _Region(fn, inputs, links)
         with _plain(), saved_tensors_hooks(region.pack_inner, _unpack):
             out = fn(*inputs)
         for index, t in enumerate(_tensors(out)):

@@ -29,6 +29,7 @@ import json
 import sys
 import time
 
+from trainer.config.checks import config_problems
 from trainer.dry_run.flags import HW_FLAGS, count, figure, hardware_overrides
 from trainer.dry_run.hardware import (
     PRESETS,
@@ -57,12 +58,17 @@ def suggest(
         return []
     found = []
     for mode in MODES:
-        if mode != cfg.train.activation_checkpoint and peak_bytes(layout, mode) <= budget:
-            found.append((f"--train.activation_checkpoint={mode}", peak_bytes(layout, mode)))
-            break
+        if mode == cfg.train.activation_checkpoint or peak_bytes(layout, mode) > budget:
+            continue
+        if _refused(_variant(cfg, train={"activation_checkpoint": mode}), cfg):
+            continue  # (full under a V schedule: the launch would refuse it)
+        found.append((f"--train.activation_checkpoint={mode}", peak_bytes(layout, mode)))
+        break
     mb = cfg.train.micro_batch_size // 2
     while mb >= 1 and not found[1:]:
         trial = _variant(cfg, train={"micro_batch_size": mb})
+        if _refused(trial, cfg):
+            break
         measured = measure_layout(trial, world_size, (cfg.train.activation_checkpoint,), reuse)
         peak = peak_bytes(measured, cfg.train.activation_checkpoint)
         if peak <= budget:
@@ -70,6 +76,8 @@ def suggest(
         mb //= 2
     for key, value in _layout_knobs(layout):
         trial = _variant(cfg, parallel={key: value})
+        if _refused(trial, cfg):
+            continue
         try:
             measured = measure_layout(trial, world_size, (cfg.train.activation_checkpoint,), reuse)
         except ValueError:  # a layout this model or batch cannot take
@@ -79,6 +87,11 @@ def suggest(
             found.append((f"--parallel.{key}={value}", peak))
             break
     return found
+
+
+def _refused(trial, cfg) -> bool:
+    """Whether a launch would refuse `trial` for a reason it would not refuse `cfg` for."""
+    return not set(config_problems(trial)) <= set(config_problems(cfg))
 
 
 def _layout_knobs(layout: Layout) -> list[tuple[str, int]]:

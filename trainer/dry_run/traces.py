@@ -6,6 +6,13 @@ search (`trace_key`). A search runs most of them in worker processes
 
 from __future__ import annotations
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+from models.common.recompute import rebuilding
+from parallelisms.plan import match_modules
+
 
 def trace_key(cfg, dims, mode: str) -> tuple:
     """What a trace depends on within one search: the rank's local shapes and the mode."""
@@ -77,62 +84,85 @@ def trace_layout(cfg, spec, dims, mode: str, meshes, models=None):
         return run_step
 
     trace = trace_step(model, spec.plan, step_of(cfg.train.micro_batch_size), 0, sampled)
-    if mode in ("none", "selective"):
-        # their difference is what `selective` computes again (recompute_cost). NOTE: a
-        # pass of its own, on one sequence (the FLOPs are per token): the counter's module
-        # hooks hold gradients a little longer, which the trace above must not see.
-        counter = flop_counter()
+    if mode == "selective":
+        # What its backward computes again (recompute_cost). NOTE: a pass of its own, on one
+        # sequence (the FLOPs are per token): the counter's bookkeeping must not reach the
+        # trace above.
+        counter = RebuiltFlops(model, spec.plan)
         with MetaShortcuts(), counter:
             step_of(1)(lambda: None)
-        trace.gemm_flops = gemm_flops(counter, model, spec.plan, sampled, S)
+        trace.gemm_flops = counter.per_token(sampled, S)
     return trace
 
 
-def flop_counter():
-    """A `FlopCounterMode` that prints nothing: what `gemm_flops` reads."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    return FlopCounterMode(display=False)
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """x [N, K] by stacked w [E, K, M] (each row by its expert's), or x^T [K, N] by g [N, M]
+    (each expert's rows summed: the weight gradient): 2 N K M either way."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
 
 
 def _kind(op) -> str:
-    # the kinds of models.common.flops.KINDS: what the counter counts is a dense GEMM
-    # (mm, addmm, bmm) or an attention kernel
+    # the kinds of models.common.flops.KINDS: a dense GEMM (mm, addmm, bmm), the experts'
+    # grouped GEMM or an attention kernel
+    if "_grouped_mm" in str(op):
+        return "grouped"
     return "attention" if "attention" in str(op) else "dense"
 
 
-def _by_kind(op_counts: dict) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for op, flops in op_counts.items():
-        out[_kind(op)] = out.get(_kind(op), 0.0) + flops
-    return out
+class RebuiltFlops(TorchDispatchMode):
+    """A dispatch mode: the FLOPs of the matrix products and attention kernels that run while
+    backward rebuilds a recomputed region (`models.common.recompute.rebuilding`), by kind,
+    in all and per block (the block holding the module whose region it is).
 
+    NOTE: not the difference of a `selective` and a `none` trace under torch's
+    `FlopCounterMode`: its module tracking in backward charges a block's ops to whichever
+    modules it holds open then (the experts' backward GEMMs went to the embedding), so a
+    difference by block missed the experts' recomputed down-projection."""
 
-def gemm_flops(counter, model, plan, sampled, tokens: int):
-    """The counts of `counter` (which ran one micro-batch of `tokens` tokens through the
-    plain `model`) per token, per block structure, and for the whole model with what
-    `footprint.sample_blocks` dropped added back (`sampled`), as the trace adds its bytes:
-    a `recompute_cost.GemmFlops`."""
-    from parallelisms.plan import match_modules
-    from trainer.dry_run.footprint import block_structure
-    from trainer.dry_run.recompute_cost import GemmFlops
+    def __init__(self, model, plan) -> None:
+        super().__init__()
+        blocks = match_modules(model, plan.blocks, "blocks")
+        self.outer_blocks = [
+            b for f, b in blocks if not any(f.startswith(g + ".") for g, _ in blocks)
+        ]
+        self.block_of = {id(m): id(b) for b in self.outer_blocks for m in b.modules()}
+        grouped = {torch.ops.aten._grouped_mm: shape_wrapper(_grouped_mm_flops)}
+        self.registry = {**flop_registry, **grouped}
+        self.total: dict[str, float] = {}
+        self.per_block: dict[int, dict[str, float]] = {id(b): {} for b in self.outer_blocks}
 
-    counts = counter.get_flop_counts()
-    root = type(model).__name__  # the counter names modules from the model it saw first
-    blocks = match_modules(model, plan.blocks, "blocks")
-    outer = [(f, b) for f, b in blocks if not any(f.startswith(g + ".") for g, _ in blocks)]
-    per_block = {id(b): _by_kind(counts.get(f"{root}.{f}", {})) for f, b in outer}
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        owner = rebuilding()
+        formula = self.registry.get(func._overloadpacket)
+        if owner is not None and formula is not None:
+            flops, kind = formula(*args, **kwargs, out_val=out), _kind(func)
+            self.total[kind] = self.total.get(kind, 0.0) + flops
+            block = self.block_of.get(id(owner))
+            if block is not None:
+                self.per_block[block][kind] = self.per_block[block].get(kind, 0.0) + flops
+        return out
 
-    def mean(ids: list[int]) -> dict[str, float]:
-        kinds = {k for i in ids for k in per_block[i]}
-        return {k: sum(per_block[i].get(k, 0.0) for i in ids) / len(ids) for k in kinds}
+    def per_token(self, sampled, tokens: int):
+        """-> `recompute_cost.GemmFlops` per token: per block structure, and for the whole
+        model with what `footprint.sample_blocks` dropped added back (`sampled`), as the
+        trace adds its bytes."""
+        from trainer.dry_run.footprint import block_structure
+        from trainer.dry_run.recompute_cost import GemmFlops
 
-    groups: dict[tuple, list[int]] = {}
-    for _, b in outer:
-        groups.setdefault(block_structure(b), []).append(id(b))
-    total = _by_kind(counts.get("Global", {}))
-    for kept, dropped in sampled:
-        for k, f in mean([id(b) for b in kept if id(b) in per_block]).items():
-            total[k] = total.get(k, 0.0) + dropped * f
-    by_structure = {s: {k: f / tokens for k, f in mean(ids).items()} for s, ids in groups.items()}
-    return GemmFlops({k: f / tokens for k, f in total.items()}, by_structure)
+        def mean(ids: list[int]) -> dict[str, float]:
+            kinds = {k for i in ids for k in self.per_block[i]}
+            return {k: sum(self.per_block[i].get(k, 0.0) for i in ids) / len(ids) for k in kinds}
+
+        groups: dict[tuple, list[int]] = {}
+        for b in self.outer_blocks:
+            groups.setdefault(block_structure(b), []).append(id(b))
+        total = dict(self.total)
+        for kept, dropped in sampled:
+            for k, f in mean([id(b) for b in kept if id(b) in self.per_block]).items():
+                total[k] = total.get(k, 0.0) + dropped * f
+        by_structure = {
+            s: {k: f / tokens for k, f in mean(ids).items()} for s, ids in groups.items()
+        }
+        return GemmFlops({k: f / tokens for k, f in total.items()}, by_structure)
