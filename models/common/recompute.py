@@ -7,16 +7,20 @@ projections (DeepSeek-V3: the MLA up-projections, RoPE and the concatenation). O
 block run under `selective_block()` (the `selective` mode's block forward), or without
 grad, it is the plain call.
 
-Inside one, the region runs once, as ordinary autograd ops, and keeps its inputs. What it
-would keep besides, it does not:
+Inside one, the region runs once, as ordinary autograd ops, and keeps its inputs, but
+for those that are an earlier region's outputs (chained regions: SwiGLU's output into the
+experts' down-projection), which it links to that region instead. What it would keep
+besides, it does not:
 
 - a tensor an op inside the region saves for backward (say the norm's fp32 copy), unless
-  it is a leaf (a weight) or shares an input's storage, is saved as a handle;
+  it is a leaf (a weight) or shares a kept input's storage, is saved as a handle (of a
+  linked input's, a handle to the earlier region);
 - a tensor an op later in the block saves (the attention kernel's q, k, v; a projection's
   input) that is a view of one of the region's outputs is saved as a handle too.
 
-A handle's unpack runs the region again from its kept inputs (under grad, collecting what
-its ops save, in order) and hands back the saved tensor, or the same view of the output.
+A handle's unpack runs the region again from its kept inputs and its linked ones (rebuilt
+first by their own regions), under grad, collecting what its ops save, in order, and hands
+back the saved tensor, or the same view of the output.
 
 NOTE: why not `torch.utils.checkpoint` per region: checkpoint rebuilds only what the
 region's own ops saved, so the attention kernel's saved q, k, v (the up-projections'
