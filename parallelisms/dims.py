@@ -169,26 +169,22 @@ class ParallelDims:
         return max(1, self.ep // self.ranks_per_node) if self.ranks_per_node else 1
 
     def fsdp_gather(self, configured: str) -> str:
-        """`parallel.fsdp_gather` as this layout runs it (`fsdp_gather_of`)."""
-        return fsdp_gather_of(configured, self.dp_size * self.cp == 1 and self.pp == 1)
+        """`parallel.fsdp_gather` as this layout runs it: `auto` is `step` where FSDP shards
+        over one rank (no data or context parallel ranks, no pipeline stages), `micro_batch`
+        elsewhere. NOTE: on one rank nothing is sharded: a gather is only the cast of the
+        fp32 parameters to the compute dtype, and a reduction a copy. Per micro-batch they
+        would be cast twice (forward, and again in backward after resharding) and copied
+        once each; once per step, they are cast and copied once, for the price of holding
+        the cast copy (2 bytes a parameter in bf16) through the step."""
+        if configured != "auto":
+            return configured
+        one_rank = self.dp_size * self.cp == 1 and self.pp == 1
+        return "step" if one_rank else "micro_batch"
 
     @property
     def efsdp_size(self) -> int:
         """Ranks that shard one expert-parallel slice of the routed experts."""
         return self.fsdp_size // self.ep
-
-
-def fsdp_gather_of(configured: str, one_rank: bool) -> str:
-    """`parallel.fsdp_gather` resolved: `auto` is `step` where FSDP shards over one rank
-    (`one_rank`: no data or context parallel ranks, no pipeline stages), `micro_batch`
-    elsewhere. NOTE: on one rank nothing is sharded: a gather is only the cast of the fp32
-    parameters to the compute dtype, and a reduction a copy. Per micro-batch they would be
-    cast twice (forward, and again in backward after resharding) and copied once each;
-    once per step, they are cast and copied once, for the price of holding the cast copy
-    (2 bytes a parameter in bf16) through the step."""
-    if configured != "auto":
-        return configured
-    return "step" if one_rank else "micro_batch"
 
 
 # parallel.pp_schedule: the schedules of torch.distributed.pipelining this trainer runs.

@@ -31,7 +31,7 @@ def evaluate_weights(cfg: JobConfig, dims: ParallelDims, checkpoint: str | None)
     init_distributed(device)
     try:
         meshes = build_meshes(dims, device.type)
-        model, parallel = build_model(cfg, spec, meshes, device)
+        model, parallel = build_model(cfg, spec, dims, meshes, device)
         source = checkpoint
         if checkpoint is not None:
             loader = Checkpointer(os.path.dirname(os.path.abspath(checkpoint)), 0, False)

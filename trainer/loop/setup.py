@@ -22,7 +22,7 @@ from models.common.args import field_problems
 from models.common.moe import MoEOptions
 from models.spec import ModelSpec
 from parallelisms.attention_kernels import CUDA_ONLY
-from parallelisms.dims import LayoutError, ParallelDims, check_pipeline, fsdp_gather_of
+from parallelisms.dims import LayoutError, ParallelDims, check_pipeline
 from parallelisms.mesh import Meshes
 from parallelisms.parallelize import Parallelized, check_layout, parallelize
 from parallelisms.pipeline import LocalStages
@@ -166,7 +166,7 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> Corpora:
 
 
 def build_model(
-    cfg: JobConfig, spec: ModelSpec, meshes: Meshes, device: torch.device
+    cfg: JobConfig, spec: ModelSpec, dims: ParallelDims, meshes: Meshes, device: torch.device
 ) -> tuple[nn.Module, Parallelized]:
     """The model on the meta device -> the plan applied -> its local shards allocated on
     `device` (not initialised: weights come from init, a checkpoint or HF), in train mode."""
@@ -196,9 +196,7 @@ def build_model(
             cp_kernel=cfg.parallel.cp_kernel,
             activation_checkpoint=cfg.train.activation_checkpoint,
             compile=cfg.train.compile,
-            fsdp_gather=fsdp_gather_of(
-                cfg.parallel.fsdp_gather, meshes.world.size() == 1 and meshes.pp is None
-            ),
+            fsdp_gather=dims.fsdp_gather(cfg.parallel.fsdp_gather),
             ep_overlap=cfg.parallel.ep_overlap,
             stage=stage,
         )

@@ -107,7 +107,7 @@ class Trainer:
         """The model on the meta device -> the plan applied -> local shards allocated (not
         yet initialised); the optimizer, and the loss the model's terms ask for."""
         cfg = self.cfg
-        self.model, self.parallel = build_model(cfg, self.spec, self.meshes, self.device)
+        self.model, self.parallel = build_model(cfg, self.spec, self.dims, self.meshes, self.device)
         self.dispatchers = self.parallel.dispatchers
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # None on a pipeline stage that trains no parameter (LoRA froze all it holds)
