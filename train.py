@@ -1,7 +1,8 @@
 """Entry point: `torchrun --nproc_per_node=N train.py --config FILE.toml [--section.key=value ...]`.
 
 Bad configs and layouts are refused here, before any process group exists: exit code 2
-and one message, no traceback. A run stopped by too many consecutive bad steps exits 3,
+and one message, no traceback; so is a launch into a job directory that a live run holds
+(`trainer.checkpoint.job_lock`). A run stopped by too many consecutive bad steps exits 3,
 after saving a checkpoint, and so does a run whose every step was skipped: it trained
 nothing (`trainer.loop.guard`).
 """
@@ -12,6 +13,7 @@ import os
 import sys
 
 from parallelisms.dims import ParallelDims, world_size_from_env
+from trainer.checkpoint.job_lock import JobLock
 from trainer.config import ConfigError, format_help, load_config, startup_notes
 from trainer.errors import USER_ERRORS, refuse
 
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.loop.setup import preflight  # torch-heavy: only once the config is good
 
         corpora = preflight(cfg, dims)  # the prepared data's manifests, read once
+        # One live run per job directory, held by rank 0 until this process ends.
+        lock = JobLock.acquire(cfg.job.output_dir) if os.environ.get("RANK", "0") == "0" else None
     except USER_ERRORS as err:
         return refuse(err)
     if os.environ.get("RANK", "0") == "0":  # once per run, as the trainer's own lines
@@ -56,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if lock is not None:
+            lock.release()
     return 0
 
 

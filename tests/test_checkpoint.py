@@ -205,11 +205,20 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
+def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     args = DEBUG + ["--train.steps=400"]
     proc = launch_train(args, out, nproc=2)
     _wait_for(lambda: (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 3, proc)
+    # A second launch into the live run's directory is refused, naming its rank 0 (issue 64).
+    monkeypatch.chdir(ROOT)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert train.main([*args, f"--job.output_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert f"job.output_dir {out} is in use by a live run: pid " in err, err
+    holder = int(err.split("live run: pid ")[1].split()[0])
+    assert holder in _workers(proc) and "give this run another --job.output_dir" in err
     for pid in _workers(proc):  # what a scheduler does before preemption
         os.kill(pid, signal.SIGTERM)
     output = finish(proc, out, timeout=120)

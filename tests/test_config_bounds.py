@@ -131,6 +131,23 @@ def test_yarn_keys_are_bounded_for_every_model_that_has_them(name):
     load_config([*argv, "--model.rope_factor=1"])  # no extension: accepted
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_a_yarn_key_under_default_rope_is_refused_as_ignored(name):
+    """issue 64, item 11: `--model.rope_factor=4` with rope_type=default ran with plain RoPE
+    and said nothing; every YaRN key set under default RoPE is refused, naming the fix."""
+    argv = [f"--model.name={name}", "--model.rope_type=default"]
+    message = config_error([*argv, "--model.rope_factor=4"])
+    assert message.startswith(
+        "model.rope_factor=4.0 has no effect with model.rope_type=default: it acts only with "
+        "model.rope_type=yarn; set model.rope_type=yarn, or leave model.rope_factor at its default"
+    )
+    assert "model.rope_beta_fast=8.0 has no effect" in config_error(
+        [*argv, "--model.rope_beta_fast=8"]
+    )
+    load_config(argv)  # YaRN's keys at their defaults: nothing ignored
+    load_config([*argv[:1], "--model.rope_type=yarn", "--model.rope_factor=4"])
+
+
 def test_models_without_yarn_take_no_rope_factor():
     """Mixtral and OLMoE have plain RoPE only (their readers refuse a scaled config.json)."""
     for name in ("mixtral", "olmoe"):

@@ -75,6 +75,17 @@ def test_an_injection_the_run_never_reaches_is_refused_or_noted(capsys, monkeypa
         [DEBUG, "--train.steps=3", "--debug.inject_nonfinite_step=4"], capsys, monkeypatch
     )
     assert "debug.inject_nonfinite_step=4 is past the run's last step (train.steps=3)" in err
+    # Injections that run off the end (issue 64, item 11): 4 of 5 would never happen.
+    argv = [
+        "--train.steps=3",
+        "--debug.inject_nonfinite_step=3",
+        "--debug.inject_nonfinite_count=5",
+    ]
+    err = _refused([DEBUG, *argv], capsys, monkeypatch)
+    assert "debug.inject_nonfinite_count=5 from debug.inject_nonfinite_step=3 reaches step 7" in err
+    assert "4 of its injections would never happen" in err
+    assert "debug.inject_nonfinite_count=1 or less" in err
+    load_config([*argv[:2], "--debug.inject_nonfinite_count=1"])  # the last step alone: runs
     # Before the step a run resumes after: accepted (a run from scratch injects), noted.
     argv = [
         "--train.steps=10",

@@ -21,12 +21,16 @@ def arg(
     lt: float | None = None,
     choices: tuple | None = None,
     note: str | None = None,
+    only_with: tuple[str, Any] | None = None,
 ) -> Any:
     """A dataclass field with a doc and optional bounds (ge: >=, gt: >, le: <=, lt: <) or
     choices. `note` is appended to a bound's error, e.g. "0 = off". None values (optional
-    keys left unset) are never checked."""
+    keys left unset) are never checked. `only_with=(key, value)`: the field acts only while
+    field `key` holds `value` (YaRN's factor under `rope_type = "yarn"`), so a value other
+    than its default is refused otherwise: set but ignored."""
     meta: dict[str, Any] = {"help": doc}
-    for key, value in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt), ("choices", choices)):
+    given = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "only_with": only_with}
+    for key, value in given.items():
         if value is not None:
             meta[key] = value
     if note is not None:
@@ -75,14 +79,34 @@ def _in_range(value: float, meta: dict[str, Any]) -> bool:
     )
 
 
+def _ignored(obj: Any, f: Any, section: str) -> str | None:
+    """The problem of field `f` holding a value other than its default while the field it
+    acts with (`only_with`) does not hold the value it needs, else None."""
+    needed = f.metadata.get("only_with")
+    if needed is None:
+        return None
+    other, wanted = needed
+    value, actual = getattr(obj, f.name), getattr(obj, other)
+    if actual == wanted or value == f.default:
+        return None
+    return (
+        f"{section}.{f.name}={value} has no effect with {section}.{other}={actual}: it acts "
+        f"only with {section}.{other}={wanted}; set {section}.{other}={wanted}, or leave "
+        f"{section}.{f.name} at its default ({f.default})"
+    )
+
+
 def field_problems(obj: Any, section: str) -> list[str]:
     """'<section>.<key> must be ..., got ...' for every field of dataclass `obj` whose value
-    is outside its bounds or choices (list fields: each element is checked)."""
+    is outside its bounds or choices (list fields: each element is checked), and for every
+    field set where it has no effect (`only_with`)."""
     problems = []
     for f in fields(obj):
         value = getattr(obj, f.name)
         if value is None:
             continue
+        if (ignored := _ignored(obj, f, section)) is not None:
+            problems.append(ignored)
         meta, key = f.metadata, f"{section}.{f.name}"
         values = value if isinstance(value, list) else [value]
         choices = meta.get("choices")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from models.common.args import arg as _h
 from models.common.args import embedding_init_std
-from models.common.rope_args import FACTOR_NOTE, LENGTH_NOTE
+from models.common.rope_args import FACTOR_NOTE, LENGTH_NOTE, YARN
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -39,13 +39,21 @@ class GptOssArgs:
     rms_norm_eps: float = _h(1e-5, "epsilon of every RMSNorm", gt=0)
     rope_theta: float = _h(150000.0, "RoPE base frequency", gt=0)
     rope_type: str = _h("yarn", "RoPE scaling: default or yarn", choices=("default", "yarn"))
-    rope_factor: float = _h(32.0, "YaRN: context extension factor", ge=1, note=FACTOR_NOTE)
-    rope_original_max_position_embeddings: int = _h(
-        4096, "YaRN: pre-training context", gt=0, note=LENGTH_NOTE
+    rope_factor: float = _h(
+        32.0, "YaRN: context extension factor", ge=1, note=FACTOR_NOTE, only_with=YARN
     )
-    rope_beta_fast: float = _h(32.0, "YaRN: extrapolation boundary of the ramp", gt=0)
-    rope_beta_slow: float = _h(1.0, "YaRN: interpolation boundary of the ramp", gt=0)
-    rope_truncate: bool = _h(False, "YaRN: round the correction range to whole dims")
+    rope_original_max_position_embeddings: int = _h(
+        4096, "YaRN: pre-training context", gt=0, note=LENGTH_NOTE, only_with=YARN
+    )
+    rope_beta_fast: float = _h(
+        32.0, "YaRN: extrapolation boundary of the ramp", gt=0, only_with=YARN
+    )
+    rope_beta_slow: float = _h(
+        1.0, "YaRN: interpolation boundary of the ramp", gt=0, only_with=YARN
+    )
+    rope_truncate: bool = _h(
+        False, "YaRN: round the correction range to whole dims", only_with=YARN
+    )
     max_position_embeddings: int = _h(131072, "longest position the model is meant for", gt=0)
     swiglu_alpha: float = _h(1.702, "sigmoid gain of the experts' clamped SwiGLU", gt=0)
     swiglu_limit: float = _h(7.0, "clamp of the SwiGLU's gate (above) and up (both sides)", gt=0)

@@ -137,12 +137,20 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
         f"profile.steps={prof} must be [first, last] with first <= last <= train.steps "
         f"({t.steps}), e.g. profile.steps={profile_example(t.steps)} (or [] for no profiling)",
     )
-    inject = cfg.debug.inject_nonfinite_step
+    inject, count = cfg.debug.inject_nonfinite_step, cfg.debug.inject_nonfinite_count
     need(
         inject <= t.steps,
         f"debug.inject_nonfinite_step={inject} is past the run's last step (train.steps="
         f"{t.steps}): no step would be made non-finite; set it to a step in 1..{t.steps}, "
         "or 0 (off)",
+    )
+    last_injected = inject + count - 1
+    need(
+        not 0 < inject <= t.steps < last_injected,
+        f"debug.inject_nonfinite_count={count} from debug.inject_nonfinite_step={inject} "
+        f"reaches step {last_injected}, past the run's last step (train.steps={t.steps}): "
+        f"{last_injected - t.steps} of its injections would never happen; set "
+        f"debug.inject_nonfinite_count={t.steps - inject + 1} or less, or raise train.steps",
     )
     problems += _pipeline_problems(cfg)
     need(
