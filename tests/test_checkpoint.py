@@ -78,6 +78,7 @@ def test_resume_on_another_layout(ep_run, nproc, layout, tmp_path):
     assert [r["step"] for r in resumed] == [3, 4]
     for ours, ref in zip(resumed, straight[2:], strict=True):  # fused after foreach
         assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
         # The same samples, though the number of data-parallel ranks changed.
         assert ours["data_fingerprint"] == ref["data_fingerprint"]
 

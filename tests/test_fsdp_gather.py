@@ -137,6 +137,24 @@ def test_one_rank_fsdp_reduces_gradients_without_dividing_them():
         dist.destroy_process_group()
 
 
+def test_one_rank_auto_accumulates_as_the_single_process_reference_does():
+    """`auto` on one rank gathers once per step: 4 micro-batches accumulated into gradients
+    that FSDP reduces once give the reference's losses, gradients and weights (issue 64)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _, trainer = build_trainer(TINY, 1)
+        assert trainer.dims.fsdp_gather(trainer.cfg.parallel.fsdp_gather) == "step"
+        records = []
+        for record in stepped_records(trainer, 3):
+            record["buffers"] = {n: b.clone() for n, b in trainer.model.named_buffers()}
+            records.append(record)
+    finally:
+        dist.destroy_process_group()
+    assert_same_training(records, reference_run(TINY, dp_size=1))
+
+
 def test_auto_gathers_once_per_step_where_fsdp_has_one_rank_only():
     from parallelisms.dims import ParallelDims
 

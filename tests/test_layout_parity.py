@@ -55,7 +55,11 @@ LORA_ALL = [*LORA, '--peft.targets=["attention", "experts", "shared_experts"]']
 LAYOUTS = {
     # grad accumulation 2; 5 experts the 2 fsdp ranks do not divide: sharded by rows (dim 1)
     "fsdp2_experts_by_rows": Layout(TINY, 2, ["--model.num_experts=5"], 2),
-    "hsdp2x2": Layout(TINY, 4, [*HSDP, FOREACH], 4),  # no accumulation
+    # Gathered and reduced once per step under accumulation (2 micro-batches a rank), the
+    # replicas' all-reduce after the step's one reduce-scatter.
+    "hsdp2x2_gather_step_accum2": Layout(
+        TINY, 4, [*HSDP, FOREACH, "--parallel.fsdp_gather=step", "--train.micro_batch_size=1"], 4
+    ),
     "hsdp2x2_ep2_pooled_aux": Layout(TINY, 4, [*HSDP, EP2, POOLED], 4),
     # (Plain FSDP with LoRA, and EP x FSDP with the default aux: subsets of the LoRA rows
     # and of ep2_global_batch_aux_z below.)
