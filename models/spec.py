@@ -26,7 +26,7 @@ through it: it never looks up a hyper-parameter or a submodule by name. The piec
   block takes after h, computed on every stage from those inputs alone), the plan's
   blocks `h, stats = block(h, *block_inputs)`, and `head(h, block_inputs, mtp_input_ids)`
   (final norm, output head, MTP). A stage runs a slice of them: hidden states in, hidden
-  states out. `models.common.staged.DecoderLM` gives all four for an
+  states out. `models.common.decoder.DecoderLM` gives all four for an
   embed_tokens/layers/norm/lm_head model with RoPE; the plan's `embedding` and `head`
   name the modules the first and the last part use.
 - `plan`: the declarative `ParallelPlan` (blocks, routed experts, attention cores, the
@@ -177,7 +177,7 @@ def derived_flops_per_token(shape: AttentionShape, model: nn.Module, seq_len: in
     """`training_flops_per_token` with the attention shape `shape` names, read from
     `model.args`; the input embedding (`embed_tokens`, a lookup) is left out unless it is the
     head's matmul: tied, the head holds no weight of its own (`lm_head` None,
-    `models.common.staged.DecoderLM`, or a head holding only a bias)."""
+    `models.common.decoder.DecoderLM`, or a head holding only a bias)."""
     a, layers = model.args, shape.layers
     return training_flops_per_token(
         model,
@@ -256,7 +256,7 @@ class ModelSpec:
     def _derived_flops_per_token(self, model: nn.Module, seq_len: int) -> float:
         """`training_flops_per_token` with the shape `attention` names, read from
         `model.args`; the input embedding (`embed_tokens`) is left out unless the head is
-        tied to it (`lm_head` None, `models.common.staged.DecoderLM`)."""
+        tied to it (`lm_head` None, `models.common.decoder.DecoderLM`)."""
         return derived_flops_per_token(self.attention, model, seq_len)
 
     def build(self, args: Any, moe_options: MoEOptions | None = None) -> nn.Module:

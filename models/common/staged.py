@@ -18,13 +18,11 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.common.balance_losses import stack_stats
 from models.common.moe import RouterStats
 from models.common.output import CausalLMOutput
-from models.common.rope import rope_cos_sin
 
 
 class HeadOutput(NamedTuple):
@@ -86,45 +84,3 @@ def causal_lm_forward(
     out = model.head(h, extra, mtp_input_ids)
     stats = stats + list(out.stats)
     return CausalLMOutput(out.logits, stack_stats(stats) if stats else None, out.mtp_logits)
-
-
-class DecoderLM(nn.Module):
-    """The parts of a decoder LM made of `embed_tokens` -> `layers` -> `norm` -> `lm_head`
-    (None: the head reuses `embed_tokens.weight`, a tied embedding), with RoPE over
-    `rope_dim` dims of each head (`yarn`: its YaRN scaling, None for plain RoPE). A model
-    sets those attributes (and `args.rope_theta`) in its constructor; one with more in
-    its head (MTP) overrides `head`."""
-
-    rope_dim: int
-    yarn: Any = None
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        document_ids: torch.Tensor | None = None,
-    ) -> CausalLMOutput:
-        """input_ids [B, S]; position_ids [B, S] (default 0..S-1, the true positions when the
-        sequence is split or reordered); document_ids [B, S]: a token attends only to its
-        own document (None: to every earlier token)."""
-        return causal_lm_forward(self, self.layers, input_ids, position_ids, document_ids)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)  # [B, S, hidden]
-
-    def block_inputs(
-        self, h: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor | None
-    ) -> tuple[Any, ...]:
-        theta = self.args.rope_theta
-        cos, sin = rope_cos_sin(position_ids, self.rope_dim, theta, h.dtype, self.yarn)
-        return cos, sin, document_ids
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Normed hidden states [B, S, hidden] -> logits [B, S, vocab]."""
-        weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
-        return F.linear(h, weight)
-
-    def head(
-        self, h: torch.Tensor, extra: tuple[Any, ...], mtp_input_ids: torch.Tensor | None = None
-    ) -> HeadOutput:
-        return HeadOutput(self.logits(self.norm(h)))

@@ -19,7 +19,7 @@ from torch import nn
 
 from models.common.attention import AttentionCore
 from models.common.block import DecoderBlock
-from models.common.init import init_all_, normal_init_
+from models.common.decoder import ROUTING_STATE, DecoderLM
 from models.common.mlp import SwiGLU
 from models.common.moe import GroupLimitedRouter, MoE, MoEOptions, RouterStats
 from models.common.norm import RMSNorm
@@ -31,7 +31,7 @@ from models.common.rope import (
     yarn_mscale,
     yarn_of,
 )
-from models.common.staged import DecoderLM, HeadOutput, causal_lm_forward
+from models.common.staged import HeadOutput, causal_lm_forward
 from models.deepseek_v3.args import DeepseekV3Args
 
 # NOTE: transformers builds q_a_layernorm and kv_a_layernorm with its default epsilon,
@@ -172,24 +172,12 @@ class MultiTokenPrediction(nn.Module):
 
 
 class DeepseekV3ForCausalLM(DecoderLM):
+    zero_leaves = ("bias", *ROUTING_STATE)
+
     def __init__(self, args: DeepseekV3Args, moe_options: MoEOptions | None = None) -> None:
-        super().__init__()
         moe_options = moe_options or MoEOptions()
-        self.args = args
-        self.rope_dim = args.qk_rope_head_dim
-        self.yarn = yarn_of(args)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(
-            decoder_block(args, i, moe_options) for i in range(args.num_hidden_layers)
-        )
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        # NOTE: tied embeddings reuse embed_tokens.weight in forward instead of sharing one
-        # Parameter between two modules, which meta-device materialisation would untie.
-        self.lm_head = (
-            None
-            if args.tie_word_embeddings
-            else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        )
+        blocks = [decoder_block(args, i, moe_options) for i in range(args.num_hidden_layers)]
+        super().__init__(args, blocks, rope_dim=args.qk_rope_head_dim, yarn=yarn_of(args))
         depths = range(args.num_nextn_predict_layers)
         self.mtp = (
             nn.ModuleList(
@@ -232,26 +220,3 @@ class DeepseekV3ForCausalLM(DecoderLM):
                 stats.append(depth_stats)
             mtp_logits.append(self.logits(h))
         return HeadOutput(logits, mtp_logits, stats)
-
-    # ---- initialisation -------------------------------------------------------------
-    def reset_parameter(
-        self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None
-    ) -> None:
-        """Fill `tensor` (the full, unsharded value of parameter or buffer `name`).
-
-        Norm weights 1; biases, the routing correction bias and its token counts 0; every
-        other weight N(0, initializer_range), as Hugging Face initialises DeepSeek-V3.
-        """
-        normal_init_(
-            self,
-            name,
-            tensor,
-            self.args.initializer_range,
-            generator,
-            ("bias", "e_score_correction_bias", "tokens_per_expert"),
-            self.args.embedding_init_std,
-        )
-
-    def init_weights(self, seed: int = 0) -> None:
-        """Initialise every (unsharded) parameter and buffer from `seed`."""
-        init_all_(self, seed)

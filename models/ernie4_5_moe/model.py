@@ -24,12 +24,10 @@ from torch import nn
 from models.common.attention import AttentionCore
 from models.common.bias_router import BiasedSoftmaxRouter
 from models.common.block import DecoderBlock
-from models.common.init import init_all_, normal_init_
+from models.common.decoder import ROUTING_STATE, DecoderLM
 from models.common.mlp import SwiGLU
 from models.common.moe import MoE, MoEOptions
-from models.common.norm import RMSNorm
 from models.common.rope import apply_rope_interleaved, yarn_of
-from models.common.staged import DecoderLM
 from models.ernie4_5_moe.args import Ernie45MoeArgs
 
 
@@ -90,50 +88,21 @@ class TiedHeadBias(nn.Module):
 
 
 class Ernie45MoeForCausalLM(DecoderLM):
+    zero_leaves = ("bias", *ROUTING_STATE)
+
     def __init__(self, args: Ernie45MoeArgs, moe_options: MoEOptions | None = None) -> None:
-        super().__init__()
         moe_options = moe_options or MoEOptions()
-        self.args = args
-        self.rope_dim = args.head_dim
-        self.yarn = yarn_of(args)  # None: plain RoPE
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(
-            decoder_block(args, i, moe_options) for i in range(args.num_hidden_layers)
-        )
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        # NOTE: tied embeddings reuse embed_tokens.weight in `logits` instead of sharing one
-        # Parameter between two modules, which meta-device materialisation would untie.
-        self.lm_head: nn.Module | None
+        blocks = [decoder_block(args, i, moe_options) for i in range(args.num_hidden_layers)]
+        super().__init__(args, blocks, rope_dim=args.head_dim, yarn=yarn_of(args))
+
+    def output_head(self, args: Ernie45MoeArgs) -> nn.Module | None:
+        """With `use_bias`, the head has a bias, also when its weight is the embedding's."""
         if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=args.use_bias)
-        else:
-            self.lm_head = TiedHeadBias(args.vocab_size) if args.use_bias else None
+            return nn.Linear(args.hidden_size, args.vocab_size, bias=args.use_bias)
+        return TiedHeadBias(args.vocab_size) if args.use_bias else None
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Normed hidden states [B, S, hidden] -> logits [B, S, vocab], with the head's bias."""
         tied = self.args.tie_word_embeddings
         weight = self.embed_tokens.weight if tied else self.lm_head.weight
         return F.linear(h, weight, None if self.lm_head is None else self.lm_head.bias)
-
-    # ---- initialisation -------------------------------------------------------------
-    def reset_parameter(
-        self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None
-    ) -> None:
-        """Fill `tensor` (the full, unsharded value of parameter or buffer `name`).
-
-        Norm weights 1; biases, the routing correction bias and its token counts 0; every
-        other weight N(0, initializer_range), as Hugging Face initialises ERNIE-4.5 MoE.
-        """
-        normal_init_(
-            self,
-            name,
-            tensor,
-            self.args.initializer_range,
-            generator,
-            ("bias", "e_score_correction_bias", "tokens_per_expert"),
-            self.args.embedding_init_std,
-        )
-
-    def init_weights(self, seed: int = 0) -> None:
-        """Initialise every (unsharded) parameter and buffer from `seed`."""
-        init_all_(self, seed)

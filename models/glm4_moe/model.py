@@ -21,12 +21,11 @@ from torch import nn
 
 from models.common.attention import AttentionCore
 from models.common.block import DecoderBlock
-from models.common.init import init_all_, normal_init_
+from models.common.decoder import ROUTING_STATE, DecoderLM
 from models.common.mlp import SwiGLU
 from models.common.moe import GroupLimitedRouter, MoE, MoEOptions
 from models.common.norm import RMSNorm
 from models.common.rope import apply_rope, yarn_of
-from models.common.staged import DecoderLM
 from models.glm4_moe.args import Glm4MoeArgs
 
 
@@ -86,48 +85,11 @@ def decoder_block(args: Glm4MoeArgs, layer_idx: int, moe_options: MoEOptions) ->
 
 
 class Glm4MoeForCausalLM(DecoderLM):
+    zero_leaves = ("bias", *ROUTING_STATE)
+
     def __init__(self, args: Glm4MoeArgs, moe_options: MoEOptions | None = None) -> None:
-        super().__init__()
         moe_options = moe_options or MoEOptions()
-        self.args = args
+        blocks = [decoder_block(args, i, moe_options) for i in range(args.num_hidden_layers)]
         # cos/sin as wide as the rotated dims, their frequencies spread over those dims
         # alone (as transformers computes them); apply_rope passes the rest of each head.
-        self.rope_dim = args.rope_dim
-        self.yarn = yarn_of(args)  # None: plain RoPE
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(
-            decoder_block(args, i, moe_options) for i in range(args.num_hidden_layers)
-        )
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        # NOTE: tied embeddings reuse embed_tokens.weight in forward instead of sharing one
-        # Parameter between two modules, which meta-device materialisation would untie.
-        self.lm_head = (
-            None
-            if args.tie_word_embeddings
-            else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        )
-
-    # ---- initialisation -------------------------------------------------------------
-    def reset_parameter(
-        self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None
-    ) -> None:
-        """Fill `tensor` (the full, unsharded value of parameter or buffer `name`).
-
-        Norm weights 1; biases, the routing correction bias and its token counts 0; every
-        other weight N(0, initializer_range), as Hugging Face initialises GLM-4.5. Taking
-        the tensor as an argument lets the trainer initialise each global tensor
-        identically on any parallel layout.
-        """
-        normal_init_(
-            self,
-            name,
-            tensor,
-            self.args.initializer_range,
-            generator,
-            ("bias", "e_score_correction_bias", "tokens_per_expert"),
-            self.args.embedding_init_std,
-        )
-
-    def init_weights(self, seed: int = 0) -> None:
-        """Initialise every (unsharded) parameter and buffer from `seed`."""
-        init_all_(self, seed)
+        super().__init__(args, blocks, rope_dim=args.rope_dim, yarn=yarn_of(args))

@@ -24,12 +24,10 @@ from torch.distributed.tensor import DTensor
 
 from models.common.attention import AttentionCore
 from models.common.block import DecoderBlock
+from models.common.decoder import DecoderLM
 from models.common.grouped_gemm import grouped_mm
-from models.common.init import init_all_, normal_init_
 from models.common.moe import MoE, MoEOptions, RoutedExperts, TopKRouter
-from models.common.norm import RMSNorm
 from models.common.rope import apply_rope, yarn_of
-from models.common.staged import DecoderLM
 from models.gpt_oss.args import GptOssArgs
 
 
@@ -110,40 +108,10 @@ def decoder_block(args: GptOssArgs, layer_idx: int, moe_options: MoEOptions) -> 
 
 
 class GptOssForCausalLM(DecoderLM):
+    # The experts' stacked biases start at zero as the projections' do; the sinks are drawn.
+    zero_leaves = ("bias", "gate_up_proj_bias", "down_proj_bias")
+
     def __init__(self, args: GptOssArgs, moe_options: MoEOptions | None = None) -> None:
-        super().__init__()
         moe_options = moe_options or MoEOptions()
-        self.args = args
-        self.rope_dim = args.head_dim
-        self.yarn = yarn_of(args)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(
-            decoder_block(args, i, moe_options) for i in range(args.num_hidden_layers)
-        )
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        # NOTE: tied embeddings reuse embed_tokens.weight in forward (as Qwen3-MoE does).
-        self.lm_head = (
-            None
-            if args.tie_word_embeddings
-            else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        )
-
-    # ---- initialisation -------------------------------------------------------------
-    def reset_parameter(
-        self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None
-    ) -> None:
-        """Norm weights 1, biases 0, every other weight (the sinks too) N(0, initializer_range)."""
-        zero = ("bias", "gate_up_proj_bias", "down_proj_bias")
-        normal_init_(
-            self,
-            name,
-            tensor,
-            self.args.initializer_range,
-            generator,
-            zero,
-            self.args.embedding_init_std,
-        )
-
-    def init_weights(self, seed: int = 0) -> None:
-        """Initialise every (unsharded) parameter from `seed`."""
-        init_all_(self, seed)
+        blocks = [decoder_block(args, i, moe_options) for i in range(args.num_hidden_layers)]
+        super().__init__(args, blocks, rope_dim=args.head_dim, yarn=yarn_of(args))

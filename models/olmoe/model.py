@@ -18,11 +18,10 @@ from torch import nn
 
 from models.common.attention import AttentionCore
 from models.common.block import DecoderBlock
-from models.common.init import init_all_, normal_init_
+from models.common.decoder import DecoderLM
 from models.common.moe import MoE, MoEOptions, TopKRouter
 from models.common.norm import RMSNorm
 from models.common.rope import apply_rope
-from models.common.staged import DecoderLM
 from models.olmoe.args import OlmoeArgs
 
 
@@ -78,43 +77,6 @@ def decoder_block(args: OlmoeArgs, moe_options: MoEOptions) -> DecoderBlock:
 
 class OlmoeForCausalLM(DecoderLM):
     def __init__(self, args: OlmoeArgs, moe_options: MoEOptions | None = None) -> None:
-        super().__init__()
         moe_options = moe_options or MoEOptions()
-        self.args = args
-        self.rope_dim = args.resolved_head_dim
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(
-            decoder_block(args, moe_options) for _ in range(args.num_hidden_layers)
-        )
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        # NOTE: tied embeddings reuse embed_tokens.weight in forward instead of sharing one
-        # Parameter between two modules, which meta-device materialisation would untie.
-        self.lm_head = (
-            None
-            if args.tie_word_embeddings
-            else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        )
-
-    # ---- initialisation -------------------------------------------------------------
-    def reset_parameter(
-        self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None
-    ) -> None:
-        """Fill `tensor` (the full, unsharded value of parameter `name`) with its init.
-
-        Norm weights are 1, biases 0, every other weight (projections, embedding, router,
-        stacked experts) N(0, initializer_range), as Hugging Face initialises OLMoE. Taking
-        the tensor as an argument lets the trainer initialise each global parameter
-        identically on any parallel layout.
-        """
-        normal_init_(
-            self,
-            name,
-            tensor,
-            self.args.initializer_range,
-            generator,
-            embedding_std=self.args.embedding_init_std,
-        )
-
-    def init_weights(self, seed: int = 0) -> None:
-        """Initialise every (unsharded) parameter from `seed`; see `param_generator`."""
-        init_all_(self, seed)
+        blocks = [decoder_block(args, moe_options) for _ in range(args.num_hidden_layers)]
+        super().__init__(args, blocks, rope_dim=args.resolved_head_dim)
