@@ -51,7 +51,7 @@ def main() -> None:
         trainer.checkpoints.checkpointer = checkpointer  # the saves of the run go here
         dist.barrier()
         start = time.perf_counter()
-        trainer.save_checkpoint()
+        trainer.checkpoints.save()
         stall = time.perf_counter() - start
         checkpointer.wait()
         dist.barrier()

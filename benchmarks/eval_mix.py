@@ -45,7 +45,7 @@ def eval_vs_train(config: str, steps: int) -> dict:
     train_s, eval_s = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        trainer.train_step(trainer.next_micro_batches())
+        trainer.steps.train_step(trainer.next_micro_batches())
         t1 = time.perf_counter()
         trainer.evaluate()
         train_s.append(t1 - t0)

@@ -157,12 +157,12 @@ def measure_mode(argv: list[str], mode: str, warmup: int, measure: int) -> dict:
         for i in range(warmup + measure):
             batches = trainer.next_micro_batches()
             start = time.perf_counter()
-            trainer.train_step(batches)
+            trainer.steps.train_step(batches)
             if i >= warmup:
                 times.append(time.perf_counter() - start)
         before, batches = trainer.next_micro_batches(), trainer.next_micro_batches()
         peak = peak_bytes(
-            lambda: trainer.forward_backward(batches), lambda: trainer.train_step(before)
+            lambda: trainer.forward_backward(batches), lambda: trainer.steps.train_step(before)
         )
         grads = sum(q.numel() * q.element_size() for q in trainer.params)
         return {

@@ -6,7 +6,7 @@
 
 For each `train.activation_checkpoint` mode, a fresh process of one rank builds the run
 exactly as train.py does (`Trainer`: meta model, plan, shards, weights, optimizer) and runs
-`--steps` real training steps (`Trainer.train_step`, unchanged). Hooks on the way read
+`--steps` real training steps (`StepQueue.train_step`, unchanged). Hooks on the way read
 the CUDA caching allocator at every phase boundary: `allocated` when the phase ends,
 `peak` = torch.cuda.max_memory_allocated since the phase began (the counter is reset at
 each boundary). The phases of a step: begin (data, global counts), forward, loss, backward
@@ -111,7 +111,7 @@ class _MarkedLoss:
 
 
 def instrument(trainer, rec: Recorder, per_block: bool) -> None:
-    """Hooks at every phase boundary of `Trainer.train_step` (see the module doc)."""
+    """Hooks at every phase boundary of `StepQueue.train_step` (see the module doc)."""
     import trainer.loop.step as loop
     from parallelisms.plan import match_modules
 
@@ -191,7 +191,7 @@ def measure_mode(argv: list[str], mode: str, steps: int, per_block: bool) -> dic
             batches = trainer.next_micro_batches()
             rec.mark("data")
             start = time.perf_counter()
-            record = trainer.train_step(batches)
+            record = trainer.steps.train_step(batches)
             rec.mark("metrics")
             per_step.append(
                 {"loss": record["loss"], "seconds": time.perf_counter() - start,

@@ -53,7 +53,7 @@ def measure_steps(cfg, warmup: int, measure: int) -> dict:
         if trainer.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        trainer.train_step(batches)
+        trainer.steps.train_step(batches)
         if trainer.device.type == "cuda":
             torch.cuda.synchronize()
         if i >= warmup:

@@ -102,9 +102,16 @@ def cpu_flash_backward(grad_out, q, k, v, out, lse, scale, causal, mask=None):
     _no_mask(mask)
     dtype = q.dtype
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        _bhsd(grad_out.to(dtype)), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out.to(dtype)),
-        lse.contiguous(), 0.0, causal, scale=scale,
-    )  # fmt: skip
+        _bhsd(grad_out.to(dtype)),
+        _bhsd(q),
+        _bhsd(k),
+        _bhsd(v),
+        _bhsd(out.to(dtype)),
+        lse.contiguous(),
+        0.0,
+        causal,
+        scale=scale,
+    )
     return _bhsd(dq).float(), _bhsd(dk).float(), _bhsd(dv).float()
 
 

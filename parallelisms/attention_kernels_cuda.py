@@ -67,9 +67,22 @@ def flash_backward(grad_out, q, k, v, out, lse, scale, causal, mask=None):
     # no dropout the RNG state is not read.
     none = torch.empty(0, device=q.device)
     dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-        _bhsd(grad_out.to(dtype)).contiguous(), qh, kh, vh, _bhsd(out.to(dtype)).contiguous(),
-        lse.contiguous(), None, None, sq, sk, 0.0, causal, none, none, scale=scale,
-    )  # fmt: skip
+        _bhsd(grad_out.to(dtype)).contiguous(),
+        qh,
+        kh,
+        vh,
+        _bhsd(out.to(dtype)).contiguous(),
+        lse.contiguous(),
+        None,
+        None,
+        sq,
+        sk,
+        0.0,
+        causal,
+        none,
+        none,
+        scale=scale,
+    )
     return _bhsd(dq).float(), _fold(dk, k.shape[2]), _fold(dv, k.shape[2])
 
 
@@ -115,10 +128,20 @@ def efficient_backward(grad_out, q, k, v, out, lse, scale, causal, mask=None):
     # given [B, H, S, D]-contiguous ones the kernel's dQ/dK come out NaN or wrong (measured
     # on the H100: torch 2.11); the layout the forward wrote is the one it reads back.
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        _bhsd(grad_out.to(dtype).contiguous()), qh, kh, vh, bias,
-        _bhsd(out.to(dtype).contiguous()), lse, none, none, 0.0,
-        [True, True, True, False], causal, scale=scale,
-    )  # fmt: skip
+        _bhsd(grad_out.to(dtype).contiguous()),
+        qh,
+        kh,
+        vh,
+        bias,
+        _bhsd(out.to(dtype).contiguous()),
+        lse,
+        none,
+        none,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
+    )
     return _bhsd(dq).float(), _fold(dk, k.shape[2]), _fold(dv, k.shape[2])
 
 
@@ -140,10 +163,23 @@ def cudnn_backward(grad_out, q, k, v, out, lse, scale, causal, mask=None):
     dtype, sq, sk = q.dtype, q.shape[1], k.shape[1]
     none = torch.empty(0, device=q.device)
     dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-        _bhsd(grad_out.to(dtype)).contiguous(), qh, kh, vh, _bhsd(out.to(dtype)).contiguous(),
-        lse.float()[..., None].contiguous(), none, none, None, None, None, sq, sk, 0.0, causal,
+        _bhsd(grad_out.to(dtype)).contiguous(),
+        qh,
+        kh,
+        vh,
+        _bhsd(out.to(dtype)).contiguous(),
+        lse.float()[..., None].contiguous(),
+        none,
+        none,
+        None,
+        None,
+        None,
+        sq,
+        sk,
+        0.0,
+        causal,
         scale=scale,
-    )  # fmt: skip
+    )
     return _bhsd(dq).float(), _fold(dk, k.shape[2]), _fold(dv, k.shape[2])
 
 

@@ -96,9 +96,16 @@ def _ring_backward(grad_out, q, k, v, out, lse, ids, sinks, ring: Ring):
         with named_range(f"cp.ring.step{step}.backward"):
             for rows, cols, blk_causal, mask in step_blocks(ring, step, src, seq, q_ids, k_ids):
                 dq_b, dk_b, dv_b = kernel.backward(
-                    grad_out[:, rows], q[:, rows], k_blk[:, cols], v_blk[:, cols],
-                    out[:, rows], lse[:, :, rows], ring.scale, blk_causal, mask,
-                )  # fmt: skip
+                    grad_out[:, rows],
+                    q[:, rows],
+                    k_blk[:, cols],
+                    v_blk[:, cols],
+                    out[:, rows],
+                    lse[:, :, rows],
+                    ring.scale,
+                    blk_causal,
+                    mask,
+                )
                 stats.backward_kernel_calls += 1
                 dq[:, rows] += dq_b
                 dk_blk[:, cols] += dk_b
@@ -210,8 +217,10 @@ def ring_attention(
     """
     masked = document_ids is not None or window is not None
     if table is not None and not masked:
-        raise ValueError("a balanced cp layout needs document masks (or a window): without "
-                         "them zigzag is already balanced")  # fmt: skip
+        raise ValueError(
+            "a balanced cp layout needs document masks (or a window): without "
+            "them zigzag is already balanced"
+        )
     if isinstance(sinks, DTensor):
         sinks = sinks.full_tensor()
     block_kernel = resolve_kernel(kernel, q.device, q.shape[-1], v.shape[-1], masked, q.dtype)
@@ -287,10 +296,20 @@ class ContextParallelAttention(nn.Module):
     ) -> torch.Tensor:
         """As `AttentionCore.forward`; document_ids [B, s] is this rank's part."""
         out, _ = ring_attention(
-            q, k, v, scale=self.scale, causal=self.causal, zigzag=self.zigzag,
-            kernel=self.kernel, group=self.group, stats=self.stats, document_ids=document_ids,
-            window=self.window, sinks=sinks, table=self.table,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            scale=self.scale,
+            causal=self.causal,
+            zigzag=self.zigzag,
+            kernel=self.kernel,
+            group=self.group,
+            stats=self.stats,
+            document_ids=document_ids,
+            window=self.window,
+            sinks=sinks,
+            table=self.table,
+        )
         return out
 
     def extra_repr(self) -> str:

@@ -50,27 +50,34 @@ def apply_fsdp(
         )
         for _, module in match_modules(model, plan.fp32_modules, "fp32_modules", required=False):
             fully_shard(
-                module, mesh=meshes.dense, mp_policy=fp32,
+                module,
+                mesh=meshes.dense,
+                mp_policy=fp32,
                 reshard_after_forward=reshard_after_forward,
-            )  # fmt: skip
+            )
     expert_units: dict[str, nn.Module] = {}
     if meshes.ep is not None:
         found = match_modules(model, plan.routed_experts, "routed_experts", required)
         for fqn, experts in found:
             fully_shard(
-                experts, mesh=meshes.expert_fsdp, shard_placement_fn=_shard_dim1, mp_policy=policy,
+                experts,
+                mesh=meshes.expert_fsdp,
+                shard_placement_fn=_shard_dim1,
+                mp_policy=policy,
                 reshard_after_forward=reshard_after_forward,
-            )  # fmt: skip
+            )
             expert_units[fqn] = experts
     blocks = match_modules(model, plan.blocks, "blocks", required)
     ranks = meshes.dense.shape[-1]  # the fsdp dim (HSDP: the last of two)
     placement = _experts_by_rows(model, plan, ranks) if meshes.ep is None else None
     for _, block in blocks:
         fully_shard(
-            block, mesh=meshes.dense, mp_policy=policy,
+            block,
+            mesh=meshes.dense,
+            mp_policy=policy,
             reshard_after_forward=reshard_after_forward,
             shard_placement_fn=placement,
-        )  # fmt: skip
+        )
     # NOTE: the root (embeddings, final norm, head) is not resharded after forward:
     # backward needs it first anyway.
     fully_shard(model, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=False)

@@ -82,14 +82,17 @@ def parallelize(
         apply_compile(blocks)
     apply_activation_checkpointing(blocks, activation_checkpoint)
     apply_fsdp(
-        model, plan, meshes, param_dtype,
+        model,
+        plan,
+        meshes,
+        param_dtype,
         # NOTE: a pipeline stage keeps its units gathered from the first micro-batch's
         # forward to the step's end (torch's schedules reduce its gradients once, after the
         # last backward), as torchtitan does under PP: no gather per micro-batch, and the
         # split backward of the zero-bubble schedules finds the unsharded parameters.
         reshard_after_forward=fsdp_gather != "step" and not stage,
         required=required,
-    )  # fmt: skip
+    )
     return out
 
 

@@ -111,7 +111,9 @@ def rank_loads(costs: StageCosts, counts: list[int], rank_of: list[int]) -> list
     loads = [0.0] * (max(rank_of) + 1)
     lo = 0
     for stage, n in enumerate(counts):
-        extra = (costs.first if stage == 0 else 0.0) + (costs.last if stage == len(counts) - 1 else 0.0)  # fmt: skip
+        extra = (costs.first if stage == 0 else 0.0) + (
+            costs.last if stage == len(counts) - 1 else 0.0
+        )
         loads[rank_of[stage]] += sum(costs.blocks[lo : lo + n]) + extra
         lo += n
     return loads

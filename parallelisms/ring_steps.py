@@ -19,9 +19,16 @@ class Ring:
     posts."""
 
     def __init__(
-        self, group, scale, causal, zigzag, kernel: BlockKernel, stats: RingStats, window=None,
+        self,
+        group,
+        scale,
+        causal,
+        zigzag,
+        kernel: BlockKernel,
+        stats: RingStats,
+        window=None,
         table=None,
-    ):  # fmt: skip
+    ):
         self.group, self.scale, self.causal, self.zigzag = group, scale, causal, zigzag
         self.kernel, self.stats, self.window = kernel, stats, window
         self.table = table  # a balanced layout's chunks per rank (cp_schedule.balanced_table)

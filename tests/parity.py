@@ -140,7 +140,7 @@ def stepped_records(trainer, steps: int):
     names = {id(q): n for n, q in trainer.model.named_parameters()}
     optimized = sorted(names[id(q)] for g in trainer.optimizer.param_groups for q in g["params"])
     for _ in range(steps):
-        out = trainer.train_step(trainer.next_micro_batches())
+        out = trainer.steps.train_step(trainer.next_micro_batches())
         out["optimized"] = optimized
         out["grads"] = seen["grads"]
         out["params"] = {n: _full(q) for n, q in trainer.model.named_parameters()}

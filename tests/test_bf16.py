@@ -52,13 +52,13 @@ def dtype_worker(rank: int, world: int, argv: list[str], out: str) -> None:
     trainer.optimizer.register_step_pre_hook(
         lambda *_: grads.update(str(_local(p.grad).dtype) for p in model.parameters())
     )
-    trainer.train_step(trainer.next_micro_batches())
+    trainer.steps.train_step(trainer.next_micro_batches())
     if counter is not None:
         counter.remote = 0
     # rank 0's record stands for all (the other ranks run the same step, unprofiled)
     profiling = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
     with profiling if rank == 0 else contextlib.nullcontext():
-        record = trainer.train_step(trainer.next_micro_batches())
+        record = trainer.steps.train_step(trainer.next_micro_batches())
     # Rows a rank sends and receives differ; summed over the ranks, each remote assignment
     # crosses four times (dispatch and combine, forward and backward).
     sent = [None] * world
@@ -186,7 +186,7 @@ def losses_worker(rank: int, world: int, runs: dict[str, list[str]], out: str) -
     for name, argv in runs.items():
         _, trainer = build_trainer(argv, world)
         losses[name] = [
-            trainer.train_step(trainer.next_micro_batches())["loss"] for _ in range(STEPS)
+            trainer.steps.train_step(trainer.next_micro_batches())["loss"] for _ in range(STEPS)
         ]
     if rank == 0:
         with open(out, "w") as f:

@@ -35,7 +35,7 @@ FP32 = "--train.mixed_precision=fp32"  # after the bf16 of MODELS: the later fla
 def ep2_worker(rank: int, world: int, argv: list[str], out: str) -> None:
     """The losses, and the dtypes the model and the optimizer hold after them."""
     cfg, trainer = build_trainer(argv, world)
-    losses = [trainer.train_step(trainer.next_micro_batches())["loss"] for _ in range(STEPS)]
+    losses = [trainer.steps.train_step(trainer.next_micro_batches())["loss"] for _ in range(STEPS)]
     fp32 = match_modules(trainer.model, trainer.spec.plan.fp32_modules, "fp32_modules")
     routers = {id(p) for _, module in fp32 for p in module.parameters()}
     held: dict[str, set] = {"adapters": set(), "routers": set(), "base": set(), "state": set()}

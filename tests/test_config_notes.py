@@ -53,6 +53,15 @@ def test_virtual_stages_that_the_schedule_does_not_read_are_noted():
     )
 
 
+def test_a_warmup_longer_than_the_run_is_noted():
+    notes = startup_notes(load_config(["--train.steps=4", "--train.warmup_steps=10"]))
+    assert notes == [
+        "train.warmup_steps=10 is longer than the run (train.steps=4): the learning rate "
+        "warms up over all 4 steps, reaching train.lr at the last one, and never decays"
+    ]
+    assert startup_notes(load_config(["--train.steps=10", "--train.warmup_steps=10"])) == []
+
+
 def test_save_frozen_without_lora_is_noted():
     notes = startup_notes(load_config(["--checkpoint.save_frozen=true"]))
     assert [n for n in notes if n.startswith("checkpoint.save_frozen=true has no effect")]

@@ -53,7 +53,7 @@ def _real_update_bytes(_rank: int, _world_size: int, out: str) -> None:
                  "--metrics.progress=false", f"--train.optimizer_impl={impl}"]
             )  # fmt: skip
             trainer = Trainer(cfg, ParallelDims.of(cfg.parallel, 1))
-            trainer.train_step(trainer.next_micro_batches())  # the optimizer state exists
+            trainer.steps.train_step(trainer.next_micro_batches())  # the optimizer state exists
             trainer.forward_backward(trainer.next_micro_batches())
             measured[impl] = peak_bytes(partial(_update, trainer, cfg.train.max_grad_norm))
     with open(out, "w") as f:

@@ -97,7 +97,7 @@ def _worker(rank: int, world: int, out_path: str) -> None:
                 with torch.profiler.profile(
                     activities=[torch.profiler.ProfilerActivity.CPU]
                 ) as prof:
-                    trainer.train_step(trainer.next_micro_batches())
+                    trainer.steps.train_step(trainer.next_micro_batches())
                 events = _events(prof)
                 results["profiled", name, overlap] = {t: windows(events, t) for t in TRANSFERS}
     # NOTE: every thread's events: by default the profiler records the calling thread's
@@ -110,7 +110,7 @@ def _worker(rank: int, world: int, out_path: str) -> None:
             {k: v for k, v in r.items() if k not in MEASURED} for r in records
         ]
         with torch.profiler.profile(activities=activities, experimental_config=config) as prof:
-            trainer.train_step(trainer.next_micro_batches())
+            trainer.steps.train_step(trainer.next_micro_batches())
         results["dualpipev_threads", overlap] = _cross_thread(prof.events())
     torch.save(results, f"{out_path}.{rank}")
 

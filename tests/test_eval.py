@@ -46,7 +46,7 @@ def _eval_worker(rank: int, world: int, argv: list[str], out_path: str) -> None:
     corpora = preflight(cfg, dims)
     trainer = Trainer(cfg, dims, corpora)
     losses = [trainer.evaluate()]
-    trainer.train_step(trainer.next_micro_batches())
+    trainer.steps.train_step(trainer.next_micro_batches())
     losses.append(trainer.evaluate())
     if rank == 0:
         torch.save(losses, out_path)
@@ -101,12 +101,12 @@ def _interleaved_worker(rank: int, world: int, argv: list[str], out_path: str) -
         trainer = Trainer(cfg, dims, corpora)
         records = []
         for _ in range(3):
-            record = trainer.train_step(trainer.next_micro_batches())
+            record = trainer.steps.train_step(trainer.next_micro_batches())
             if with_eval:
                 trainer.evaluate()
             records.append((record["loss"], record["grad_norm"], record.get("a2a_bytes")))
         params = {n: _full(q) for n, q in trainer.model.named_parameters()}
-        runs.append((records, params, trainer.sampler.state_at(trainer.consumed_samples)))
+        runs.append((records, params, trainer.sampler.state_at(trainer.state.consumed_samples)))
     if rank == 0:
         torch.save(runs, out_path)
     dist.barrier()

@@ -128,7 +128,7 @@ def test_one_rank_fsdp_reduces_gradients_without_dividing_them():
                     unit.set_gradient_divide_factor(1.0)
             scalings = FlatDivisions()
             with scalings:
-                trainer.train_step(trainer.next_micro_batches())
+                trainer.steps.train_step(trainer.next_micro_batches())
             counts.append(scalings.count)
         # Each unit reduced once a step: on one rank `auto` gathers and reduces once per
         # step (4 micro-batches here).

@@ -54,7 +54,7 @@ def test_fused_adamw_on_cuda_agrees_with_foreach(world_of_one):
         dims = ParallelDims.of(cfg.parallel, 1)
         trainer = Trainer(cfg, dims, preflight(cfg, dims))
         assert bool(trainer.optimizer.defaults.get("fused")) == (impl == "fused")
-        losses = [trainer.train_step(trainer.next_micro_batches())["loss"] for _ in range(3)]
+        losses = [trainer.steps.train_step(trainer.next_micro_batches())["loss"] for _ in range(3)]
         params = {n: _full(p) for n, p in trainer.model.named_parameters()}
         finals[impl] = losses, params
     (fused_losses, fused), (foreach_losses, foreach) = finals["fused"], finals["foreach"]

@@ -181,9 +181,9 @@ def _guard_worker(rank: int, world: int, argv: list[str], out_path: str) -> None
     for _ in range(STEPS):
         batches = a.next_micro_batches()
         with HostReads() as seen:
-            queued = a.queue_step(batches)
+            queued = a.steps.queue_step(batches)
         reads.append(seen.reads)
-        records.append(a.settle(queued))
+        records.append(a.steps.settle(queued))
         states.append(_snapshot(a))
     # B: the same run, but its data skips the batch of step INJECT.
     b = trainer_for([])
@@ -191,7 +191,7 @@ def _guard_worker(rank: int, world: int, argv: list[str], out_path: str) -> None
     for step in range(1, STEPS):
         if step == INJECT:
             b.next_micro_batches()  # consumed, never trained on
-        b_losses.append(b.train_step(b.next_micro_batches())["loss"])
+        b_losses.append(b.steps.train_step(b.next_micro_batches())["loss"])
     flags = [None] * world
     dist.all_gather_object(flags, [r.get("skipped") for r in records])
     if rank == 0:

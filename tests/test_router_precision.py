@@ -54,7 +54,7 @@ def _router_worker(rank: int, world: int, argv: list[str], out: str) -> None:
     with torch.autograd.graph.saved_tensors_hooks(
         lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t
     ):
-        trainer.train_step(trainer.next_micro_batches())
+        trainer.steps.train_step(trainer.next_micro_batches())
     for h in hooks:
         h.remove()
     torch.save({"seen": seen, "saved": saved, "routers": len(routers)}, out)

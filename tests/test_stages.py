@@ -78,7 +78,9 @@ def _stage2_worker(rank: int, world: int, argv: list[str], fresh: list[str], out
     assert len(trainer.optimizer.state) == 0, "the optimizer should start fresh"
     del trainer
     cfg, trainer = build_trainer(argv, world)
-    assert trainer.step == 0 and any("rope_type: 'default' -> 'yarn'" in n for n in trainer.notes)
+    assert trainer.state.step == 0 and any(
+        "rope_type: 'default' -> 'yarn'" in n for n in trainer.notes
+    )
     assert trainer.model.yarn is not None
     # Copies: the optimizer steps its `step` counts in place.
     optim = {
@@ -97,7 +99,7 @@ def _stage2_worker(rank: int, world: int, argv: list[str], fresh: list[str], out
     # A profile window before the resume point never acts: said (trainer.config.notes).
     relaunch = [*again, f"--job.output_dir={resumed_dir}", "--profile.steps=[1,2]"]
     _, trainer = build_trainer(relaunch, world)
-    assert trainer.step == 2 and any("init_from is not used" in n for n in trainer.notes)
+    assert trainer.state.step == 2 and any("init_from is not used" in n for n in trainer.notes)
     assert any(n.startswith("profile.steps=[1, 2] lies before step 3") for n in trainer.notes)
     resumed = trainer.fit()
     if rank == 0:

@@ -245,9 +245,16 @@ def _backward(ctx, grad_out, grad_lse):
     if grad_lse is None:
         grad_lse = q.new_zeros(q.shape[:3], dtype=torch.float32)
     dq, dk, dv = _flex_backward_op(
-        grad_out.contiguous(), grad_lse.contiguous(), q, k, v, ids, ctx.causal, ctx.window,
+        grad_out.contiguous(),
+        grad_lse.contiguous(),
+        q,
+        k,
+        v,
+        ids,
+        ctx.causal,
+        ctx.window,
         ctx.scale,
-    )  # fmt: skip
+    )
     return dq, dk, dv, None, None, None, None
 
 

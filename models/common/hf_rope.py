@@ -8,8 +8,9 @@ from typing import Any
 
 from models import HFFormatError
 
-YARN_KEYS = ("factor original_max_position_embeddings beta_fast beta_slow mscale mscale_all_dim "
-             "truncate").split()  # fmt: skip
+YARN_KEYS = (
+    "factor original_max_position_embeddings beta_fast beta_slow mscale mscale_all_dim truncate"
+).split()
 
 
 def rope_kwargs(cfg: dict, max_len: int, *, default_theta: float) -> dict[str, Any]:

@@ -55,8 +55,14 @@ class LoRALinear(nn.Linear):
     def around(cls, linear: nn.Linear, rank: int, alpha: float, dropout: float) -> LoRALinear:
         """A LoRALinear holding `linear`'s own weight and bias (the same Parameters)."""
         with torch.device(linear.weight.device):
-            new = cls(linear.in_features, linear.out_features, linear.bias is not None, rank,
-                      alpha, dropout)  # fmt: skip
+            new = cls(
+                linear.in_features,
+                linear.out_features,
+                linear.bias is not None,
+                rank,
+                alpha,
+                dropout,
+            )
         new.weight = linear.weight
         new.bias = linear.bias
         return new

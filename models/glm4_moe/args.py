@@ -57,9 +57,11 @@ class Glm4MoeArgs(YaRNArgs):
     # Not a Glm4MoeConfig key: transformers' GLM-4.5 computes no balance loss (the release
     # balances with the correction bias, moe.bias_update_rate). A training choice.
     router_aux_loss_coef: float = _h(
-        0.0, "weight of the auxiliary balance loss (moe.aux_loss_mode picks which)", ge=0,
+        0.0,
+        "weight of the auxiliary balance loss (moe.aux_loss_mode picks which)",
+        ge=0,
         note="0 = off",
-    )  # fmt: skip
+    )
 
     @property
     def rope_dim(self) -> int:

@@ -63,8 +63,14 @@ def args_from_hf_config(cfg: dict) -> GptOssArgs:
         for key in _YARN_KEYS:
             if rope.get(key) is not None:
                 kwargs[f"rope_{key}"] = rope[key]
-    for key in ("swiglu_alpha", "swiglu_limit", "rms_norm_eps", "rope_factor", "rope_beta_fast",
-                "rope_beta_slow"):  # fmt: skip
+    for key in (
+        "swiglu_alpha",
+        "swiglu_limit",
+        "rms_norm_eps",
+        "rope_factor",
+        "rope_beta_fast",
+        "rope_beta_slow",
+    ):
         if key in kwargs:
             kwargs[key] = float(kwargs[key])  # JSON may write 7 for 7.0
     return GptOssArgs(**kwargs)

@@ -100,9 +100,13 @@ def decoder_block(args: GptOssArgs, layer_idx: int, moe_options: MoEOptions) -> 
         args.hidden_size, args.num_local_experts, args.num_experts_per_tok, True, bias=True
     )
     experts = ClampedSwiGLUExperts(
-        args.num_local_experts, args.hidden_size, args.intermediate_size, args.swiglu_alpha,
-        args.swiglu_limit, moe_options.gemm,
-    )  # fmt: skip
+        args.num_local_experts,
+        args.hidden_size,
+        args.intermediate_size,
+        args.swiglu_alpha,
+        args.swiglu_limit,
+        moe_options.gemm,
+    )
     mlp = MoE(args.hidden_size, args.intermediate_size, router, moe_options, experts=experts)
     return DecoderBlock(args.hidden_size, args.rms_norm_eps, Attention(args, layer_idx), mlp)
 

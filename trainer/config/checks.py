@@ -105,12 +105,15 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
         "train.compile=false",
     )
     need(
-        not (t.activation_checkpoint == "selective" and cfg.peft.method == "lora"
-             and cfg.peft.dropout > 0),
+        not (
+            t.activation_checkpoint == "selective"
+            and cfg.peft.method == "lora"
+            and cfg.peft.dropout > 0
+        ),
         f"peft.dropout={cfg.peft.dropout} with train.activation_checkpoint=selective: a "
         "recomputed region (DeepSeek-V3's up-projections) would draw a new dropout mask when "
         "backward rebuilds it; set peft.dropout=0, or activation_checkpoint=full or none",
-    )  # fmt: skip
+    )
     need(
         cfg.peft.method != "lora" or bool(cfg.peft.targets),
         "peft.method=lora with peft.targets=[] would train nothing: name what gets adapters "

@@ -54,6 +54,12 @@ def startup_notes(cfg: JobConfig, dims: ParallelDims | None = None) -> list[str]
             f"parallel.cp_layout={p.cp_layout} has no effect with parallel.cp=1: one "
             "context-parallel rank holds every sequence whole"
         )
+    if t.warmup_steps > t.steps:
+        notes.append(
+            f"train.warmup_steps={t.warmup_steps} is longer than the run (train.steps="
+            f"{t.steps}): the learning rate warms up over all {t.steps} steps, reaching "
+            "train.lr at the last one, and never decays"
+        )
     if t.optimizer_state_dtype != "fp32":
         notes.append(
             f"train.optimizer_impl={t.optimizer_impl} has no effect with "

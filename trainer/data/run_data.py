@@ -62,9 +62,14 @@ def _conversations(
     digest = corpus.fingerprint()
     digest.update(f"whole documents in {cfg.seq_len + 1} {kw}".encode())
     return PackedConversations(
-        corpus, cfg.seq_len, tokenizer.eos_id, bool(cfg.reset_positions), vocab,
-        fingerprint=digest.hexdigest(), **kw,
-    )  # fmt: skip
+        corpus,
+        cfg.seq_len,
+        tokenizer.eos_id,
+        bool(cfg.reset_positions),
+        vocab,
+        fingerprint=digest.hexdigest(),
+        **kw,
+    )
 
 
 def _prepared(

@@ -114,8 +114,15 @@ def _variant(cfg, **sections):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    flags = {"--world-size": None, "--json": None, "--gpu-memory": None, "--hardware": "h100",
-             "--gemm-rates": None, "--workers": None, **dict.fromkeys(HW_FLAGS)}  # fmt: skip
+    flags = {
+        "--world-size": None,
+        "--json": None,
+        "--gpu-memory": None,
+        "--hardware": "h100",
+        "--gemm-rates": None,
+        "--workers": None,
+        **dict.fromkeys(HW_FLAGS),
+    }
     search_flag = "--search" in argv
     argv = [a for a in argv if a != "--search"]
     rest = []
@@ -197,17 +204,25 @@ def main(argv: list[str] | None = None) -> int:
     result["estimate"] = configured
     efficiency = efficiency_text(hw, by_kind, rates)
     if rates:
-        result["gemm_rates"] = {**rates, "flops_by_kind": {k: f for k, (f, _) in by_kind.items()},
-                                "efficiency_used": {k: e for k, (_, e) in by_kind.items()}}  # fmt: skip
-    lines = [format_report(result), "", (
-        f"estimated step on {world_size} ranks, nodes of {hw.name}: {configured['step_s']:.3f} s, "
-        f"{configured['tokens_per_s']:,.0f} tok/s (compute {configured['compute_s']:.3f} s at "
-        f"{efficiency}; all-to-all "
-        f"{configured['comm_s']['ep_all_to_all']:.3f} s{_hidden_text(configured, cfg)}; "
-        f"FSDP {configured['comm_s']['fsdp']:.3f} s, "
-        f"ring {configured['comm_s']['cp_ring']:.3f} s, HSDP {configured['comm_s']['hsdp']:.3f} s "
-        f"under compute, {configured['exposed_background_s']:.3f} s exposed; optimizer step "
-        f"{configured['optimizer_s']:.3f} s at {hw.memory_gbps:g} GB/s)")]  # fmt: skip
+        result["gemm_rates"] = {
+            **rates,
+            "flops_by_kind": {k: f for k, (f, _) in by_kind.items()},
+            "efficiency_used": {k: e for k, (_, e) in by_kind.items()},
+        }
+    lines = [
+        format_report(result),
+        "",
+        (
+            f"estimated step on {world_size} ranks, nodes of {hw.name}: {configured['step_s']:.3f} s, "
+            f"{configured['tokens_per_s']:,.0f} tok/s (compute {configured['compute_s']:.3f} s at "
+            f"{efficiency}; all-to-all "
+            f"{configured['comm_s']['ep_all_to_all']:.3f} s{_hidden_text(configured, cfg)}; "
+            f"FSDP {configured['comm_s']['fsdp']:.3f} s, "
+            f"ring {configured['comm_s']['cp_ring']:.3f} s, HSDP {configured['comm_s']['hsdp']:.3f} s "
+            f"under compute, {configured['exposed_background_s']:.3f} s exposed; optimizer step "
+            f"{configured['optimizer_s']:.3f} s at {hw.memory_gbps:g} GB/s)"
+        ),
+    ]
     if search_flag:
         result["search"] = ranked
         lines += ["", *format_ranked(ranked, hw, efficiency=efficiency)]

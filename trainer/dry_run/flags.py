@@ -10,9 +10,14 @@ import math
 from trainer.config import ConfigError
 
 # flags that override the --hardware preset's figures (trainer.dry_run.hardware.Hardware)
-HW_FLAGS = {"--gpu-tflops": "tflops", "--efficiency": "efficiency", "--intra-gbps": "intra_gbps",
-            "--inter-gbps": "inter_gbps", "--ranks-per-node": "ranks_per_node",
-            "--memory-gbps": "memory_gbps"}  # fmt: skip
+HW_FLAGS = {
+    "--gpu-tflops": "tflops",
+    "--efficiency": "efficiency",
+    "--intra-gbps": "intra_gbps",
+    "--inter-gbps": "inter_gbps",
+    "--ranks-per-node": "ranks_per_node",
+    "--memory-gbps": "memory_gbps",
+}
 
 # What each figure means, for the refusal: the fix is a value in its range.
 _MEANS = {

@@ -393,7 +393,8 @@ def trace_step(
     trace.activations = _highest(spans, grad_serials, mirrored, 0.0)
     trace.peak = trace.at_grad_bytes(sharded_grad_bytes).peak
     trace.saved_after_forward = sum(
-        n for i, (n, born, died) in enumerate(spans)
+        n
+        for i, (n, born, died) in enumerate(spans)
         if i not in grad_serials and born <= at and (died < 0 or at < died)
-    )  # fmt: skip
+    )
     return trace

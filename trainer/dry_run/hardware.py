@@ -46,7 +46,7 @@ PRESETS = {
         8,
         80,
         3350,
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -77,8 +77,13 @@ def read_rates(path: str) -> dict:
     if any(e <= 0 for e in efficiency.values()):
         raise ConfigError(f"--gemm-rates {path}: an efficiency <= 0: {efficiency}")
     peak = data.get("peak_tflops")
-    return {"file": path, "model": data.get("model"), "device": data.get("device"),
-            "peak_tflops": float(peak) if peak else None, "efficiency": efficiency}  # fmt: skip
+    return {
+        "file": path,
+        "model": data.get("model"),
+        "device": data.get("device"),
+        "peak_tflops": float(peak) if peak else None,
+        "efficiency": efficiency,
+    }
 
 
 def rates_by_kind(rates: dict, flops_per_token: float, hw: Hardware) -> dict:
@@ -89,8 +94,10 @@ def rates_by_kind(rates: dict, flops_per_token: float, hw: Hardware) -> dict:
 
     split = getattr(flops_per_token, "by_kind", None)
     if split is None:
-        raise ConfigError("--gemm-rates: this model's flops_per_token gives no split by kind "
-                          "(models.common.flops.FlopsPerToken)")  # fmt: skip
+        raise ConfigError(
+            "--gemm-rates: this model's flops_per_token gives no split by kind "
+            "(models.common.flops.FlopsPerToken)"
+        )
     scale = (rates["peak_tflops"] or hw.tflops) / hw.tflops
     missing = [k for k, f in split.items() if f and k not in rates["efficiency"]]
     if missing:

@@ -18,8 +18,16 @@ from trainer.dry_run.shards import MODES, FsdpUnit, Measured, shard, shard_key
 from trainer.dry_run.traces import trace_key, trace_layout
 from trainer.dry_run.workers import resolved
 
-__all__ = ["MODES", "Layout", "Measured", "measure_layout", "measure_state", "peak_bytes",
-           "step_bytes", "update_bytes"]  # fmt: skip
+__all__ = [
+    "MODES",
+    "Layout",
+    "Measured",
+    "measure_layout",
+    "measure_state",
+    "peak_bytes",
+    "step_bytes",
+    "update_bytes",
+]
 
 
 @dataclass
@@ -54,7 +62,10 @@ def measure_layout(cfg, world_size: int, modes=MODES, reuse: Measured | None = N
     key = repr(shard_key(cfg, dims))
     state, units = reuse.shards[key] = resolved(reuse.shards[key])  # a worker's (search)
     grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
-    activations = {m: t.at_grad_bytes(state.grads[0]) for m, t in _traces(cfg, spec, dims, modes, reuse).items()}  # fmt: skip
+    activations = {
+        m: t.at_grad_bytes(state.grads[0])
+        for m, t in _traces(cfg, spec, dims, modes, reuse).items()
+    }
     any_trace = activations[modes[0]]
     return Layout(
         cfg,
@@ -109,8 +120,11 @@ def _measure_stages(cfg, spec, dims, modes, reuse: Measured) -> Layout:
     traces = _traces(cfg, spec, dims, modes, reuse)
     pc = measure_pipeline(cfg, spec, dims, traces, reuse)
     state = ShardedState(
-        *([v for r in pc.ranks for v in getattr(r.state, f)] for f in ("params", "grads", "optimizer", "update", "frozen"))
-    )  # fmt: skip
+        *(
+            [v for r in pc.ranks for v in getattr(r.state, f)]
+            for f in ("params", "grads", "optimizer", "update", "frozen")
+        )
+    )
     whole = _comm([], dims, pc.micro_batches, traces[modes[0]])  # all layers, no FSDP
     busiest = max(sum(pc.moe_share[s] for s in r.stages) for r in pc.ranks)
     ring = max(sum(pc.core_share[s] for s in r.stages) for r in pc.ranks)
@@ -131,8 +145,19 @@ def _measure_stages(cfg, spec, dims, modes, reuse: Measured) -> Layout:
     }
     any_trace = traces[modes[0]]
     buffers = max(r.step_buffers for r in pc.ranks)
-    return Layout(cfg, dims, state, buffers, comm, traces, buffers, any_trace.experts,
-                  any_trace.top_k, pc, _routing_groups(cfg, spec))  # fmt: skip
+    return Layout(
+        cfg,
+        dims,
+        state,
+        buffers,
+        comm,
+        traces,
+        buffers,
+        any_trace.experts,
+        any_trace.top_k,
+        pc,
+        _routing_groups(cfg, spec),
+    )
 
 
 def _routing_groups(cfg, spec) -> tuple[int, int] | None:

@@ -122,20 +122,36 @@ def meta_op(func, args, kwargs):
 _aten = torch.ops.aten
 # Element-wise ops whose meta kernels are Python references: a few hundred microseconds
 # each, a quarter of a trace (`elementwise` gives their output in a few).
-ELEMENTWISE = frozenset({
-    _aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor,
-    _aten.mul.Scalar, _aten.div.Scalar, _aten.pow.Tensor_Scalar, _aten.neg.default,
-    _aten.rsqrt.default,
-})  # fmt: skip
+ELEMENTWISE = frozenset(
+    {
+        _aten.add.Tensor,
+        _aten.sub.Tensor,
+        _aten.mul.Tensor,
+        _aten.div.Tensor,
+        _aten.mul.Scalar,
+        _aten.div.Scalar,
+        _aten.pow.Tensor_Scalar,
+        _aten.neg.default,
+        _aten.rsqrt.default,
+    }
+)
 
 
 # In-place foreach ops of the optimizer's step, whose meta kernels loop in Python too.
-FOREACH_IN_PLACE = frozenset({
-    _aten._foreach_addcmul_.Scalar, _aten._foreach_addcdiv_.ScalarList,
-    _aten._foreach_lerp_.Scalar, _aten._foreach_div_.ScalarList, _aten._foreach_add_.Tensor,
-    _aten._foreach_add_.Scalar, _aten._foreach_add_.List, _aten._foreach_mul_.Scalar,
-    _aten._foreach_mul_.Tensor, _aten._foreach_mul_.List,
-})  # fmt: skip
+FOREACH_IN_PLACE = frozenset(
+    {
+        _aten._foreach_addcmul_.Scalar,
+        _aten._foreach_addcdiv_.ScalarList,
+        _aten._foreach_lerp_.Scalar,
+        _aten._foreach_div_.ScalarList,
+        _aten._foreach_add_.Tensor,
+        _aten._foreach_add_.Scalar,
+        _aten._foreach_add_.List,
+        _aten._foreach_mul_.Scalar,
+        _aten._foreach_mul_.Tensor,
+        _aten._foreach_mul_.List,
+    }
+)
 
 
 def elementwise(args, kwargs) -> torch.Tensor | None:
@@ -217,9 +233,16 @@ class _NarrowV(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         pad = (0, q.shape[-1] - v.shape[-1])
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            F.pad(grad, pad), q, k, F.pad(v, pad), F.pad(out, pad), lse, 0.0, ctx.causal,
+            F.pad(grad, pad),
+            q,
+            k,
+            F.pad(v, pad),
+            F.pad(out, pad),
+            lse,
+            0.0,
+            ctx.causal,
             scale=ctx.scale,
-        )  # fmt: skip
+        )
         return dq, dk, dv[..., : v.shape[-1]], None, None
 
 

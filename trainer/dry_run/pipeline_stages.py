@@ -146,7 +146,9 @@ def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
         per[-1] += max(0.0, trace.saved_after_forward - sum(per))  # the head, MTP, loss
         saved[mode] = per
         transient[mode] = max(0, trace.activations - trace.saved_after_forward)
-        activations[mode] = [int(_held(reuse, order_key, r, per, cut)) + transient[mode] for r in range(p.pp)]  # fmt: skip
+        activations[mode] = [
+            int(_held(reuse, order_key, r, per, cut)) + transient[mode] for r in range(p.pp)
+        ]
     seq = cfg.data.seq_len // dims.cp
     _, h, _ = example_inputs(c.model, cfg.train.micro_batch_size, seq, param_dtype(cfg))
     hidden = h.numel() * h.element_size()
@@ -160,15 +162,27 @@ def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
                 _sum_states([(q[0], 1) for q in parts_r]),
                 *(sum(q[i] for q in parts_r) for i in (1, 2, 3)),
             )
-        sends = sum((s < S - 1 and rank_of[s + 1] != r) + (s > 0 and rank_of[s - 1] != r) for s in local)  # fmt: skip
+        sends = sum(
+            (s < S - 1 and rank_of[s + 1] != r) + (s > 0 and rank_of[s - 1] != r) for s in local
+        )
         ranks.append(RankStages(local, *reuse.stages[key], sends * n * hidden))
     total = lambda xs: max(sum(xs), 1)  # noqa: E731
     return PipelineCost(
-        p.pp_schedule, p.pp, n, rank_of,
-        [f / total(c.flops) for f in c.flops], [m / total(c.moe) for m in c.moe],
-        [x / total(c.cores) for x in c.cores], saved, transient, activations, hidden, ranks, order,
+        p.pp_schedule,
+        p.pp,
+        n,
+        rank_of,
+        [f / total(c.flops) for f in c.flops],
+        [m / total(c.moe) for m in c.moe],
+        [x / total(c.cores) for x in c.cores],
+        saved,
+        transient,
+        activations,
+        hidden,
+        ranks,
+        order,
         _recompute_share(traces, c.structures),
-    )  # fmt: skip
+    )
 
 
 def _recompute_share(traces: dict, structures: list) -> list[float]:
@@ -221,10 +235,15 @@ def _sum_states(parts: list) -> object:
 
     return ShardedState(
         *(
-            [sum(col) for col in zip(*([v * n for v in getattr(s, f.name)] for s, n in parts), strict=True)]
+            [
+                sum(col)
+                for col in zip(
+                    *([v * n for v in getattr(s, f.name)] for s, n in parts), strict=True
+                )
+            ]
             for f in fields(ShardedState)
         )
-    )  # fmt: skip
+    )
 
 
 def _stage_shard(cfg, spec, c: _Cut, index: int, dims, reuse) -> tuple:
@@ -241,7 +260,14 @@ def _stage_shard(cfg, spec, c: _Cut, index: int, dims, reuse) -> tuple:
     from parallelisms.pipeline_build import PipelineCut
 
     cut = c.cut
-    key = ("stage", repr(dims), tuple(cut.blocks[index]), index, cut.num_stages, cut.embedding_on_last)  # fmt: skip
+    key = (
+        "stage",
+        repr(dims),
+        tuple(cut.blocks[index]),
+        index,
+        cut.num_stages,
+        cut.embedding_on_last,
+    )
     if key in reuse.stages:
         return reuse.stages[key]
     counts = Counter(c.structures[index])
@@ -282,7 +308,7 @@ def _piece(cfg, spec, model, cut, index: int, what: tuple, dims, reuse) -> tuple
         # with 1/pp of the subgroups to create (each size-1 dim makes one per rank).
         own = replace(dims, pp=1, world_size=dims.stage_ranks)
         parallelize(stage, spec.plan, reuse.meshes_of(own), dtype, stage=True)
-        state, units = sharded_model(stage, spec.plan, cfg.train, dtype, [], dims.stage_ranks)  # fmt: skip
+        state, units = sharded_model(stage, spec.plan, cfg.train, dtype, [], dims.stage_ranks)
         gathered = int(sum(u.gathered * u.weight for u in units))
         reduced = int(sum(u.grads * u.weight for u in units))
         reuse.stages[key] = (state, gathered, reduced)

@@ -42,7 +42,7 @@ def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str
             "grads": s.grads[r],
             "optimizer": s.optimizer[r],
             "frozen": s.frozen[r],
-        }  # fmt: skip
+        }
         for r in range(world)
     ]
     pc = layout.pipeline
@@ -63,7 +63,7 @@ def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str
             "dp_shard": dims.dp_shard,
             "cp": dims.cp,
             "ep": dims.ep,
-        },  # fmt: skip
+        },
         "micro_batch": [cfg.train.micro_batch_size, cfg.data.seq_len],
         "activation_checkpoint": cfg.train.activation_checkpoint,
         "per_rank": per_rank,
@@ -83,18 +83,30 @@ def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str
             "micro_batches": pc.micro_batches,
             "stage_flops_share": pc.flops_share,
             "hidden_bytes": pc.hidden_bytes,
-            "pp_ranks": [{"stages": r.stages, "p2p_bytes": r.p2p, "step_buffers": r.step_buffers,
-                          "activations": {m: a[i] for m, a in pc.activations.items()}}
-                         for i, r in enumerate(pc.ranks)],
-        }  # fmt: skip
+            "pp_ranks": [
+                {
+                    "stages": r.stages,
+                    "p2p_bytes": r.p2p,
+                    "step_buffers": r.step_buffers,
+                    "activations": {m: a[i] for m, a in pc.activations.items()},
+                }
+                for i, r in enumerate(pc.ranks)
+            ],
+        }
     c, ac = layout.comm, cfg.train.activation_checkpoint
     out["fsdp_gather"] = {
         "configured": layout.dims.fsdp_gather(cfg.parallel.fsdp_gather),  # auto resolved
-        "micro_batch": {"all_gather": c["fsdp_all_gather"], "reduce_scatter":
-                        c["fsdp_reduce_scatter"], "peak": peak_bytes(layout, ac, gather="micro_batch")},
-        "step": {"all_gather": c["fsdp_all_gather_once"], "reduce_scatter":
-                 c["fsdp_reduce_scatter_once"], "peak": peak_bytes(layout, ac, gather="step")},
-    }  # fmt: skip
+        "micro_batch": {
+            "all_gather": c["fsdp_all_gather"],
+            "reduce_scatter": c["fsdp_reduce_scatter"],
+            "peak": peak_bytes(layout, ac, gather="micro_batch"),
+        },
+        "step": {
+            "all_gather": c["fsdp_all_gather_once"],
+            "reduce_scatter": c["fsdp_reduce_scatter_once"],
+            "peak": peak_bytes(layout, ac, gather="step"),
+        },
+    }
     if gpu_memory is not None:
         out["gpu_memory_gib"] = gpu_memory
         out["fits"] = out["peak"] <= gpu_memory * GIB
@@ -130,8 +142,10 @@ def format_report(r: dict) -> str:
     ]
     if "parameters" in r:  # the model's own size: the first check of a new model's config
         n = r["parameters"]
-        lines.append(f"parameters: {_count(n['total'])} total, {_count(n['active'])} active per "
-                     "token (each routed expert at top_k / experts)")  # fmt: skip
+        lines.append(
+            f"parameters: {_count(n['total'])} total, {_count(n['active'])} active per "
+            "token (each routed expert at top_k / experts)"
+        )
     lines += ["", f"{name} per rank   params    grads  optimizer"]
     rows = [f"{g(p['params'])} {g(p['grads'])} {g(p['optimizer'])}" for p in r["per_rank"]]
     for ranks, row in _ranges(rows):  # ranks whose figures print alike share a line
@@ -142,23 +156,32 @@ def format_report(r: dict) -> str:
         lines.append(
             f"(of the params, the frozen base in {r['frozen_base_dtype']}: {where} {name})"
         )
-    lines += ["", "activation_checkpoint  activations  rank peak (+ FSDP buffers "
-              f"{r['fsdp_buffers'] / unit:.2f} {name})"]  # fmt: skip
+    lines += [
+        "",
+        "activation_checkpoint  activations  rank peak (+ FSDP buffers "
+        f"{r['fsdp_buffers'] / unit:.2f} {name})",
+    ]
     for mode, m in r["modes"].items():
         mark = "  <- configured" if mode == r["activation_checkpoint"] else ""
         lines.append(f"{mode:<22}{g(m['activation_peak'])}     {g(m['peak_rank0'])}{mark}")
-    lines.append(f"(a rank peak is the higher of the forward/backward and the optimizer step, "
-                 f"which adds {r['update_increase_rank0'] / unit:.2f} {name}: gradients and "
-                 "its temporaries)")  # fmt: skip
+    lines.append(
+        f"(a rank peak is the higher of the forward/backward and the optimizer step, "
+        f"which adds {r['update_increase_rank0'] / unit:.2f} {name}: gradients and "
+        "its temporaries)"
+    )
     if pipe:
         lines.append("pp rank  stages     activations per mode (none/selective/full)   sends")
         for i, q in enumerate(pipe["pp_ranks"]):
             acts = "/".join(f"{a / unit:.2f}" for a in q["activations"].values())
-            lines.append(f"{i:<8} {','.join(map(str, q['stages'])):<10} {acts:<44} "
-                         f"{q['p2p_bytes'] / unit:.2f} {name}")  # fmt: skip
-        lines.append("(under pp, FSDP keeps a stage's units gathered and its gradients "
-                     "unsharded through the step, and gathers and reduces once per step: "
-                     "parallel.fsdp_gather does not apply)")  # fmt: skip
+            lines.append(
+                f"{i:<8} {','.join(map(str, q['stages'])):<10} {acts:<44} "
+                f"{q['p2p_bytes'] / unit:.2f} {name}"
+            )
+        lines.append(
+            "(under pp, FSDP keeps a stage's units gathered and its gradients "
+            "unsharded through the step, and gathers and reduces once per step: "
+            "parallel.fsdp_gather does not apply)"
+        )
     c = r["per_step"]
     lines += [
         "",
@@ -170,7 +193,9 @@ def format_report(r: dict) -> str:
         f"{c['cp_ring'] / unit:.2f}",
     ]
     f = r["fsdp_gather"]
-    for mode, label in () if pipe else (("micro_batch", "per micro-batch"), ("step", "once per step")):  # fmt: skip
+    for mode, label in (
+        () if pipe else (("micro_batch", "per micro-batch"), ("step", "once per step"))
+    ):
         o = f[mode]
         mark = "  <- configured" if mode == f["configured"] else ""
         mark += "  <- pick" if f.get("pick") == mode else ""

@@ -41,11 +41,17 @@ def candidates(cfg, world_size: int, hw: Hardware, blocks: int = 0) -> list[dict
         stage_world = world_size // pp
         if world_size % pp or (pp > 1 and blocks < pp):
             continue
-        schedules = [(s, v) for s, v in SEARCH_SCHEDULES if blocks >= pp * v] if pp > 1 else [("1F1B", 1)]  # fmt: skip
+        schedules = (
+            [(s, v) for s, v in SEARCH_SCHEDULES if blocks >= pp * v] if pp > 1 else [("1F1B", 1)]
+        )
         # NOTE: with pipeline stages, plain FSDP inside each and no ring: the search stays
         # within its time (each stage cut and degree is measured afresh), and both are
         # there to cut memory, which stages already divide.
-        replicas = {1} | ({stage_world // node} if pp == 1 and stage_world > node and stage_world % node == 0 else set())  # fmt: skip
+        replicas = {1} | (
+            {stage_world // node}
+            if pp == 1 and stage_world > node and stage_world % node == 0
+            else set()
+        )
         for rep in sorted(replicas):
             shard_world = stage_world // rep
             for cp in (1, 2, 4, 8) if pp == 1 else (1,):
@@ -63,9 +69,18 @@ def candidates(cfg, world_size: int, hw: Hardware, blocks: int = 0) -> list[dict
                             if pp > 1 and pipeline_micro_batches_needed(schedule, pp, n):
                                 continue
                             staged = {"pp": pp, "pp_schedule": schedule, "pp_virtual_stages": v}
-                            out.append({"parallel": {"dp_replicate": rep, "dp_shard": shard_world // cp,
-                                                     "cp": cp, "ep": ep, **staged},
-                                        "train": {"micro_batch_size": mb}})  # fmt: skip
+                            out.append(
+                                {
+                                    "parallel": {
+                                        "dp_replicate": rep,
+                                        "dp_shard": shard_world // cp,
+                                        "cp": cp,
+                                        "ep": ep,
+                                        **staged,
+                                    },
+                                    "train": {"micro_batch_size": mb},
+                                }
+                            )
     return out
 
 
@@ -147,9 +162,17 @@ def _rank(tried, trials, world_size, hw, budget, log, by_kind, reuse, flops) -> 
                 ((f, estimate(layout, mode, flops, hw, by_kind, f)) for f in forms),
                 key=lambda pair: pair[1]["tokens_per_s"],
             )
-            ranked.append({**cand["parallel"], "micro_batch_size": cand["train"]["micro_batch_size"],
-                           "activation_checkpoint": mode, "ep_overlap": form, "peak": peak,
-                           "comm_bytes": layout.comm, **est})  # fmt: skip
+            ranked.append(
+                {
+                    **cand["parallel"],
+                    "micro_batch_size": cand["train"]["micro_batch_size"],
+                    "activation_checkpoint": mode,
+                    "ep_overlap": form,
+                    "peak": peak,
+                    "comm_bytes": layout.comm,
+                    **est,
+                }
+            )
         log(
             f"  [{i}/{len(tried)}] measured {cand['parallel']}, micro-batch {cand['train']['micro_batch_size']}"
         )
@@ -162,10 +185,12 @@ def format_ranked(
 ) -> list[str]:
     """`efficiency`: `efficiency_text`'s words (default: the constant's)."""
     efficiency = efficiency or efficiency_text(hw, None, None)
-    lines = [f"fastest layouts that fit ({hw.name}: {efficiency}, "
-             f"{hw.intra_gbps:g} GB/s in a node, {hw.inter_gbps:g} GB/s across, "
-             f"{hw.ranks_per_node} per node):",
-             "      tok/s     step s   compute       a2a   exposed    bubble  layout"]  # fmt: skip
+    lines = [
+        f"fastest layouts that fit ({hw.name}: {efficiency}, "
+        f"{hw.intra_gbps:g} GB/s in a node, {hw.inter_gbps:g} GB/s across, "
+        f"{hw.ranks_per_node} per node):",
+        "      tok/s     step s   compute       a2a   exposed    bubble  layout",
+    ]
     for r in ranked[:top]:
         lines.append(
             f"  {r['tokens_per_s']:>9,.0f}  {r['step_s']:9.3g} {r['compute_s']:9.3g} "

@@ -55,7 +55,12 @@ def fsdp_units(model, plan, param_dtype, module_weight: dict[int, float]) -> lis
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        nested = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()}  # fmt: skip
+        nested = {
+            id(p)
+            for m in module.modules()
+            if m is not module and isinstance(m, FSDPModule)
+            for p in m.parameters()
+        }
         dtype = torch.float32 if id(module) in fp32 else param_dtype
         gathered = grads = copied = 0
         for p in module.parameters():

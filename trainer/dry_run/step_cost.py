@@ -82,7 +82,7 @@ def estimate(
         again_s = {
             k: f * tokens / dims.world_size / (hw.tflops * 1e12 * eff(k)) for k, f in again.items()
         }
-    recompute_s = sum(again_s.values())  # fmt: skip
+    recompute_s = sum(again_s.values())
     fsdp_n = dims.dp_shard * dims.cp
     ring_f = (fsdp_n - 1) / fsdp_n
     once = dims.fsdp_gather(cfg.parallel.fsdp_gather) == "step"
@@ -91,10 +91,14 @@ def estimate(
     seconds = {
         "fsdp": (gather + scatter) * ring_f / (link(fsdp_n, hw) * GB),
         # replicas are fsdp_n ranks apart: across nodes once a shard group fills a node
-        "hsdp": comm["hsdp_all_reduce"] * 2 * (dims.dp_replicate - 1) / dims.dp_replicate
+        "hsdp": comm["hsdp_all_reduce"]
+        * 2
+        * (dims.dp_replicate - 1)
+        / dims.dp_replicate
         / (link(fsdp_n * dims.dp_replicate, hw) * GB),
-        "cp_ring": comm["cp_ring_full_ac" if mode == "full" else "cp_ring"] / (link(dims.cp, hw) * GB),
-    }  # fmt: skip
+        "cp_ring": comm["cp_ring_full_ac" if mode == "full" else "cp_ring"]
+        / (link(dims.cp, hw) * GB),
+    }
     a2a = comm["ep_all_to_all_full_ac" if mode == "full" else "ep_all_to_all"]
     seconds["ep_all_to_all"], share = a2a_seconds(a2a, layout, hw)
     background = seconds["fsdp"] + seconds["hsdp"] + seconds["cp_ring"]
@@ -107,11 +111,20 @@ def estimate(
             layout, mode, compute_s, seconds, hw, hides, form, recompute_s
         )
         step_s += optimizer_s
-        return {"flops_per_rank": flops, "compute_s": extra.pop("compute_s"), "comm_s": seconds,
-                "node_share": share, "experts": layout.experts, "top_k": layout.top_k,
-                "optimizer_s": optimizer_s, "step_s": step_s, "tokens_per_s": tokens / step_s,
-                "recompute_s": recompute_s, "recomputed_flops_per_token": sum(again.values()),
-                **extra}  # fmt: skip
+        return {
+            "flops_per_rank": flops,
+            "compute_s": extra.pop("compute_s"),
+            "comm_s": seconds,
+            "node_share": share,
+            "experts": layout.experts,
+            "top_k": layout.top_k,
+            "optimizer_s": optimizer_s,
+            "step_s": step_s,
+            "tokens_per_s": tokens / step_s,
+            "recompute_s": recompute_s,
+            "recomputed_flops_per_token": sum(again.values()),
+            **extra,
+        }
     forwards = 2 if mode == "full" else 1  # the replay's forward moves its tokens again
     pass_s = seconds["ep_all_to_all"] / (forwards + 1)
     experts_s, shared_s = (compute_s / (forwards + 2) * h for h in hides)  # in one forward

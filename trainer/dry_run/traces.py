@@ -52,7 +52,14 @@ def trace_layout(cfg, spec, dims, mode: str, meshes, models=None):
         model.train()
         return model, sample_blocks(model, spec.plan)
 
-    key = ("trace", cfg.model.name, repr(cfg.model.args), repr(cfg.peft), cfg.moe.z_loss_coef > 0, param_dtype)  # fmt: skip
+    key = (
+        "trace",
+        cfg.model.name,
+        repr(cfg.model.args),
+        repr(cfg.peft),
+        cfg.moe.z_loss_coef > 0,
+        param_dtype,
+    )
     model, sampled = models.copy_of(key, build) if models is not None else build()
     use_fused_attention(model, spec.plan)  # before checkpointing: the replay runs it too
     apply_activation_checkpointing(match_modules(model, spec.plan.blocks, "blocks"), mode)
@@ -60,9 +67,14 @@ def trace_layout(cfg, spec, dims, mode: str, meshes, models=None):
     S = cfg.data.seq_len // dims.cp
     grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
     step_loss = losses.StepLoss(
-        terms, losses.BalanceTerms.of(cfg.moe), dims, meshes.world.get_group("cp"),
-        cfg.train.global_batch_size, grad_accum, torch.device("meta"),
-    )  # fmt: skip
+        terms,
+        losses.BalanceTerms.of(cfg.moe),
+        dims,
+        meshes.world.get_group("cp"),
+        cfg.train.global_batch_size,
+        grad_accum,
+        torch.device("meta"),
+    )
 
     def step_of(B: int):  # one micro-batch of B sequences: forward, loss, backward
         ids = torch.zeros(B, S, dtype=torch.long, device="meta")

@@ -74,8 +74,9 @@ class AdamWLowPrecisionState(torch.optim.AdamW):
                 # torch's single-tensor AdamW: lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
                 bias2 = math.sqrt(1 - beta2**step)
                 denom = exp_avg_sq.sqrt().div_(bias2).add_(eps)
-                param.addcdiv_(exp_avg.to(param.dtype), denom.to(param.dtype),
-                               value=-lr / (1 - beta1**step))  # fmt: skip
+                param.addcdiv_(
+                    exp_avg.to(param.dtype), denom.to(param.dtype), value=-lr / (1 - beta1**step)
+                )
                 _local(state["exp_avg"]).copy_(exp_avg)  # rounded to the state's dtype
                 _local(state["exp_avg_sq"]).copy_(exp_avg_sq)
         return loss

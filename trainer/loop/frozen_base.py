@@ -121,8 +121,11 @@ def run_base(cfg: JobConfig, stage_path: str | None, stage_state: dict | None) -
         # NOTE: only checkpoints that omit the frozen weights are ever rebuilt from this
         # record: other runs do not read their base's files a second time to fingerprint it.
         omitted = cfg.peft.method == "lora" and not cfg.checkpoint.save_frozen
-        return {"source": "hf", "path": hf_dir,
-                "fingerprint": hf_fingerprint(hf_dir) if omitted else None}  # fmt: skip
+        return {
+            "source": "hf",
+            "path": hf_dir,
+            "fingerprint": hf_fingerprint(hf_dir) if omitted else None,
+        }
     return {"source": "seed", "seed": cfg.train.seed}
 
 

@@ -52,6 +52,18 @@ class NoUpdateApplied(Exception):
 AUX_DOMINATES = 10.0
 
 
+def loss_weights(aux_field: str | None, terms: Any, moe: Any) -> dict[str, tuple[str, float]]:
+    """The auxiliary losses `likely_cause` weighs, by record figure: the config key of each
+    one's weight and the weight (the aux loss first, its key the model's own field,
+    `ModelSpec.aux_loss_field`; then the z-loss). `terms`: the model's `LossTerms`; `moe`:
+    the config's [moe] section."""
+    weights = {}
+    if aux_field is not None:
+        weights["aux_loss"] = (f"model.{aux_field}", terms.aux_loss_coef)
+    weights["z_loss"] = ("moe.z_loss_coef", moe.z_loss_coef)
+    return weights
+
+
 def likely_cause(
     record: dict[str, Any], coefs: dict[str, tuple[str, float]], untouched: bool
 ) -> str:

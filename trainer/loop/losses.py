@@ -259,9 +259,15 @@ class StepLoss:
         pipeline stage `stage`'s layers)."""
         balance, terms = self.balance, self.terms
         aux = aux_loss_share(
-            stats, balance.mode, self.dims, self.cp_group, self.global_batch_size,
-            self.rounds, balance.pooled, self.batch_group,
-        )  # fmt: skip
+            stats,
+            balance.mode,
+            self.dims,
+            self.cp_group,
+            self.global_batch_size,
+            self.rounds,
+            balance.pooled,
+            self.batch_group,
+        )
         z = z_loss_sum(stats) / self.counts[1]  # every token routed, masked-in or not
         if self.moe_layers:  # a stage's layers: their part of the mean over all layers
             part = len(stats.prob_sum) / self.moe_layers

@@ -36,8 +36,9 @@ def _read_config(directory: str) -> dict:
 
 
 @torch.no_grad()
-def load_peft_adapters(model: nn.Module, whole: nn.Module, adapter: Any, args: Any,
-                       peft: PeftSection) -> None:  # fmt: skip
+def load_peft_adapters(
+    model: nn.Module, whole: nn.Module, adapter: Any, args: Any, peft: PeftSection
+) -> None:
     """Fill `model`'s adapters (this rank's shards) from `peft.init_from`; `whole` is the
     whole model (a pipeline stage holds only some of the adapters the file must have)."""
     directory = peft.init_from

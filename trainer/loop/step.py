@@ -188,8 +188,10 @@ class StepQueue:
     def _update_on_device(self, loss: torch.Tensor, norm: torch.Tensor) -> dict:
         if self.device_guard is None:  # built from the host guard (a resume loaded it)
             self.device_guard = DeviceGuard(self.guard, self.device)
-            table = [self.cfg.train.lr * lr_factor(k, self.cfg.train)
-                     for k in range(self.cfg.train.steps + 1)]  # fmt: skip
+            table = [
+                self.cfg.train.lr * lr_factor(k, self.cfg.train)
+                for k in range(self.cfg.train.steps + 1)
+            ]
             self.lr_table = to_device_unblocked(torch.tensor(table), self.device)
         guard = self.device_guard
         # The schedule counts applied updates: a skipped step does not advance it.

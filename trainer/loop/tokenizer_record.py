@@ -120,10 +120,12 @@ def _chat_template(cfg: JobConfig, corpora: Corpora) -> dict[str, Any]:
     if not chat:
         return {**none, "note": None}
     ways = {
-        (c.manifest.source.get("chat_template_sha256"),
-         json.dumps(c.manifest.source.get("chat_template_kwargs", {}), sort_keys=True))
+        (
+            c.manifest.source.get("chat_template_sha256"),
+            json.dumps(c.manifest.source.get("chat_template_kwargs", {}), sort_keys=True),
+        )
         for c in chat
-    }  # fmt: skip
+    }
     if len(ways) > 1:  # an export holds one template: none is more honest than a wrong one
         note = (
             f"the training corpora were rendered with {len(ways)} different chat templates or "

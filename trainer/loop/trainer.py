@@ -34,7 +34,7 @@ from trainer.data.batch import Batch
 from trainer.data.prepared import Corpora
 from trainer.loop.balance import attach_bias_update
 from trainer.loop.batches import Batches
-from trainer.loop.guard import StepGuard, likely_cause
+from trainer.loop.guard import StepGuard, likely_cause, loss_weights
 from trainer.loop.losses import BalanceTerms, StepLoss, model_inputs
 from trainer.loop.optim import build_optimizer, fused_unsupported
 from trainer.loop.pipelined import build_pipelined, moe_layers, pipeline_evaluation
@@ -66,17 +66,19 @@ class Trainer:
         self.history: list[dict] = []
         self._stop_requested = False
         self.notes: list[str] = []  # said on the console once the logger exists
-        if cfg.train.warmup_steps > cfg.train.steps:
-            self.notes.append(
-                f"train.warmup_steps={cfg.train.warmup_steps} is longer than the run "
-                f"(train.steps={cfg.train.steps}): warming up over all {cfg.train.steps} steps"
-            )
 
         self._build_model()
         b = Batches(
-            cfg, self.meshes.dp_rank(), dims.dp_size, dims.cp, self.cp_rank, self.grad_accum,
-            self.terms, self.device, corpora,
-        )  # fmt: skip
+            cfg,
+            self.meshes.dp_rank(),
+            dims.dp_size,
+            dims.cp,
+            self.cp_rank,
+            self.grad_accum,
+            self.terms,
+            self.device,
+            corpora,
+        )
         self.batches, self.data, self.loader, self.sampler = b, b.data, b.loader, b.sampler
         self.prepare_batch, self.evaluator = b.prepare_batch, b.evaluator
         t = cfg.train
@@ -84,21 +86,37 @@ class Trainer:
         dataset = self.loader.dataset
         self.state = RunState(cfg, dataset, guard, self.sampler, self.device, self.rank)
         self.checkpoints = RunCheckpoints(
-            cfg, self.spec, self.model, self.optimizer, self.state, self.parallel.whole, corpora,
+            cfg,
+            self.spec,
+            self.model,
+            self.optimizer,
+            self.state,
+            self.parallel.whole,
+            corpora,
             stop_requested=lambda: self._stop_requested,
-        )  # fmt: skip
+        )
         resume_from, notes = self.checkpoints.begin()
         self.notes += notes
         if self.shared_embedding is not None:  # a stage's copy of the embedding, as loaded
             self.shared_embedding.sync()
         stage_loads = self.pipelined.whole_model_load if self.pipelined is not None else None
         self.steps = StepQueue(
-            cfg, self.state, self.forward_backward, self.optimizer, self.params,
-            self.norm_params, self.bias_update, self.dispatchers, self.meshes, dims, self.device,
-            self.shared_embedding, stage_loads,
-        )  # fmt: skip
+            cfg,
+            self.state,
+            self.forward_backward,
+            self.optimizer,
+            self.params,
+            self.norm_params,
+            self.bias_update,
+            self.dispatchers,
+            self.meshes,
+            dims,
+            self.device,
+            self.shared_embedding,
+            stage_loads,
+        )
         self._build_metrics(resume_from)
-        self._start_step = self.step  # the step of the weights this run started from
+        self._start_step = self.state.step  # the step of the weights this run started from
         self._pending: Queued | None = None  # a step queued, its record not read yet
         self._last_end = step_end(self.device)  # when the last step's work ended
 
@@ -133,6 +151,7 @@ class Trainer:
         gloo = dist.get_backend() == "gloo"
         self._host_group = None if gloo else dist.new_group(backend="gloo")
         self.terms = self.spec.loss_terms(self.args)
+        self.loss_weights = loss_weights(self.spec.aux_loss_field, self.terms, cfg.moe)
         self.grad_accum = self.dims.grad_accum(
             cfg.train.global_batch_size, cfg.train.micro_batch_size
         )
@@ -161,9 +180,17 @@ class Trainer:
         # the held-out loss of a source's micro-batches through the stages (trainer.loop.evaluation)
         self.forward_only = pipeline_evaluation(cfg, parallel, meshes, device, terms)
         self.pipelined, self.shared_embedding = build_pipelined(
-            cfg, parallel, meshes, self.dims, self.spec.plan, self.rank, self.step_loss,
-            self.grad_accum, device, terms,
-        )  # fmt: skip
+            cfg,
+            parallel,
+            meshes,
+            self.dims,
+            self.spec.plan,
+            self.rank,
+            self.step_loss,
+            self.grad_accum,
+            device,
+            terms,
+        )
         copies = self.shared_embedding.copies if self.shared_embedding else set()
         self.norm_params = [p for p in self.params if id(p) not in copies]
 
@@ -175,11 +202,11 @@ class Trainer:
             self.rank == 0,
             cfg.metrics.jsonl,
             cfg.metrics.progress,
-            resume_step=self.step if resumed_from is not None else None,
+            resume_step=self.state.step if resumed_from is not None else None,
             sinks=build_sinks(cfg, self.rank == 0),
         )
         if resumed_from is not None:
-            self.logger.info(f"resumed from {resumed_from} at step {self.step}")
+            self.logger.info(f"resumed from {resumed_from} at step {self.state.step}")
         for note in self.notes + self.logger.notes:
             self.logger.info(note)
         whole = self.parallel.whole or self.model  # a pipeline stage is not the whole model
@@ -194,31 +221,6 @@ class Trainer:
             self.logger.info,
             cfg.profile.top,
         )
-
-    # --- the run's state and its parts, by their names of old -----------------------------
-    @property
-    def step(self) -> int:
-        return self.state.step
-
-    @property
-    def consumed_samples(self) -> int:
-        return self.state.consumed_samples
-
-    @property
-    def guard(self) -> StepGuard:
-        return self.state.guard
-
-    def save_checkpoint(self) -> None:
-        self.checkpoints.save()
-
-    def queue_step(self, micro_batches: list[Batch]) -> Queued:
-        return self.steps.queue_step(micro_batches)
-
-    def settle(self, queued: Queued) -> dict:
-        return self.steps.settle(queued)
-
-    def train_step(self, micro_batches: list[Batch]) -> dict:
-        return self.steps.train_step(micro_batches)
 
     # --- one step ------------------------------------------------------------------------
     def forward_backward(self, micro_batches: list[Batch]) -> dict:
@@ -272,33 +274,25 @@ class Trainer:
             signal.signal(signal.SIGTERM, previous_handler)
             self.logger.close()  # flush TensorBoard / W&B
 
-    def _skip_cause(self, record: dict, weights_step: int) -> str:
-        """`likely_cause`'s advice after skipped step `record`, the weights being step
-        `weights_step`'s."""
-        coefs = {}  # the aux loss first, then the z-loss
-        if self.spec.aux_loss_field is not None:
-            coefs["aux_loss"] = (f"model.{self.spec.aux_loss_field}", self.terms.aux_loss_coef)
-        coefs["z_loss"] = ("moe.z_loss_coef", self.cfg.moe.z_loss_coef)
-        return likely_cause(record, coefs, untouched=weights_step == self._start_step)
-
     def _on_skipped(self, record: dict, queued: Queued) -> None:
         reason = record["skipped"]
-        self.logger.info(self.guard.note(queued.step, reason))
-        if self.guard.limit_reached:  # the weights are the last good ones: nothing moved
+        self.logger.info(self.state.guard.note(queued.step, reason))
+        if self.state.guard.limit_reached:  # the weights are the last good ones: nothing moved
             # NOTE: the device may have queued the next step already; it skips every step
             # past the limit (guard.DeviceGuard), so the state to save is this step's, with
             # the data position after its batch.
             self.state.step, self.state.consumed_samples = queued.step, queued.consumed_samples
-            self.save_checkpoint()
+            self.checkpoints.save()
             self.checkpoints.wait()
-            cause = self._skip_cause(record, queued.step - self.guard.consecutive)
-            raise self.guard.limit_error(queued.step, reason, cause)
+            untouched = queued.step - self.state.guard.consecutive == self._start_step
+            cause = likely_cause(record, self.loss_weights, untouched)
+            raise self.state.guard.limit_error(queued.step, reason, cause)
 
     def _finish(self, queued: Queued, evaluate: bool = False) -> None:
         """Read, log and act on a queued step's record (`settle`); `evaluate`: add the
         held-out loss of the current weights, which must be that step's."""
         cfg = self.cfg
-        record = self.settle(queued)
+        record = self.steps.settle(queued)
         # From the previous step's end to this one's, as the device ran them (not when the
         # host read them: it reads a step once the next is queued).
         elapsed, self._last_end = queued.end.seconds_since(self._last_end), queued.end
@@ -326,24 +320,24 @@ class Trainer:
         checkpoint, the run's end, a stop) or judges on the host (foreach AdamW, where the
         read decides the update). Returns whether SIGTERM stopped the run (saved)."""
         cfg = self.cfg
-        queued = self.queue_step(micro_batches)
+        queued = self.steps.queue_step(micro_batches)
         if self._pending is not None:
             self._finish(self._pending)
         self._pending = queued
         every, interval = cfg.eval.interval, cfg.checkpoint.interval
-        last = self.step == cfg.train.steps
-        evaluate = bool(self.evaluator) and (last or every and self.step % every == 0)
-        save = interval and (self.step % interval == 0 or last)
+        last = self.state.step == cfg.train.steps
+        evaluate = bool(self.evaluator) and (last or every and self.state.step % every == 0)
+        save = interval and (self.state.step % interval == 0 or last)
         self.checkpoints.poll()
         stop = self._stop_agreed()
         if not on_device_path(self.optimizer) or evaluate or save or last or stop:
             self.drain(evaluate)
         if stop:
-            self.logger.info(f"SIGTERM: saving step {self.step} and stopping")
-            self.save_checkpoint()
+            self.logger.info(f"SIGTERM: saving step {self.state.step} and stopping")
+            self.checkpoints.save()
             return True
         if save:
-            self.save_checkpoint()
+            self.checkpoints.save()
         return False
 
     def drain(self, evaluate: bool = False) -> None:
@@ -356,34 +350,41 @@ class Trainer:
         cfg = self.cfg
         parallel = self.parallel
         for line in startup_lines(
-            cfg, self.dims, parallel.whole or self.model, self.loader.dataset, self.data,
-            self.grad_accum, self.device, parallel.stage_blocks, parallel.embedding_on_last,
-        ):  # fmt: skip
+            cfg,
+            self.dims,
+            parallel.whole or self.model,
+            self.loader.dataset,
+            self.data,
+            self.grad_accum,
+            self.device,
+            parallel.stage_blocks,
+            parallel.embedding_on_last,
+        ):
             self.logger.info(line)
-        self._start_step = self.step  # the step of the weights this run started from
+        self._start_step = self.state.step  # the step of the weights this run started from
         stopped = False
-        if self.step >= cfg.train.steps:
+        if self.state.step >= cfg.train.steps:
             self.logger.info(
                 f"nothing to do: this run already reached train.steps={cfg.train.steps} (step "
-                f"{self.step}); raise train.steps to train further, or use a new job.output_dir"
+                f"{self.state.step}); raise train.steps to train further, or use a new job.output_dir"
             )
         self._last_end = step_end(self.device)
         self._pending = None
-        while self.step < cfg.train.steps:
-            self.profiler.before_step(self.step + 1)
-            with named_range(f"step {self.step + 1}"):
+        while self.state.step < cfg.train.steps:
+            self.profiler.before_step(self.state.step + 1)
+            with named_range(f"step {self.state.step + 1}"):
                 with named_range("data.wait"):
                     micro_batches = self.next_micro_batches()
                 stopped = self.advance(micro_batches)
-            self.profiler.after_step(self.step)
+            self.profiler.after_step(self.state.step)
             if stopped:
                 break
         self.checkpoints.wait()
         applied = [r for r in self.history if "skipped" not in r]
         if self.history and not applied and not stopped:  # every rank: the verdicts are global
             last = self.history[-1]
-            cause = self._skip_cause(last, self._start_step)
-            raise self.guard.nothing_applied_error(
+            cause = likely_cause(last, self.loss_weights, untouched=True)
+            raise self.state.guard.nothing_applied_error(
                 self._start_step + 1, last["step"], last["skipped"], cause
             )
         if applied:  # a skipped step's loss is not the model's: from the applied ones

@@ -51,8 +51,13 @@ def _expert_load(plt, records: list[dict], out_dir: str) -> list[str]:
     for layer in range(load.shape[1]):
         share = load[:, layer] / np.maximum(load[:, layer].mean(axis=1, keepdims=True), 1e-9)
         fig, ax = plt.subplots(figsize=(7, 4))
-        image = ax.imshow(share, aspect="auto", cmap="viridis", interpolation="nearest",
-                          extent=(-0.5, share.shape[1] - 0.5, steps[-1], steps[0]))  # fmt: skip
+        image = ax.imshow(
+            share,
+            aspect="auto",
+            cmap="viridis",
+            interpolation="nearest",
+            extent=(-0.5, share.shape[1] - 0.5, steps[-1], steps[0]),
+        )
         fig.colorbar(image, ax=ax, label="tokens / mean")
         ax.set(xlabel="expert", ylabel="step", title=f"expert load, MoE layer {layer}")
         fig.tight_layout()
@@ -111,11 +116,20 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     return [
         _curves(plt, records, losses, "losses", figure(out_dir, "loss.png"), True),
         _curves(plt, records, ["lr"], "learning rate", figure(out_dir, "lr.png"), False),
-        _curves(plt, records, ["grad_norm"], "grad norm (before clipping)", figure(out_dir, "grad_norm.png"), True),
-        _curves(plt, records, ["tokens_per_s"], "tokens/s", figure(out_dir, "tokens_per_s.png"), False),
+        _curves(
+            plt,
+            records,
+            ["grad_norm"],
+            "grad norm (before clipping)",
+            figure(out_dir, "grad_norm.png"),
+            True,
+        ),
+        _curves(
+            plt, records, ["tokens_per_s"], "tokens/s", figure(out_dir, "tokens_per_s.png"), False
+        ),
         *_balance(plt, records, figure(out_dir, "balance.png")),
         *_expert_load(plt, records, out_dir),
-    ]  # fmt: skip
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
