@@ -1,13 +1,18 @@
 """Streaming export: a checkpoint several times larger than the export's memory bound is
 written with peak memory bounded by the shard size (measured RSS of the real CLI), and
-reloads in transformers with the model's logits."""
+reloads in transformers with the model's logits. The CLI: the dtype each kind of export
+writes, a job directory for its newest checkpoint, refused shard sizes, and an earlier
+export kept whole when a later one fails or is killed."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -19,6 +24,7 @@ from models.common.init import init_all_
 from tests.distributed import ROOT
 from trainer.checkpoint.markers import COMPLETE, TRAINER_STATE
 from trainer.config import config_to_dict, load_config
+from trainer.loop.peft import apply_lora, init_adapters
 
 SHARD_MB = 4
 
@@ -63,10 +69,21 @@ print(json.dumps({"code": code, "growth_mb": (max(peak[0], rss()) - base) / 2**2
 
 
 def _checkpoint(tmp_path, argv: list[str], name: str):
-    """A real DCP checkpoint (the trainer's layout) of a randomly initialised model."""
+    """A real DCP checkpoint (the trainer's layout) of a randomly initialised model; with
+    `--peft.method=lora`, of the model with adapters as if trained (B != 0), saved whole."""
     cfg = load_config(argv)
-    model = get_model_spec(cfg.model.name).build(cfg.model.args)
+    spec = get_model_spec(cfg.model.name)
+    model = spec.build(cfg.model.args)
+    if cfg.peft.method == "lora":
+        apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
     init_all_(model, seed=1)
+    if cfg.peft.method == "lora":
+        init_adapters(model, seed=1)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for key, param in model.named_parameters():
+                if key.endswith("lora_B"):
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
     ckpt = tmp_path / name / "step-1"
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)
     torch.save({"step": 1, "config": config_to_dict(cfg)}, ckpt / TRAINER_STATE)
@@ -151,3 +168,134 @@ def test_an_export_replaces_an_earlier_one_whole_or_not_at_all(tmp_path, capsys)
     assert f"export directory {out} holds files an export does not write (notes.txt)" in err
     assert "Export to a new or empty directory (--out)" in err
     assert _files(out) == {**first, "notes.txt": b"{}"}
+
+
+@pytest.fixture(scope="module")
+def lora_job(tmp_path_factory):
+    """(config, model, checkpoint) of a job's output directory holding one LoRA checkpoint."""
+    root = tmp_path_factory.mktemp("lora")
+    argv = ["--config=configs/debug_qwen3_moe.toml", "--peft.method=lora"]
+    cfg, model, ckpt, _ = _checkpoint(root, argv, "job/checkpoints")
+    return cfg, model, ckpt
+
+
+def test_adapters_export_in_their_trained_dtype_and_merged_weights_in_bf16(
+    lora_job, tmp_path, capsys
+):
+    """peft's save_pretrained keeps adapters in their training dtype; ours wrote bf16 by
+    default, which moved peft's logits 3.2e-3 from the merged export's on tests/test_lora.py's
+    trained adapters (that test checks the two agree within 1e-4, on the defaults)."""
+    from safetensors.torch import load_file
+
+    from trainer.hf.export import main
+    from trainer.hf.peft_export import PREFIX
+    from trainer.hf.peft_format import WEIGHTS, peft_layout
+
+    cfg, model, ckpt = lora_job
+    layout = peft_layout(model, get_model_spec(cfg.model.name).hf_adapter, cfg.model.args)
+    params = dict(model.named_parameters())
+    for extra, dtype, why in (
+        ((), torch.float32, "the checkpoint's dtype; --dtype to change"),
+        (("--dtype=bf16",), torch.bfloat16, "--dtype"),
+    ):
+        out = tmp_path / "adapters"
+        assert main(["--checkpoint", str(ckpt), "--out", str(out), "--adapters", *extra]) == 0
+        name = "fp32" if dtype == torch.float32 else "bf16"
+        assert f"wrote {out}: adapters in {name} ({why}) from {ckpt}\n" in capsys.readouterr().out
+        written = load_file(out / WEIGHTS)
+        assert len(written) == len(layout.entries)
+        for key, entry in layout.entries.items():  # the saved values, rounded only if asked
+            assert written[PREFIX + key].dtype == dtype
+            assert torch.equal(written[PREFIX + key], entry.to_peft(params[entry.native]).to(dtype))
+
+    out = tmp_path / "merged"  # merged weights keep their default
+    assert main(["--checkpoint", str(ckpt), "--out", str(out)]) == 0
+    assert (
+        f"wrote {out}: weights in bf16 (the default; --dtype to change)" in capsys.readouterr().out
+    )
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+
+
+def test_a_job_directory_means_its_newest_checkpoint_and_anything_else_is_refused(
+    lora_job, tmp_path, capsys
+):
+    """As trainer.generate and trainer.evaluate read it (find_checkpoint); it was taken for
+    a damaged checkpoint ("COMPLETE is missing ... --checkpoint.resume=none")."""
+    from trainer.hf.export import main
+
+    job = tmp_path / "job"
+    shutil.copytree(lora_job[2].parent.parent, job)
+    newest = job / "checkpoints" / "step-2"
+    shutil.copytree(job / "checkpoints" / "step-1", newest)
+    (newest / COMPLETE).write_text(json.dumps({"step": 2, "committed_at": 1.0}))
+    capsys.readouterr()
+    assert main(["--checkpoint", str(job), "--out", str(tmp_path / "from_job")]) == 0
+    printed = capsys.readouterr().out
+    assert f"--checkpoint={job}: using {newest} (step 2), the newest of its complete" in printed
+    assert f"from {newest}\n" in printed
+    assert main(["--checkpoint", str(newest), "--out", str(tmp_path / "from_step")]) == 0
+    assert _files(tmp_path / "from_job") == _files(tmp_path / "from_step")
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("")
+    capsys.readouterr()
+    assert main(["--checkpoint", str(notes), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"--checkpoint={notes} is not a checkpoint" in err
+    assert "give a checkpoint's directory (OUTPUT_DIR/checkpoints/step-<N>) or the output" in err
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_a_shard_size_that_is_not_positive_is_refused_before_anything_is_read(
+    value, tmp_path, capsys
+):
+    """0 and -1 wrote one file per tensor. A missing checkpoint: the flag is judged first."""
+    from trainer.hf.export import main
+
+    argv = ["--checkpoint", str(tmp_path / "missing"), "--out", str(tmp_path / "hf")]
+    assert main([*argv, f"--max-shard-gb={value}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --max-shard-gb={value}: each safetensors file holds up to")
+    assert "must be above 0, at least one byte (e.g. --max-shard-gb=4, the default)" in err
+    # Adapters are one file, the one peft loads: the flag would be ignored.
+    assert main([*argv, "--adapters", "--max-shard-gb=1"]) == 2
+    assert "--max-shard-gb=1 with --adapters" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_an_export_killed_midway_leaves_the_earlier_one_and_a_rerun_succeeds(lora_job, tmp_path):
+    """SIGKILL as the first of a sharded export's 21 files appears (~0.8 s before it
+    would finish): no cleanup runs, and the earlier export stays byte for byte."""
+    from trainer.hf.export import main
+
+    ckpt = lora_job[2]
+    out = tmp_path / "hf"
+
+    def sharded(out_dir) -> list[str]:
+        return ["--checkpoint", str(ckpt), "--out", str(out_dir), "--max-shard-gb=0.0001"]
+
+    assert main(["--checkpoint", str(ckpt), "--out", str(out)]) == 0  # one file
+    earlier = _files(out)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.hf.export", *sharded(out)], cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    # Where the first file appears (the staging directory; `out` itself would fail the test).
+    found, deadline = [], time.monotonic() + 120
+    while not found and proc.poll() is None and time.monotonic() < deadline:
+        found = list(tmp_path.glob("*/model-1.safetensors.partial"))
+        time.sleep(0.001)
+    proc.kill()
+    code, err = proc.wait(), proc.stderr.read().decode()
+    assert code == -signal.SIGKILL, f"the export was not killed midway (exit {code}): {err}"
+    left = sorted(p.name for p in found[0].parent.iterdir())  # mid-stream: no index, config
+    assert "model-1.safetensors.partial" in left and "config.json" not in left, left
+    assert _files(out) == earlier
+
+    assert main(sharded(out)) == 0  # the rerun clears the killed one's files, replaces `out`
+    assert main(sharded(tmp_path / "fresh")) == 0
+    rerun = _files(out)
+    assert rerun == _files(tmp_path / "fresh") and "model.safetensors.index.json" in rerun
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "hf"]

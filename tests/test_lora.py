@@ -199,11 +199,13 @@ def test_resume_is_exact_and_the_merged_export_reloads_with_the_adapted_logits(t
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def _export(step, out, *extra: str) -> None:
+def _export(step, out, *extra: str) -> str:
+    """The real CLI; returns what it printed."""
     cmd = [sys.executable, "-m", "trainer.hf.export", "--checkpoint", str(step), "--out",
-           str(out), "--dtype", "fp32", *extra]  # fmt: skip
+           str(out), *extra]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+    return proc.stdout
 
 
 @pytest.mark.slow
@@ -235,7 +237,11 @@ def test_the_adapter_export_is_what_peft_loads_and_a_later_export_replaces_it(
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     out = tmp_path / "adapters"
-    _export(step, out, "--adapters")
+    printed = _export(step, out, "--adapters")  # no --dtype: the dtype they trained in
+    assert f"wrote {out}: adapters in fp32 (the checkpoint's dtype; --dtype" in printed
+    merged_dir = tmp_path / "merged"
+    printed = _export(step, merged_dir, "--dtype", "fp32")
+    assert f"wrote {merged_dir}: weights in fp32 (--dtype) from {step}" in printed
 
     ours, _, _ = load_checkpoint_model(str(step))  # the base from init_from_hf, its adapters
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir).eval()
@@ -251,6 +257,11 @@ def test_the_adapter_export_is_what_peft_loads_and_a_later_export_replaces_it(
     assert (want - plain).abs().max() > 1e-4  # the adapters trained, the experts' too:
     assert ours.get_parameter("layers.0.mlp.experts.down_lora_B").abs().max() > 0
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    # The adapters on the base are the merged export, on the defaults: bf16 adapters (the
+    # old default) were 3.2e-3 away here.
+    merged_model = transformers.AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    with torch.no_grad():
+        assert (merged_model(input_ids=ids).logits - got).abs().max() <= 1e-4
 
     # peft.init_from: a model with fresh adapters, given the exported ones, is `ours`.
     fresh, spec, args = load_checkpoint_model(str(step))
@@ -284,9 +295,9 @@ def test_the_adapter_export_is_what_peft_loads_and_a_later_export_replaces_it(
     # put the adapters on the base named in it), then sharded over one file (a stale
     # model.safetensors is what transformers would load instead of the index).
     for checkpoint, extra in (("step-1", ()), ("step-2", ("--max-shard-gb=0.00005",))):
-        _export(run / "checkpoints" / checkpoint, out, *extra)
+        _export(run / "checkpoints" / checkpoint, out, "--dtype=fp32", *extra)
         model, _, _ = load_checkpoint_model(str(run / "checkpoints" / checkpoint))
-        _export(run / "checkpoints" / checkpoint, tmp_path / "fresh", *extra)  # a new dir
+        _export(run / "checkpoints" / checkpoint, tmp_path / "fresh", "--dtype=fp32", *extra)
         assert sorted(p.name for p in out.iterdir()) == sorted(
             p.name for p in (tmp_path / "fresh").iterdir()
         )

@@ -1,7 +1,8 @@
 """What both exports read from a training checkpoint (`trainer.hf.export`, the merged
 weights; `trainer.hf.peft_export`, the adapters alone): the model spec and args it was
 trained with, its model built as it was trained (with LoRA's adapters where it had them),
-and its saved model state, read a chosen set of tensors at a time.
+the dtype each model tensor was saved in, and its saved model state, read a chosen set of
+tensors at a time.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from models import get_model_spec
@@ -49,3 +51,10 @@ def read_model_state(path: str, tensors: dict[str, torch.Tensor]) -> None:
         planner=DefaultLoadPlanner(allow_partial_load=True),
         no_dist=True,
     )
+
+
+def saved_dtypes(path: str, names: list[str]) -> dict[str, torch.dtype]:
+    """The dtype the checkpoint holds each model tensor of `names` in (what training kept it
+    in: an fp32 master under bf16 compute), from its metadata; no tensor data is read."""
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    return {name: saved[f"model.{name}"].properties.dtype for name in names}

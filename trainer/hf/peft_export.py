@@ -1,6 +1,8 @@
 """A LoRA checkpoint's adapters in the format Hugging Face `peft` loads
 (`python -m trainer.hf.export --adapters`): `adapter_model.safetensors` and
-`adapter_config.json`, to put on the base model with `PeftModel.from_pretrained`.
+`adapter_config.json`, to put on the base model with `PeftModel.from_pretrained`. The
+adapters keep the dtype they were trained in, which the checkpoint holds (fp32), as peft's
+save_pretrained keeps them, unless `--dtype` says otherwise.
 
 Linear layers' adapters are peft `target_modules`, the routed experts' are
 `target_parameters` on transformers' stacked expert parameters, each expert with its own
@@ -14,6 +16,7 @@ beside the adapters for transformers to load instead of the base.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -22,7 +25,12 @@ from safetensors.torch import save_file
 
 from models import HFFormatError
 from trainer.checkpoint.markers import read_trainer_state
-from trainer.hf.checkpoint_source import build_model, checkpoint_spec, read_model_state
+from trainer.hf.checkpoint_source import (
+    build_model,
+    checkpoint_spec,
+    read_model_state,
+    saved_dtypes,
+)
 from trainer.hf.export_dir import staged_export
 from trainer.hf.peft_format import CONFIG, WEIGHTS, adapter_config, check_peft_version, peft_layout
 
@@ -31,10 +39,12 @@ PREFIX = "base_model.model."  # peft's keys: the PeftModel's path to the base's 
 
 @torch.no_grad()
 def export_adapters(
-    path: str, out_dir: str, dtype: torch.dtype, tokenizer: bool = True
-) -> str | None:
-    """Write checkpoint `path`'s adapters into `out_dir`, with the tokenizer its data was
-    prepared with (`tokenizer`); returns the line that says which, or why none."""
+    path: str, out_dir: str, dtype: torch.dtype | None = None, tokenizer: bool = True
+) -> tuple[str | None, torch.dtype]:
+    """Write checkpoint `path`'s adapters into `out_dir` in `dtype` (None: the dtype they
+    were trained in, which the checkpoint holds them in, as peft's save_pretrained keeps
+    them), with the tokenizer its data was prepared with (`tokenizer`). Returns the line
+    that says which tokenizer, or why none, and the dtype written."""
     from trainer.hf.export_tokenizer import recorded_tokenizer, write_tokenizer
 
     spec, args = checkpoint_spec(path)
@@ -48,8 +58,11 @@ def export_adapters(
     if layout.parameters:
         check_peft_version()
     params = dict(model.named_parameters())
-    values = {e.native: torch.empty(params[e.native].shape, dtype=params[e.native].dtype)
-              for e in layout.entries.values()}  # fmt: skip
+    saved = saved_dtypes(path, sorted({e.native for e in layout.entries.values()}))
+    # Rounded to bf16, trained adapters put peft's logits 3.2e-3 from the merged export's on
+    # tests/test_lora.py's tiny model (7.4 on a user's): the default keeps what training kept.
+    dtype = dtype or functools.reduce(torch.promote_types, saved.values())
+    values = {name: torch.empty(params[name].shape, dtype=saved[name]) for name in saved}
     entries = layout.entries.items()
     record, line = recorded_tokenizer(path) if tokenizer else (None, None)  # before any work
     with staged_export(out_dir) as staging:  # replaces out_dir whole, once complete
@@ -64,4 +77,4 @@ def export_adapters(
         with open(os.path.join(staging, CONFIG), "w") as f:
             base = config["model"].get("init_from_hf")
             json.dump(adapter_config(peft, layout, base), f, indent=2)
-    return line
+    return line, dtype
