@@ -124,8 +124,12 @@ def _write(
         if base is not None:  # the routers' buffers (a trained bias) are in it all the same
             saved = {name: tensors[name] for name in tensors if name in buffers}
             tensors.update({name: base[name] for name in tensors if name not in buffers})
-        adapters = {a: torch.empty_like(params[a], device="cpu")
-                    for name in tensors if name in adapted for a in adapted[name][:2]}  # fmt: skip
+        adapters = {
+            a: torch.empty_like(params[a], device="cpu")
+            for name in tensors
+            if name in adapted
+            for a in adapted[name][:2]
+        }
         read_model_state(path, {**saved, **adapters})
         for name in tensors.keys() & adapted.keys():  # LoRA: W + alpha/r * B @ A
             a, b, scale = adapted[name]
