@@ -24,7 +24,7 @@ trains a small BPE tokenizer.json on a slice of one (nothing is downloaded). The
 
 Long documents (a worker's memory on one very long line): benchmarks/long_docs.py.
 
-Sizes are MiB (flags); rates MB/s = 1e6 bytes/s, as the CLI prints them. Prints one JSON object
+Sizes are MiB (flags); rates MB/s = 1e6 bytes/s (the CLI prints kB, MB or GB: summary_mb). Prints one JSON object
 (or writes --json FILE), then a one-line summary. The page cache is warm throughout.
 """
 
@@ -108,7 +108,20 @@ def encode_batch_reference(tokenizer_json: str, corpus: str, repeats: int) -> di
             "text_mb": sum(len(t.encode()) for t in texts) / 1e6}  # fmt: skip
 
 
-SUMMARY = re.compile(r"([\d,.]+) MB in ([\d.]+) s, ([\d,.]+) MB/s")
+# The CLI's summary line: "prepared ...: read 104.9 MB of JSON lines in 1.3 s (79.8 MB/s), ..."
+SUMMARY = re.compile(r"read ([\d,.]+) ([kMG]?B) of .+? in ([\d.]+) s \(([\d,.]+) ([kMG]?B)/s\)")
+_UNIT_MB = {"B": 1e-6, "kB": 1e-3, "MB": 1.0, "GB": 1e3}
+
+
+def summary_mb(stdout: str) -> tuple[float, float, float]:
+    """(MB read, seconds, MB/s) from the CLI's output (the line that starts "prepared")."""
+    line = next(x for x in stdout.splitlines() if x.startswith("prepared "))
+    size, unit, seconds, rate, rate_unit = SUMMARY.search(line).groups()
+    return _mb(size, unit), float(seconds), _mb(rate, rate_unit)
+
+
+def _mb(number: str, unit: str) -> float:
+    return float(number.replace(",", "")) * _UNIT_MB[unit]
 
 
 def child_cpu(cmd: list[str], env: dict | None = None) -> tuple:
@@ -130,8 +143,8 @@ def prepare_once(corpus, out, tokenizer, workers, shard_mb, env, import_cpu) -> 
     proc, wall, cpu = child_cpu(cmd, env)
     if proc.returncode != 0:
         raise SystemExit(f"prepare failed ({proc.returncode}): {shlex.join(cmd)}\n{proc.stderr}")
-    line = proc.stdout.strip().splitlines()[-1]
-    mb, seconds, rate = (float(x.replace(",", "")) for x in SUMMARY.search(line).groups())
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("prepared "))
+    mb, seconds, rate = summary_mb(proc.stdout)
     with open(os.path.join(out, "manifest.json")) as f:
         shards = len(json.load(f)["shards"])
     return {"mb": mb, "seconds": seconds, "mb_per_s": rate, "wall_s": wall,

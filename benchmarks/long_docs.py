@@ -32,7 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from data import MIB, ROOT, SUMMARY, generate, read_texts, train_bpe  # noqa: E402
+from data import MIB, ROOT, generate, read_texts, summary_mb, train_bpe  # noqa: E402
 
 
 def long_line_corpus(path: str, mib: float, seed: int) -> float:
@@ -166,8 +166,8 @@ def measure_long_docs(args: argparse.Namespace, tmp: str, result: dict) -> None:
         proc, wall, peaks = prepare_sampled(cmd)
         if proc.returncode != 0:
             raise SystemExit(f"prepare failed: {shlex.join(cmd)}\n{proc.stderr}")
-        line = proc.stdout.strip().splitlines()[-1]
-        mb, seconds, rate = (float(x.replace(",", "")) for x in SUMMARY.search(line).groups())
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("prepared "))
+        mb, seconds, rate = summary_mb(proc.stdout)
         workers = [peak for depth, peak in peaks.values() if depth >= 2]
         runs.append({"line_mib": line_mib, "file_mib": os.path.getsize(corpus) / MIB,
                      "mb": mb, "seconds": seconds, "mb_per_s": rate, "wall_s": wall,

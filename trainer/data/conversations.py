@@ -6,7 +6,8 @@ prompt was cut off. Documents (each a conversation or a prompt/completion pair, 
 included) are packed in order, greedily, into windows of `data.seq_len + 1` tokens; a window
 that cannot take the next document whole is closed and padded (EOS tokens, each its own
 document, whose labels count nothing). A document longer than a window is left out, and
-the start-up line says how many were. Labels are the next tokens where the mask marks them
+the start-up line says how many were (`prepare --truncate SEQ_LEN` cuts conversations to
+whole turns that fit, at prepare time, where the turns are known). Labels are the next tokens where the mask marks them
 (the assistant turns and their end-of-turn token; a completion and its EOS), the ignore
 index elsewhere: the loss averages over exactly the masked-in tokens of the global batch.
 
@@ -44,8 +45,9 @@ def check_some_fit(lengths: np.ndarray, seq_len: int, where: str) -> None:
         f"{where}: every one of its {len(lengths):,} documents (conversations or prompt/"
         f"completion pairs) is longer than data.seq_len + 1 = {window} tokens (the shortest "
         f"has {shortest:,} tokens, the longest {longest:,}, EOS included), and instruction "
-        "data is never cut: all would be left out and not one sample would remain; raise "
-        f"data.seq_len to at least {shortest - 1}{every}"
+        "data is never cut here: all would be left out and not one sample would remain; "
+        f"raise data.seq_len to at least {shortest - 1}{every}, or prepare the corpus again "
+        f"with --truncate {seq_len} to keep each conversation's turns that fit"
     )
 
 

@@ -1,5 +1,5 @@
-"""Rows of a Hugging Face dataset as documents: a saved directory or a `load_dataset` name,
-one text column (`--text-field`), or a conversation's columns for `--format chat`. The
+"""Rows of a Hugging Face dataset as documents: a saved directory, a `load_dataset` name or
+folder, or one data file (.parquet, .jsonl, .json, .csv, .arrow, .txt), one text column (`--text-field`), or a conversation's columns for `--format chat`. The
 rules of `trainer.data.reader`, for `datasets` tables."""
 
 from __future__ import annotations
@@ -12,6 +12,17 @@ from trainer.data.reader import Options
 from trainer.errors import DataError
 
 HF_ROWS = 1024  # rows per read of a datasets table
+
+# datasets' packaged builder for a data file, by its extension: load_dataset reads a folder
+# or a hub name by itself, but a single file only through the builder of its format.
+FILE_BUILDERS = {
+    ".parquet": "parquet",
+    ".jsonl": "json",
+    ".json": "json",
+    ".csv": "csv",
+    ".arrow": "arrow",
+    ".txt": "text",
+}
 
 
 def load_hf_dataset(path: str, split: str, field: str | None, opts: Options) -> Any:
@@ -61,15 +72,41 @@ def _open_hf_dataset(path: str, split: str, opts: Options) -> Any:
             ds = ds[split]
     elif local.startswith(("/", ".", "~")) and not os.path.exists(local):
         raise DataError(f"{opts.path}={path!r} does not exist (looked for a dataset directory)")
+    elif os.path.isfile(local):
+        ds = _load(datasets, path, split, opts, _file_builder(path, split, opts), local)
     else:
-        try:
-            ds = datasets.load_dataset(local, split=split)
-        except Exception as err:  # datasets raises many kinds; all mean the same to the user
-            raise DataError(
-                f"datasets.load_dataset({opts.path}={path!r}, split={split!r}) failed: {err}; "
-                f"check {opts.path} and {opts.split}"
-            ) from None
+        ds = _load(datasets, path, split, opts, local, None)
     return ds
+
+
+def _file_builder(path: str, split: str, opts: Options) -> str:
+    """The builder that reads the data file `path`; DataError for a format it cannot, or
+    for a split other than the one a lone file makes."""
+    extension = os.path.splitext(path)[1].lower()
+    if extension not in FILE_BUILDERS:
+        raise DataError(
+            f"{opts.path}={path!r} is a file datasets has no reader for by its extension: "
+            f"name a {', '.join(FILE_BUILDERS)} file, a folder of them, or a directory "
+            "written by save_to_disk"
+        )
+    if split != "train":
+        raise DataError(
+            f"{opts.path}={path!r} is one data file, which datasets reads as the split "
+            f"'train' alone, not {split!r}: set {opts.split}=train (the default), or name a "
+            "folder whose files are named by split"
+        )
+    return FILE_BUILDERS[extension]
+
+
+def _load(datasets: Any, path: str, split: str, opts: Options, name: str, files: str | None) -> Any:
+    """datasets.load_dataset(name, data_files=files, split=split), its failures refused."""
+    try:
+        return datasets.load_dataset(name, data_files=files, split=split)
+    except Exception as err:  # datasets raises many kinds; all mean the same to the user
+        raise DataError(
+            f"datasets.load_dataset({opts.path}={path!r}, split={split!r}) failed: {err}; "
+            f"check {opts.path} and {opts.split}"
+        ) from None
 
 
 def hf_documents(ds: Any, field: str, name: str, lo: int, hi: int) -> Iterator[tuple[str, int]]:

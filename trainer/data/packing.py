@@ -68,7 +68,9 @@ class CorpusSummary:
         if self.left_out:
             line += (
                 f"; {self.left_out:,} documents longer than data.seq_len + 1 = {seq_len + 1} "
-                "tokens were left out, never cut (raise data.seq_len to keep them)"
+                "tokens were left out, never cut here (raise data.seq_len to keep them, or "
+                f"prepare the corpus again with --truncate {seq_len} to keep their turns "
+                "that fit)"
             )
         return line
 

@@ -6,7 +6,10 @@
 - `worker`: one unit in a worker process: read, tokenize, write one shard (no torch);
 - `instructions`: `--format chat|prompt_completion`: tokens and the loss mask
   (`instruction_unit`: one such unit);
-- `unit_files`: what both kinds of unit write and share (the shard writer, marker names).
+- `unit_files`: what both kinds of unit write and share (the shard writer, marker names);
+- `truncate`: `--truncate SEQ_LEN`, documents cut to whole turns that fit a sample;
+- `summary`: the lines printed when done;
+- `show`: `--show N`, a prepared directory's documents decoded, trained tokens marked.
 
 The format written is `trainer.data.shards`'; training reads it with `data.source=tokens`.
 """

@@ -92,6 +92,14 @@ class Tokens:
             mask[first : self.count if last is None else last + 1] = 1
         return mask
 
+    def tokens_before(self, char: int) -> int:
+        """How many tokens begin before character `char`: where a document that keeps the
+        text before `char` ends (`prepare --truncate`)."""
+        i = max(0, int(np.searchsorted(self.bases, char, side="right")) - 1)
+        if i >= len(self.starts):
+            return self.count
+        return self.firsts[i] + int(np.searchsorted(self.starts[i], char, side="left"))
+
     def _pieces(self, a: int, b: int) -> range:
         """The pieces that characters [a, b) fall in."""
         lo = max(0, int(np.searchsorted(self.bases, a, side="right")) - 1)

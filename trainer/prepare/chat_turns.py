@@ -60,6 +60,9 @@ class ChatDocument:
     eos_target: bool  # the EOS the shard writes after it is its last answer's stop target
     rendered: int  # how many of the conversation's messages it renders
     spliced: bool = False  # the prompt then the answer, not a rendering of the messages
+    # Where each trained answer ends, its stop target included (token indices, ascending):
+    # the places `prepare --truncate` may end the document without cutting an answer.
+    answer_ends: tuple[int, ...] = ()
 
 
 def _where(where: Where) -> str:
@@ -224,20 +227,26 @@ def _document(
                 "of this conversation; put each assistant turn's text (and its end-of-turn "
                 "token) inside {% generation %} ... {% endgeneration %}"
             )
-        return ChatDocument(tokens.all_ids(), mask, False, upto)
+        ends = tuple(sorted(tokens.tokens_before(b) for _, b in spans))
+        return ChatDocument(tokens.all_ids(), mask, False, upto, answer_ends=ends)
     eos_target = False
+    ends = [b for _, b in spans]  # characters
     if not r.closes:  # no end-of-turn text: the next turn's first token, or the EOS
         targets = []
-        for _, b in spans:
+        for k, (_, b) in enumerate(spans):
             rest = text[b:]
             start = b + len(rest) - len(rest.lstrip())
             if start < len(text):
                 targets.append((start, start + 1))
+                ends[k] = start + 1
             else:
                 eos_target = True
+                ends[k] = len(text)  # its stop target is the EOS: the document's own end
         spans = spans + targets
     tokens = Tokens(r.tok, text, lambda: _where(where))
-    return ChatDocument(tokens.all_ids(), tokens.located_mask(spans), eos_target, upto)
+    ids, mask = tokens.all_ids(), tokens.located_mask(spans)
+    answer_ends = tuple(sorted(tokens.tokens_before(b) for b in ends))
+    return ChatDocument(ids, mask, eos_target, upto, answer_ends=answer_ends)
 
 
 def _located(r: Renderer, conv: Conversation, i: int, full: str, where: Where) -> tuple[int, int]:

@@ -3,6 +3,7 @@
     python -m trainer.prepare --source jsonl --path 'data/**/*.jsonl' \\
         --tokenizer path/to/tokenizer.json --out prepared/ [--workers N] [--shard-mb 256]
     python -m trainer.prepare --verify --out prepared/
+    python -m trainer.prepare --show 3 --out prepared/   # what training reads, decoded
 
 Training then reads the directory with data.source=tokens. Re-running the same command after
 an interruption finishes the job, redoing only what is missing. Exit status: 0 done, 2 bad
@@ -26,7 +27,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--source", choices=("jsonl", "text", "hf_datasets"))
     parser.add_argument("--path", help="glob of the files (quoted), or a dataset dir/name")
-    parser.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="'byte' (the default) or a tokenizer.json (--show: the one the manifest records)",
+    )
     parser.add_argument("--out", required=True, help="the directory to write (or --verify)")
     parser.add_argument("--workers", type=int, default=None, help="processes (default: cores)")
     parser.add_argument(
@@ -71,9 +76,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--verify", action="store_true", help="re-check --out's sizes and checksums, then exit"
     )
+    parser.add_argument(
+        "--truncate",
+        type=int,
+        default=None,
+        metavar="SEQ_LEN",
+        help="cut each document to fit a sample of data.seq_len=SEQ_LEN (SEQ_LEN tokens and "
+        "EOS): a conversation after its last whole answer that fits (one with none is left "
+        "out), text at SEQ_LEN tokens; default: nothing is cut, and training leaves out "
+        "instruction documents longer than a sample",
+    )
+    parser.add_argument(
+        "--show",
+        type=int,
+        default=None,
+        metavar="N",
+        help="print --out's first N documents decoded, trained tokens marked, then exit",
+    )
     args = parser.parse_args(argv)
+    if args.show is not None:
+        if args.verify:
+            parser.error("--show and --verify are two commands: pass one")
+        if args.show < 1:
+            parser.error(f"--show takes how many documents to print (>= 1), got {args.show}")
+        return args
+    if args.tokenizer is None:
+        args.tokenizer = "byte"
     if not args.verify and (args.source is None or args.path is None):
-        parser.error("--source and --path are required (unless --verify)")
+        parser.error("--source and --path are required (unless --verify or --show)")
     if args.format == "prompt_completion" and args.source != "jsonl":
         parser.error("--format prompt_completion reads JSON lines: use --source jsonl")
     if args.format == "chat" and args.source == "text":
@@ -104,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.prepare.run import PrepareArgs, prepare, verify
 
     try:
+        if args.show is not None:
+            from trainer.prepare.show import show
+
+            for line in show(args.out, args.show, args.tokenizer):
+                print(line)
+            return 0
         if args.verify:
             manifest = verify(args.out)
             print(
@@ -126,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 chat_template=args.chat_template,
                 chat_turns=args.chat_turns,
                 chat_template_kwargs=args.chat_template_kwargs,
+                truncate=args.truncate,
                 overwrite=args.overwrite,
                 progress=args.progress or sys.stderr.isatty(),
             )
@@ -139,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     print(summary.line())
     if (chat := summary.chat_line()) is not None:
         print(chat)
+    if (cut := summary.truncate_line()) is not None:
+        print(cut)
     if (note := summary.note()) is not None:
         print(note, file=sys.stderr)
     return 0

@@ -21,7 +21,7 @@ from trainer.data import hf_rows, reader
 from trainer.data.utf8 import OnReplaced, Replaced, decode_lines
 from trainer.errors import DataError
 from trainer.fileio import write_atomic
-from trainer.prepare import instructions
+from trainer.prepare import instructions, truncate
 from trainer.prepare.encode import BATCH_CHARS
 from trainer.prepare.unit_files import (
     Job,
@@ -94,6 +94,7 @@ def run_instruction_unit(job: Job, index: int, report: Report, alive: Callable[[
     docs: Docs = []
     pending = nbytes = 0
     modes = {"conversations": {}, "documents": 0, "tokens": 0, "one_rendering": 0}
+    cuts = truncate.Cuts()  # --truncate: the documents cut to fit, and those left out
 
     def flush() -> None:
         nonlocal docs, pending, nbytes
@@ -114,18 +115,19 @@ def run_instruction_unit(job: Job, index: int, report: Report, alive: Callable[[
         for item, consumed in read(job, unit, replaced):
             nbytes += consumed
             if item is not None:
-                new, mode = item
+                rendered, mode = item
+                if mode is not None:  # what each rendering mode cost (before --truncate)
+                    modes["conversations"][mode] = modes["conversations"].get(mode, 0) + 1
+                    modes["documents"] += len(rendered)
+                    modes["tokens"] += sum(len(ids) + 1 for ids, *_ in rendered)
+                    modes["one_rendering"] += len(rendered[-1][0]) + 1
+                new = truncate.fit_instruction(rendered, job["truncate"], cuts)
                 docs += new
                 pending += sum(len(ids) for ids, _, _ in new)
-                if mode is not None:  # what each rendering mode cost, for the summary
-                    modes["conversations"][mode] = modes["conversations"].get(mode, 0) + 1
-                    modes["documents"] += len(new)
-                    modes["tokens"] += sum(len(ids) + 1 for ids, _, _ in new)
-                    modes["one_rendering"] += len(new[-1][0]) + 1
             if pending >= BATCH_CHARS // 4:  # ~1 MB of text's tokens at a time
                 flush()
         flush()
-        marker = {"unit": unit, **writer.finish(), **replaced_fields(replaced)}
+        marker = {"unit": unit, **writer.finish(), **replaced_fields(replaced), **cuts.fields()}
         if job["format"] == "chat":
             marker["chat_turns"] = modes
     except DataError as err:

@@ -32,6 +32,7 @@ from trainer.prepare import chat_turns
 from trainer.prepare.chat_messages import conversation_of
 from trainer.prepare.chat_template import check_syntax, read_template, rendering, template_origin
 from trainer.prepare.chat_tokens import Tokens
+from trainer.prepare.truncate import Rendered
 
 FORMATS = ("text", "chat", "prompt_completion")
 
@@ -154,7 +155,8 @@ def _tokenizer(job: dict) -> Any:
     return _TOKENIZERS[key]
 
 
-Documents = list[tuple[np.ndarray, np.ndarray, int]]  # (ids int64, mask uint8, EOS a target)
+# (ids int64, mask uint8, EOS a target, where its trained answers end: truncate.py)
+Documents = list[Rendered]
 
 
 def documents(job: dict, record: Any, where: Where) -> tuple[Documents, str | None]:
@@ -167,7 +169,7 @@ def documents(job: dict, record: Any, where: Where) -> tuple[Documents, str | No
             docs, mode = chat_turns.render_conversation(
                 _tokenizer(job), conversation, job.get("chat_turns", "auto"), where
             )
-        return [(d.ids, d.mask, int(d.eos_target)) for d in docs], mode
+        return [(d.ids, d.mask, int(d.eos_target), d.answer_ends) for d in docs], mode
     prompt, completion = check_prompt_completion(record, where)
     if job["tokenizer_path"] is None:  # the byte tokenizer: ids are the UTF-8 bytes
         p, c = (np.frombuffer(t.encode("utf-8"), np.uint8) for t in (prompt, completion))
@@ -175,7 +177,8 @@ def documents(job: dict, record: Any, where: Where) -> tuple[Documents, str | No
         tok = _tokenizer(job)
         p, c = (Tokens(tok, t, lambda: at(where)).all_ids() for t in (prompt, completion))
     mask = np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(c), np.uint8)])
-    return [(np.concatenate([p, c]).astype(np.int64), mask, 1)], None  # the EOS: a target
+    ids = np.concatenate([p, c]).astype(np.int64)
+    return [(ids, mask, 1, (len(ids),))], None  # the EOS: a target, the completion's end
 
 
 def parse(line: str, where: Callable[[], str]) -> Any:

@@ -160,35 +160,51 @@ class Cutter:
 
 
 def write(
-    stream: TextStream, writer: Any, tok: Any, report: Report, alive: Callable[[], bool]
-) -> None:
+    stream: TextStream,
+    writer: Any,
+    tok: Any,
+    report: Report,
+    alive: Callable[[], bool],
+    keep: int | None = None,
+) -> bool:
     """Tokenize a streamed document in pieces and append it to `writer` (a unit_files.ShardWriter)
-    in parts, then its EOS; nothing for an empty one. Progress goes to `report` as it goes."""
+    in parts, then its EOS; nothing for an empty one. Progress goes to `report` as it goes.
+    `keep` (`prepare --truncate`): only its first `keep` tokens (the ids of whole-document
+    encoding: pieces end where the tokenizer cannot merge across); True when it was cut."""
     encode = encoder_of(tok)
     cutter = None if tok is None else Cutter(Joins(tok).joins, stream.where)
     batch: list[str] = []
-    chars, empty = 0, True
+    chars, empty, written, cut = 0, True, 0, False
 
     def flush() -> None:
-        nonlocal batch, chars
+        nonlocal batch, chars, written, cut
         flat, lengths = encode_or_explain(encode, batch, stream.where)
         for ids in np.split(flat, np.cumsum(lengths)[:-1]):  # one part per piece
+            if keep is not None and written + len(ids) > keep:
+                ids, cut = ids[: keep - written], True
             writer.add_part(ids)
+            written += len(ids)
         report(0, 0, len(flat), True)
         batch, chars = [], 0
         if not alive():
             raise SystemExit(1)  # the main process is gone: stop, leave no marker
 
-    for text in stream:
+    for text in stream:  # read to its end, as a TextStream must be, even once it is cut
         empty = empty and not text
+        if cut or (keep is not None and written >= keep and text):
+            cut = True  # full: the rest is read, not tokenized
+            continue
         for piece in [text] if cutter is None else cutter.push(text):
             batch.append(piece)
             chars += len(piece)
-            if chars >= BATCH_CHARS:
+            # Cut short, it may be full after a piece: encoding a batch more would be waste.
+            if chars >= BATCH_CHARS or (keep is not None and chars >= keep):
                 flush()
     if empty:
-        return
-    if cutter is not None:
+        return False
+    if cutter is not None and not cut:
         batch.append(cutter.rest())
-    flush()
+    if batch:
+        flush()
     report(0, 1, writer.add(np.empty(0, np.int64), np.zeros(1, np.int64)), True)  # its EOS
+    return cut

@@ -41,6 +41,7 @@ class PrepareArgs:
     chat_template: str | None = None  # --format chat: a Jinja file instead of the tokenizer's
     chat_turns: str = "auto"  # --format chat: which renderings train the answers (chat_turns.py)
     chat_template_kwargs: str | None = None  # --format chat: the template's options, JSON
+    truncate: int | None = None  # documents cut to fit a sample of this data.seq_len (truncate.py)
 
     def template_options(self) -> dict[str, Any]:
         return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
@@ -71,6 +72,8 @@ def repeat_command(args: PrepareArgs) -> str:
         words += ["--split", args.split]
     if args.eos_token is not None:
         words += ["--eos-token", args.eos_token]
+    if args.truncate is not None:
+        words += ["--truncate", str(args.truncate)]
     words += ["--shard-mb", f"{args.shard_mb:g}"]
     return shlex.join(words)
 
@@ -160,6 +163,11 @@ def _chat_source(args: PrepareArgs) -> dict[str, Any]:
     }
 
 
+def _length_source(args: PrepareArgs) -> dict[str, Any]:
+    """--truncate: the sample length the documents were cut to fit (other data)."""
+    return {} if args.truncate is None else {"truncate": args.truncate}
+
+
 def plan_source(args: PrepareArgs, target: int) -> tuple[dict, list[str], list[dict]]:
     """(the manifest's "source", the files workers read, the units)."""
     if args.source in ("jsonl", "text"):
@@ -178,6 +186,7 @@ def plan_source(args: PrepareArgs, target: int) -> tuple[dict, list[str], list[d
         if args.format != "text":
             source["format"] = args.format
         source.update(_chat_source(args))
+        source.update(_length_source(args))
         sizes = [s.st_size for s in stats]
         return source, files, plan_file_units(files, sizes, target, args.source == "jsonl")
     if args.source == "hf_datasets":
@@ -191,6 +200,7 @@ def plan_source(args: PrepareArgs, target: int) -> tuple[dict, list[str], list[d
             "split": args.split,
             **({"columns": ds.column_names} if chat else {"text_field": args.text_field}),
             **_chat_source(args),
+            **_length_source(args),
             "fingerprint": ds._fingerprint,  # what datasets itself uses to name a version
             "num_rows": ds.num_rows,
             "files": [
@@ -201,8 +211,9 @@ def plan_source(args: PrepareArgs, target: int) -> tuple[dict, list[str], list[d
         per_row = ds.data.nbytes / max(1, ds.num_rows)
         rows = max(1, int(target / max(per_row, 1e-9)))
         units = [
-            {"rows": [a, min(a + rows, ds.num_rows)], "bytes": int(per_row * rows)}
+            {"rows": [a, b], "bytes": round(per_row * (b - a))}
             for a in range(0, ds.num_rows, rows)
+            for b in [min(a + rows, ds.num_rows)]
         ]
         return source, [], units
     raise DataError(f"unknown --source {args.source!r}: use jsonl, text or hf_datasets")

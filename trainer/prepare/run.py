@@ -21,7 +21,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from trainer.data import shards
 from trainer.data.shards import MANIFEST, Manifest, ShardInfo
@@ -29,54 +29,9 @@ from trainer.errors import DataError
 from trainer.fileio import read_json, write_atomic
 from trainer.prepare import worker
 from trainer.prepare.plan import MIB, PrepareArgs, plan_source, repeat_command, tokenizer_identity
+from trainer.prepare.summary import INPUT_KINDS, Summary, chat_turns_total
 
 PLAN = "plan.json"
-
-
-@dataclass(frozen=True)
-class Summary:
-    documents: int
-    tokens: int
-    shards: int
-    units_reused: int
-    bytes_read: int  # input bytes tokenized by this run (reused units not counted)
-    seconds: float
-    replaced: int = 0  # documents with bytes that are not UTF-8 (replaced by U+FFFD)
-    replaced_first: str | None = None  # the first of them, in corpus order: file[:line]
-    chat_turns: dict | None = None  # --format chat: conversations per mode, and their cost
-
-    def line(self) -> str:
-        mb = self.bytes_read / 1e6
-        rate = mb / self.seconds if self.seconds > 0 else 0.0
-        reused = f", {self.units_reused} shards reused" if self.units_reused else ""
-        return (
-            f"prepared {self.documents:,} documents, {self.tokens:,} tokens, {self.shards} "
-            f"shards: {mb:,.1f} MB in {self.seconds:.1f} s, {rate:,.1f} MB/s{reused}"
-        )
-
-    def chat_line(self) -> str | None:
-        """--format chat: which rendering trained the conversations, and what it cost."""
-        c = self.chat_turns
-        if not c or not c["conversations"]:
-            return None
-        modes = ", ".join(f"{n:,} {mode}" for mode, n in sorted(c["conversations"].items()))
-        total = sum(c["conversations"].values())
-        return (
-            f"chat turns: {total:,} conversations ({modes}) in {c['documents']:,} documents, "
-            f"{c['tokens']:,} tokens: {c['tokens'] / max(c['one_rendering'], 1):.2f}x the tokens "
-            "of one rendering per conversation"
-        )
-
-    def note(self) -> str | None:
-        """The line that says text was changed on the way in (None: it was not)."""
-        if not self.replaced:
-            return None
-        documents = f"{self.replaced:,} document{'s' if self.replaced > 1 else ''}"
-        return (
-            f"note: {documents} held bytes that are not valid UTF-8, prepared with U+FFFD in "
-            f"their place (the first: {self.replaced_first}); re-encode the source as UTF-8 "
-            "and prepare again to keep the original characters"
-        )
 
 
 def _clear(out: str) -> None:
@@ -243,6 +198,11 @@ def prepare(args: PrepareArgs) -> Summary:
     start = time.monotonic()
     if not args.shard_mb > 0:
         raise DataError(f"--shard-mb must be > 0, got {args.shard_mb}")
+    if args.truncate is not None and args.truncate < 1:
+        raise DataError(
+            f"--truncate must be >= 1 (the data.seq_len the documents must fit), got "
+            f"{args.truncate}"
+        )
     if args.workers is not None and args.workers < 1:
         raise DataError(f"--workers must be >= 1, got {args.workers}")
     out = os.path.abspath(os.path.expanduser(args.out))
@@ -263,6 +223,7 @@ def prepare(args: PrepareArgs) -> Summary:
         "chat_template": args.chat_template,  # --format chat: or this template file
         "chat_turns": args.chat_turns,
         "chat_template_kwargs": args.template_options(),
+        "truncate": args.truncate,  # tokens a document keeps (None: all)
     }  # fmt: skip
     progress = Progress(sum(u["bytes"] for u in units), args.progress)
     workers = min(args.workers or os.cpu_count() or 1, len(units))
@@ -288,6 +249,13 @@ def prepare(args: PrepareArgs) -> Summary:
             command=repeat_command(args), loss_mask=args.format != "text",
         )  # fmt: skip
         if manifest.num_documents == 0:
+            dropped = sum(r.get("dropped_documents", 0) for r in results)
+            if dropped:
+                raise DataError(
+                    f"--truncate {args.truncate} left out every one of the {dropped:,} "
+                    "documents: not one has a trained answer that fits whole in that many "
+                    "tokens; raise --truncate (and data.seq_len with it), with --overwrite"
+                )
             raise DataError(
                 f"--path {args.path!r} holds no non-empty document ({len(units)} units read): "
                 "check --path, --source and --text-field"
@@ -305,20 +273,16 @@ def prepare(args: PrepareArgs) -> Summary:
         replaced_first=next(
             (r["replaced_first"] for r in results if r.get("replaced_first")), None
         ),
-        chat_turns=_chat_turns(results) if args.format == "chat" else None,
+        chat_turns=chat_turns_total(results) if args.format == "chat" else None,
+        format=args.format,
+        input_kind=INPUT_KINDS[args.source],
+        bytes_written=sum(
+            os.path.getsize(path) for path in glob.glob(os.path.join(out, "shard-*"))
+        ),
+        truncate=args.truncate,
+        truncated=sum(r.get("truncated_documents", 0) for r in results),
+        dropped=sum(r.get("dropped_documents", 0) for r in results),
     )
-
-
-def _chat_turns(results: list[dict]) -> dict:
-    """The units' `chat_turns` counts added up (instruction_unit.py)."""
-    total: dict = {"conversations": {}, "documents": 0, "tokens": 0, "one_rendering": 0}
-    for r in results:
-        c = r.get("chat_turns") or {}
-        for mode, n in c.get("conversations", {}).items():
-            total["conversations"][mode] = total["conversations"].get(mode, 0) + n
-        for key in ("documents", "tokens", "one_rendering"):
-            total[key] += c.get(key, 0)
-    return total
 
 
 def verify(out: str) -> Manifest:

@@ -26,7 +26,7 @@ from trainer.data.shards import file_sha256
 from trainer.data.utf8 import OnReplaced, Replaced
 from trainer.errors import DataError
 from trainer.fileio import read_json, write_atomic
-from trainer.prepare import long_docs
+from trainer.prepare import long_docs, truncate
 from trainer.prepare.encode import BATCH_CHARS, Encoder, encode_or_explain, encoder_of
 from trainer.prepare.unit_files import (  # noqa: F401  (worker.Job and the rest: run.py, plan.py)
     WORK_DIR,
@@ -153,10 +153,14 @@ def run_unit(
     )
     batch: list[str] = []
     chars = nbytes = 0
+    keep, cuts = job["truncate"], truncate.Cuts()  # --truncate: tokens a document keeps
 
     def flush() -> None:
         nonlocal batch, chars, nbytes
-        tokens = writer.add(*_encode_or_explain(encode, batch, job, unit)) if batch else 0
+        tokens = 0
+        if batch:
+            flat, lengths = _encode_or_explain(encode, batch, job, unit)
+            tokens = writer.add(*truncate.fit_text(flat, lengths, keep, cuts))
         report(nbytes, len(batch), tokens, True)
         batch, chars, nbytes = [], 0, 0
         if not alive():
@@ -167,14 +171,14 @@ def run_unit(
             nbytes += consumed
             if isinstance(text, reader.TextStream):  # a long document, tokenized in pieces
                 flush()
-                long_docs.write(text, writer, tok, report, alive)
+                cuts.truncated += long_docs.write(text, writer, tok, report, alive, keep)
             elif text:
                 batch.append(text)
                 chars += len(text)
             if chars >= BATCH_CHARS:
                 flush()
         flush()
-        marker = {"unit": unit, **writer.finish(), **replaced_fields(replaced)}
+        marker = {"unit": unit, **writer.finish(), **replaced_fields(replaced), **cuts.fields()}
     except DataError as err:
         writer.abort()
         return {"error": str(err)}
