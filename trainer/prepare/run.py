@@ -262,6 +262,7 @@ def prepare(args: PrepareArgs) -> Summary:
         "tokenizer_arg": args.tokenizer,  # --format chat: the directory with the template
         "chat_template": args.chat_template,  # --format chat: or this template file
         "chat_turns": args.chat_turns,
+        "tool_arguments": args.tool_arguments,
         "chat_template_kwargs": args.template_options(),
     }  # fmt: skip
     progress = Progress(sum(u["bytes"] for u in units), args.progress)
