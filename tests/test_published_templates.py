@@ -255,6 +255,47 @@ def test_mistral_nemo_with_a_system_prompt_trains_each_answer_after_its_prompt(t
         assert not doc.eos_target
 
 
+def test_mistral_nemo_with_a_system_prompt_trains_each_tool_call_after_its_prompt(toks):
+    """A tool call has no text to find it by, so a plain answer stands in for it to show
+    where the call begins in the rendering cut after it (was refused: "is not how the
+    rendering that ends with it begins"). The call that follows the question is trained
+    after the prompt with the system prompt; later answers follow a tool result, after
+    which the template writes no system prompt, prompt or cut."""
+    tok, conv = toks["mistral_nemo"], _tool_conversation(json_arguments=False)
+    docs, mode = render_conversation(Renderer(tok), Conversation(conv, TOOLS), "auto", "x:1")
+    assert mode == "per_turn" and [d.spliced for d in docs] == [True, False, False]
+    call = '[TOOL_CALLS][{{"name": "add", "arguments": {{"a": {0}, "b": {0}}}, "id": "call{1}abcd"}}]</s>'
+    answers = {2: call.format(2, 1), 4: call.format(3, 2), 6: "2+2 is 4 and 3+3 is 6.</s>"}
+    for (i, answer), doc in zip(answers.items(), docs, strict=True):
+        prompt = tok.apply_chat_template(
+            conv[:i], tools=TOOLS, tokenize=False, add_generation_prompt=True
+        )
+        assert ("You can add." in prompt) == (i == 2)
+        assert tok.apply_chat_template(conv[: i + 1], tools=TOOLS, tokenize=False).endswith(answer)
+        ids = tok(prompt + answer, add_special_tokens=False)["input_ids"]
+        start = len(tok(prompt, add_special_tokens=False)["input_ids"])
+        assert doc.ids.tolist() == ids
+        assert doc.mask.tolist() == [0] * start + [1] * (len(ids) - start)
+
+
+def test_tool_arguments_auto_finds_each_templates_form(toks):
+    """--tool-arguments auto, by a probe call rendered both ways: JSON text for DeepSeek-V3.1
+    (a mapping fails), a mapping where a text would be encoded twice (Llama-3, Mistral-Nemo,
+    GPT-OSS) or fails (GLM-4.5), either for Qwen3 (it writes both alike) and Mixtral (it
+    writes no tool call)."""
+    found = {name: Renderer(tok).tool_arguments for name, tok in toks.items()}
+    assert found == {
+        "qwen3": "as_given",
+        "llama3": "object",
+        "deepseek_v3_1": "string",
+        "mixtral": "as_given",
+        "mistral_nemo": "object",
+        "glm4_5": "object",
+        "gpt_oss": "object",
+    }
+    assert Renderer(toks["qwen3"], tool_arguments="string").tool_arguments == "string"
+
+
 # name: (the call's text in the rendering, the mode auto picks)
 TOOL_CASES = {"qwen3": ('{"name": "add", "arguments": {"a": 2, "b": 2}}', "per_turn"),
               "llama3": ('{"name": "add", "parameters": {"a": 2, "b": 2}}', "full"),

@@ -14,8 +14,16 @@ begin `cut_i` (the template writes the prompt otherwise once the answer follows:
 Mistral-Nemo puts the system prompt into the last user turn only), the answer is trained
 after `prompt_i`, the text the model generates it from, as `cut_i` writes it (`_splice`: a
 document of `prompt_i` and the answer, `spliced`), provided `cut_i` writes the generation
-prompt's own text right before it; else it is refused (DeepSeek-V3.1 with `thinking`: its
-prompt opens `<think>`, its renderings of answers `</think>`).
+prompt's own text right before it. Where the answer begins in `cut_i` is shown by a mark
+put before its content, or, for a tool call the template writes without its content
+(Mistral-Nemo's), by a plain answer of the mark standing in for it, whose rendering must
+then begin `cut_i`. Else it is refused, saying why and what to change (DeepSeek-V3.1 with
+`thinking`: its prompt opens `<think>`, its renderings of answers `</think>`).
+
+Before any of that, tool calls' arguments are put in the form the template renders
+(`chat_tools.py`, `--tool-arguments`); after it, each answer's trained text is checked to
+hold what the answer says (`chat_trained.py`): a template that does not write the answers
+is refused, not trained on their end-of-turn text alone.
 
 - `full`: one document, the whole rendering. Where it holds every `cut_i` as its prefix,
   the spans are those; otherwise each answer is located as the full rendering shows it
@@ -41,8 +49,11 @@ from typing import Any
 import numpy as np
 
 from trainer.errors import DataError
+from trainer.prepare import chat_tools
 from trainer.prepare.chat_messages import Conversation
+from trainer.prepare.chat_template import TemplateFailed
 from trainer.prepare.chat_tokens import Tokens
+from trainer.prepare.chat_trained import check_answer
 
 TURNS = ("auto", "full", "per_turn", "last")
 Where = str | Callable[[], str]
@@ -70,12 +81,22 @@ def _where(where: Where) -> str:
 
 
 class Renderer:
-    """One tokenizer's template, with its options (`--chat-template-kwargs`)."""
+    """One tokenizer's template, with its options (`--chat-template-kwargs`) and the form
+    of tool-call arguments it renders (`--tool-arguments`, resolved: chat_tools.py)."""
 
-    def __init__(self, tok: Any, kwargs: dict[str, Any] | None = None) -> None:
-        self.tok, self.kwargs = tok, dict(kwargs or {})
+    def __init__(
+        self,
+        tok: Any,
+        kwargs: dict[str, Any] | None = None,
+        tool_arguments: str = "auto",
+        origin: str = "its template",
+    ) -> None:
+        self.tok, self.kwargs, self.origin = tok, dict(kwargs or {}), origin
         self.generation = _has_generation(str(tok.chat_template))
         self.closes = self._writes_end_of_turn()
+        self.tool_arguments = chat_tools.resolve(
+            lambda messages, tools: self._apply(messages, tools, False), tool_arguments
+        )
 
     def text(self, conv: Conversation, upto: int, prompt: bool = False) -> str:
         messages = conv.messages[:upto]
@@ -90,9 +111,12 @@ class Renderer:
             return self._apply(blank, conv.tools, prompt)
 
     def _apply(self, messages: list, tools: list | None, prompt: bool) -> str:
-        return self.tok.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=prompt, **self.kwargs
-        )
+        try:
+            return self.tok.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=prompt, **self.kwargs
+            )
+        except Exception as err:
+            raise TemplateFailed(err) from err
 
     def _writes_end_of_turn(self) -> bool:
         probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
@@ -105,14 +129,17 @@ class Renderer:
     def generation_spans(self, conv: Conversation, upto: int) -> tuple[str, list[tuple[int, int]]]:
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        (text,), (spans,) = render_jinja_template(
-            conversations=[conv.messages[:upto]],
-            tools=conv.tools,
-            chat_template=self.tok.get_chat_template(),
-            return_assistant_tokens_mask=True,
-            **self.tok.special_tokens_map,
-            **self.kwargs,
-        )
+        try:
+            (text,), (spans,) = render_jinja_template(
+                conversations=[conv.messages[:upto]],
+                tools=conv.tools,
+                chat_template=self.tok.get_chat_template(),
+                return_assistant_tokens_mask=True,
+                **self.tok.special_tokens_map,
+                **self.kwargs,
+            )
+        except Exception as err:
+            raise TemplateFailed(err) from err
         return text, [tuple(s) for s in spans]
 
 
@@ -139,49 +166,105 @@ def _span(r: Renderer, conv: Conversation, i: int, where: Where) -> tuple[str, i
     if cut.startswith(prompt):
         return cut, len(prompt), len(cut.rstrip()), False
     answer = _splice(r, conv, i, cut)
-    if answer is None:
+    if isinstance(answer, _Unspliced):
         at = next((k for k, (x, y) in enumerate(zip(prompt, cut, strict=False)) if x != y),
                   min(len(prompt), len(cut)))  # fmt: skip
         raise DataError(
-            f"{_where(where)}: assistant turn {i} (message {i}): the conversation before it, "
-            f"rendered with the generation prompt, is not how the rendering that ends with it "
-            f"begins (they differ at character {at}: {prompt[at : at + 30]!r} against "
-            f"{cut[at : at + 30]!r}), and the answer cannot be cut out of the latter: use "
-            "--chat-template FILE with a template whose generation prompt begins the answer"
+            f"{_where(where)}: assistant turn {i} (message {i}): the chat template writes the "
+            f"conversation before this answer otherwise once the answer follows (at character "
+            f"{at}: {prompt[at : at + 30]!r} as the model is prompted, {cut[at : at + 30]!r} "
+            f"with the answer), and the answer cannot be cut out of the latter: {answer.why}; "
+            f"{answer.fix}"
         )
     return prompt + answer, len(prompt), len(prompt) + len(answer), True
 
 
-def _splice(r: Renderer, conv: Conversation, i: int, cut: str) -> str | None:
+@dataclass
+class _Unspliced:
+    why: str  # what keeps the answer from being cut out of the rendering that holds it
+    fix: str
+
+
+_OTHER_TEMPLATE = (
+    "use --chat-template FILE with a template that writes the generation prompt's own text "
+    "before the answers it renders (or other --chat-template-kwargs)"
+)
+
+
+def _splice(r: Renderer, conv: Conversation, i: int, cut: str) -> str | _Unspliced:
     """Answer i as the rendering cut after it writes it (its content and end-of-turn text,
     less trailing whitespace), to follow the prompt the model sees when it generates it:
     what a template that writes the prompt otherwise once the answer follows trains on
     (Mistral-Nemo puts the system prompt into the last user turn only, so the cut has
-    none). None when it cannot be cut out: a content that is not text (a tool call), or a
-    template that shows it otherwise behind a mark."""
-    content = conv.messages[i].get("content")
-    if not isinstance(content, str) or any(_MARK in str(m.get("content")) for m in conv.messages):
-        return None
+    none). Where the answer begins in the cut is shown by a mark put before its content;
+    for a tool call that a template writes without its content, by a plain answer of the
+    mark in its place, whose rendering must then begin the cut. Why it cannot (and the
+    fix) when it cannot."""
+    if any(_MARK in str(m.get("content")) for m in conv.messages):
+        return _Unspliced("its text holds the mark used to find it", "remove that conversation")
     # What the generation prompt adds after the conversation before the answer (e.g.
     # "<|im_start|>assistant\n"): the cut must write it right before the answer too, or the
     # model would be trained on an answer that follows another text than it sees.
     before, prompt = r.text(conv, i), r.text(conv, i, prompt=True)
     if not prompt.startswith(before):
-        return None
+        why = "its generation prompt rewrites the conversation before it"
+        return _Unspliced(why, _OTHER_TEMPLATE)
     opening = prompt[len(before) :]
+    message = conv.messages[i]
+    content = message.get("content")
     messages = list(conv.messages[: i + 1])
-    messages[i] = dict(messages[i], content=_MARK + content)
+    if isinstance(content, str):
+        messages[i] = dict(message, content=_MARK + content)
+        marked = r.text(Conversation(messages, conv.tools), i + 1)
+        if marked.count(_MARK) == 1:
+            head = marked[: marked.index(_MARK)]
+            if not head.endswith(opening):
+                return _opened_otherwise(head, opening)
+            answer = marked[marked.index(_MARK) + len(_MARK) :].rstrip()
+            if answer and cut.rstrip().endswith(answer):
+                return answer
+    if isinstance(content, str) and "</think>" in content:
+        why = "the template rewrites or drops its think block, so where it begins is not known"
+        fix = (
+            "remove the think blocks from the answers (the generation prompt has the model "
+            "answer without reasoning), or use other --chat-template-kwargs (e.g. not "
+            '{"enable_thinking": false})'
+        )
+        return _Unspliced(why, fix)
+    if not message.get("tool_calls"):
+        why = "the template does not write its content once, as given, at its end"
+        return _Unspliced(why, _OTHER_TEMPLATE)
+    messages[i] = {"role": "assistant", "content": _MARK}
     marked = r.text(Conversation(messages, conv.tools), i + 1)
-    if marked.count(_MARK) != 1 or not marked[: marked.index(_MARK)].endswith(opening):
-        return None
-    answer = marked[marked.index(_MARK) + len(_MARK) :].rstrip()
-    return answer if answer and cut.rstrip().endswith(answer) else None
+    head = marked[: marked.index(_MARK)] if marked.count(_MARK) == 1 else None
+    if head is not None and not head.endswith(opening):
+        return _opened_otherwise(head, opening)
+    if head is None or not cut.startswith(head) or not cut[len(head) :].strip():
+        why = (
+            "the template writes the conversation before a tool call otherwise than before a "
+            "text answer, so where the call begins is not known"
+        )
+        fix = (
+            "remove the tool calls from such conversations, or use --chat-template FILE with a "
+            "template that writes the conversation before a tool call as before a text answer"
+        )
+        return _Unspliced(why, fix)
+    return cut[len(head) :].rstrip()
+
+
+def _opened_otherwise(head: str, opening: str) -> _Unspliced:
+    why = (
+        f"in a conversation that holds it, the template writes {head[-30:]!r} before it, not "
+        f"the generation prompt {opening!r} that the model answers after"
+    )
+    return _Unspliced(why, _OTHER_TEMPLATE)
 
 
 def render_conversation(
     r: Renderer, conv: Conversation, turns: str, where: Where
 ) -> tuple[list[ChatDocument], str]:
     """The documents that train `conv` under `--chat-turns turns`, and the mode used."""
+    conv = chat_tools.convert(conv, r.tool_arguments, where)
     answers = _answers(conv, where)
     if turns == "last":
         return [_cut_document(r, conv, answers[-1], where)], "last"
@@ -190,16 +273,16 @@ def render_conversation(
         cuts = [_span(r, conv, i, where) for i in answers]
         if all(full.startswith(cut[:b]) for cut, _, b, _ in cuts):
             spans = [(a, b) for _, a, b, _ in cuts]
-            return [_document(r, conv, len(conv.messages), full, spans, where)], "full"
+            return [_document(r, conv, len(conv.messages), full, spans, answers, where)], "full"
         if turns == "full":
             spans = [_located(r, conv, i, full, where) for i in answers]
-            return [_document(r, conv, len(conv.messages), full, spans, where)], "full"
+            return [_document(r, conv, len(conv.messages), full, spans, answers, where)], "full"
     return [_cut_document(r, conv, i, where) for i in answers], "per_turn"
 
 
 def _cut_document(r: Renderer, conv: Conversation, i: int, where: Where) -> ChatDocument:
     text, a, b, spliced = _span(r, conv, i, where)
-    doc = _document(r, conv, i + 1, text, [(a, b)], where, spliced)
+    doc = _document(r, conv, i + 1, text, [(a, b)], [i], where, spliced)
     doc.spliced = spliced
     return doc
 
@@ -210,14 +293,21 @@ def _document(
     upto: int,
     text: str,
     spans: list[tuple[int, int]],
+    answers: list[int],
     where: Where,
     spliced: bool = False,
 ) -> ChatDocument:
     """The tokens of `text` (the rendering of the first `upto` messages, or a spliced one)
-    and the mask of the answers at `spans`, with their stop targets."""
+    and the mask of the answers (message indices `answers`) at `spans`, with their stop
+    targets; each answer's trained text checked (chat_trained.py)."""
     if r.generation and not spliced:  # the template's own marks, of the answers at `spans`
         text, marked = r.generation_spans(conv, upto)
         first = min(a for a, _ in spans)
+        # Each answer trains the marks from the end of its prompt to the next one's.
+        for k, (i, (a, _)) in enumerate(zip(answers, spans, strict=True)):
+            end = spans[k + 1][0] if k + 1 < len(spans) else len(text)
+            trained = "".join(text[max(x, a) : min(y, end)] for x, y in marked if x < end and y > a)
+            check_answer(conv.messages[i], i, text, trained, r.closes, r.origin, where)
         spans = [(a, b) for a, b in marked if a >= first] if len(spans) == 1 else marked
         tokens = Tokens(r.tok, text, lambda: _where(where))
         mask = tokens.generation_mask(spans)
@@ -229,6 +319,8 @@ def _document(
             )
         ends = tuple(sorted(tokens.tokens_before(b) for _, b in spans))
         return ChatDocument(tokens.all_ids(), mask, False, upto, answer_ends=ends)
+    for i, (a, b) in zip(answers, spans, strict=True):
+        check_answer(conv.messages[i], i, text, text[a:b], r.closes, r.origin, where)
     eos_target = False
     ends = [b for _, b in spans]  # characters
     if not r.closes:  # no end-of-turn text: the next turn's first token, or the EOS

@@ -16,6 +16,8 @@ import argparse
 import json
 import sys
 
+from trainer.prepare.chat_tools import TOOL_ARGUMENTS  # light: no transformers, no torch
+
 # Worker processes re-import this module as their __main__: the heavy imports (torch comes
 # with trainer.data) are inside main() so that those processes never pay for them.
 
@@ -63,7 +65,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         metavar="JSON",
         help='--format chat: options passed to the chat template, e.g. \'{"enable_thinking": '
-        "false}' (Qwen3's non-thinking mode) or '{\"thinking\": true}' (DeepSeek-V3.1)",
+        "false}' (Qwen3's non-thinking mode) or '{\"thinking\": true}' (DeepSeek-V3.1); a key "
+        "the template never reads, or one transformers sets itself (messages, ...), is refused",
+    )
+    parser.add_argument(
+        "--tool-arguments",
+        choices=TOOL_ARGUMENTS,
+        default="auto",
+        help="--format chat: the form tool calls' arguments are rendered in: object (a "
+        "mapping, transformers' convention), string (JSON text, DeepSeek-V3.1's) or auto (the "
+        "form the template renders right, found on a probe call); each call is converted",
     )
     parser.add_argument("--text-field", default="text", help="jsonl/dataset field of the text")
     parser.add_argument("--split", default="train", help="hf_datasets split")
@@ -110,9 +121,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(
             "--format chat reads JSON lines or dataset rows: use --source jsonl or hf_datasets"
         )
-    for flag, value, default in (("--chat-template", args.chat_template, None),
-                                 ("--chat-turns", args.chat_turns, "auto"),
-                                 ("--chat-template-kwargs", args.chat_template_kwargs, None)):  # fmt: skip
+    chat_only = (
+        ("--chat-template", args.chat_template, None),
+        ("--chat-turns", args.chat_turns, "auto"),
+        ("--chat-template-kwargs", args.chat_template_kwargs, None),
+        ("--tool-arguments", args.tool_arguments, "auto"),
+    )
+    for flag, value, default in chat_only:
         if value != default and args.format != "chat":
             parser.error(f"{flag} renders conversations: it needs --format chat")
     if args.chat_template_kwargs is not None:
@@ -163,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                 chat_turns=args.chat_turns,
                 chat_template_kwargs=args.chat_template_kwargs,
                 truncate=args.truncate,
+                tool_arguments=args.tool_arguments,
                 overwrite=args.overwrite,
                 progress=args.progress or sys.stderr.isatty(),
             )

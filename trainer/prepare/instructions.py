@@ -6,7 +6,8 @@
   `--chat-template-kwargs`) by transformers' `apply_chat_template`, then tokenized as
   `apply_chat_template` tokenizes (the text, no special tokens added): the tokens the model
   was trained with. Which renderings train which answers (`--chat-turns`), and their stop
-  targets: `chat_turns.py`.
+  targets: `chat_turns.py`; tool-call arguments in the template's form (`--tool-arguments`):
+  `chat_tools.py`; each answer's trained text checked: `chat_trained.py`.
 - prompt_completion: `{"prompt": ..., "completion": ...}` tokenized separately (so the
   boundary never merges) and concatenated; the loss covers the completion and the EOS.
 
@@ -143,11 +144,15 @@ _TOKENIZERS: dict[tuple[str, ...], Any] = {}  # per worker process: loaded once
 def _tokenizer(job: dict) -> Any:
     """The job's tokenizer (for --format chat: a `chat_turns.Renderer` of its template)."""
     options = json.dumps(job.get("chat_template_kwargs") or {}, sort_keys=True)
-    key = (job["format"], job["tokenizer_arg"], str(job.get("chat_template")), options)
+    arguments = job.get("tool_arguments", "auto")
+    key = (job["format"], job["tokenizer_arg"], str(job.get("chat_template")), options, arguments)
     if key not in _TOKENIZERS:
         if job["format"] == "chat":
             tok = chat_tokenizer(job["tokenizer_arg"], job.get("chat_template"))
-            _TOKENIZERS[key] = chat_turns.Renderer(tok, job.get("chat_template_kwargs"))
+            origin = template_origin(job["tokenizer_arg"], job.get("chat_template"))
+            _TOKENIZERS[key] = chat_turns.Renderer(
+                tok, job.get("chat_template_kwargs"), arguments, origin
+            )
         else:
             from tokenizers import Tokenizer
 

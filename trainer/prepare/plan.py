@@ -20,6 +20,8 @@ from trainer.data.shards import TokenizerId
 from trainer.data.tokenizers import ByteTokenizer, HFTokenizer
 from trainer.errors import DataError
 from trainer.prepare import instructions, worker
+from trainer.prepare.chat_template import check_options, template_origin
+from trainer.prepare.chat_turns import Renderer
 
 MIB = 1 << 20
 
@@ -42,6 +44,7 @@ class PrepareArgs:
     chat_turns: str = "auto"  # --format chat: which renderings train the answers (chat_turns.py)
     chat_template_kwargs: str | None = None  # --format chat: the template's options, JSON
     truncate: int | None = None  # documents cut to fit a sample of this data.seq_len (truncate.py)
+    tool_arguments: str = "auto"  # --format chat: tool-call arguments as object|string (chat_tools)
 
     def template_options(self) -> dict[str, Any]:
         return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
@@ -64,7 +67,7 @@ def repeat_command(args: PrepareArgs) -> str:
     if args.chat_template is not None:
         words += ["--chat-template", absolute(args.chat_template)]
     if args.format == "chat":
-        words += ["--chat-turns", args.chat_turns]
+        words += ["--chat-turns", args.chat_turns, "--tool-arguments", args.tool_arguments]
     if args.chat_template_kwargs is not None:  # compact and ordered: one text per meaning
         options = json.dumps(args.template_options(), sort_keys=True, separators=(",", ":"))
         words += ["--chat-template-kwargs", options]
@@ -151,15 +154,21 @@ def plan_file_units(files: list[str], sizes: list[int], target: int, split: bool
 
 def _chat_source(args: PrepareArgs) -> dict[str, Any]:
     """What decides a chat corpus' tokens besides its files: the template (a changed one is
-    new data), its options, and which renderings train the answers."""
+    new data), its options (refused when the template cannot take them), which renderings
+    train the answers, and the form of tool-call arguments (with what `auto` resolved to)."""
     if args.format != "chat":
         return {}
-    template = instructions.chat_tokenizer(args.tokenizer, args.chat_template).chat_template
+    tok = instructions.chat_tokenizer(args.tokenizer, args.chat_template)
+    origin = template_origin(args.tokenizer, args.chat_template)
+    check_options(tok, args.template_options(), origin)
+    renderer = Renderer(tok, args.template_options(), args.tool_arguments, origin)
     return {
         "format": "chat",
-        "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest(),
+        "chat_template_sha256": hashlib.sha256(str(tok.chat_template).encode()).hexdigest(),
         "chat_turns": args.chat_turns,
         "chat_template_kwargs": args.template_options(),
+        "tool_arguments": args.tool_arguments,
+        "tool_arguments_rendered": renderer.tool_arguments,
     }
 
 

@@ -222,6 +222,7 @@ def prepare(args: PrepareArgs) -> Summary:
         "tokenizer_arg": args.tokenizer,  # --format chat: the directory with the template
         "chat_template": args.chat_template,  # --format chat: or this template file
         "chat_turns": args.chat_turns,
+        "tool_arguments": args.tool_arguments,
         "chat_template_kwargs": args.template_options(),
         "truncate": args.truncate,  # tokens a document keeps (None: all)
     }  # fmt: skip
