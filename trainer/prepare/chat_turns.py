@@ -167,8 +167,10 @@ def _span(r: Renderer, conv: Conversation, i: int, where: Where) -> tuple[str, i
         return cut, len(prompt), len(cut.rstrip()), False
     answer = _splice(r, conv, i, cut)
     if isinstance(answer, _Unspliced):
-        at = next((k for k, (x, y) in enumerate(zip(prompt, cut, strict=False)) if x != y),
-                  min(len(prompt), len(cut)))  # fmt: skip
+        at = next(
+            (k for k, (x, y) in enumerate(zip(prompt, cut, strict=False)) if x != y),
+            min(len(prompt), len(cut)),
+        )
         raise DataError(
             f"{_where(where)}: assistant turn {i} (message {i}): the chat template writes the "
             f"conversation before this answer otherwise once the answer follows (at character "

@@ -211,11 +211,23 @@ def prepare(args: PrepareArgs) -> Summary:
     tok_id, tok_path = tokenizer_identity(args)
     source, files, units = plan_source(args, max(1, int(args.shard_mb * MIB)))
     dtype = shards.token_dtype(tok_id.vocab_size).str
-    plan = {"format": shards.FORMAT, "source": source, "tokenizer": asdict(tok_id), "dtype": dtype,
-            "shard_mb": args.shard_mb, "units": units}  # fmt: skip
+    plan = {
+        "format": shards.FORMAT,
+        "source": source,
+        "tokenizer": asdict(tok_id),
+        "dtype": dtype,
+        "shard_mb": args.shard_mb,
+        "units": units,
+    }
     job: worker.Job = {
-        "out": out, "kind": args.source, "files": files, "units": units, "dtype": dtype,
-        "text_field": args.text_field, "tokenizer_path": tok_path, "eos_id": tok_id.eos_id,
+        "out": out,
+        "kind": args.source,
+        "files": files,
+        "units": units,
+        "dtype": dtype,
+        "text_field": args.text_field,
+        "tokenizer_path": tok_path,
+        "eos_id": tok_id.eos_id,
         "hf": {"path": source.get("path"), "split": args.split},
         "block_bytes": shards.BLOCK_BYTES,
         "format": args.format,
@@ -225,7 +237,7 @@ def prepare(args: PrepareArgs) -> Summary:
         "tool_arguments": args.tool_arguments,
         "chat_template_kwargs": args.template_options(),
         "truncate": args.truncate,  # tokens a document keeps (None: all)
-    }  # fmt: skip
+    }
     progress = Progress(sum(u["bytes"] for u in units), args.progress)
     workers = min(args.workers or os.cpu_count() or 1, len(units))
     with _exclusive(out):
@@ -239,16 +251,27 @@ def prepare(args: PrepareArgs) -> Summary:
             if args.progress:
                 progress.show(end="\n")
         infos = [
-            ShardInfo(worker.shard_name(i), r["tokens"], r["documents"], r["sha256"],
-                      r["docs_sha256"], r["crc_sha256"], r.get("mask_sha256"),
-                      r.get("mask_crc_sha256"))
+            ShardInfo(
+                worker.shard_name(i),
+                r["tokens"],
+                r["documents"],
+                r["sha256"],
+                r["docs_sha256"],
+                r["crc_sha256"],
+                r.get("mask_sha256"),
+                r.get("mask_crc_sha256"),
+            )
             for i, r in enumerate(results)
             if r["documents"]  # a unit of blank lines only: no shard for readers to map
-        ]  # fmt: skip
+        ]
         manifest = Manifest(
-            tokenizer=tok_id, dtype=dtype, shards=infos, source=source,
-            command=repeat_command(args), loss_mask=args.format != "text",
-        )  # fmt: skip
+            tokenizer=tok_id,
+            dtype=dtype,
+            shards=infos,
+            source=source,
+            command=repeat_command(args),
+            loss_mask=args.format != "text",
+        )
         if manifest.num_documents == 0:
             dropped = sum(r.get("dropped_documents", 0) for r in results)
             if dropped:

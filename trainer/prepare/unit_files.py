@@ -125,9 +125,13 @@ class ShardWriter:
         for tmp, final in zip(self.tmp, self.final, strict=True):
             os.replace(tmp, final)
         fsync_path(os.path.dirname(self.final[0]))
-        done = {"tokens": self.tokens, "documents": self.documents,
-                "sha256": self.digests[0].hexdigest(), "docs_sha256": self.digests[1].hexdigest(),
-                "crc_sha256": hashlib.sha256(tables[0]).hexdigest()}  # fmt: skip
+        done = {
+            "tokens": self.tokens,
+            "documents": self.documents,
+            "sha256": self.digests[0].hexdigest(),
+            "docs_sha256": self.digests[1].hexdigest(),
+            "crc_sha256": hashlib.sha256(tables[0]).hexdigest(),
+        }
         if self.masked:
             done["mask_sha256"] = self.digests[2].hexdigest()
             done["mask_crc_sha256"] = hashlib.sha256(tables[1]).hexdigest()
