@@ -30,7 +30,7 @@ from models.common.visibility import document_mask
 
 
 def _with_sinks(q, k, v, mask, sinks, scale):
-    """q [B, Hq, S, D], k/v [B, Hkv, S, D*], mask [B, 1, S, S] or None, sinks [Hq] -> the same
+    """q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D*], mask [B, 1, Sq, Sk], sinks [Hq] -> the same
     attention with each head's sink in its softmax denominator, as one SDPA call.
 
     NOTE: a sink is a key every query sees, with score `sinks[h]` and value 0. Each query
@@ -46,8 +46,6 @@ def _with_sinks(q, k, v, mask, sinks, scale):
     sink_key = F.pad(sinks.to(q.dtype).view(hkv, group) / scale, (d, 0)).view(hkv, 1, d + group)
     k = torch.cat([k, sink_key[None].expand(b, hkv, 1, d + group)], dim=2)
     v = torch.cat([v, v.new_zeros(b, hkv, 1, v.shape[-1])], dim=2)
-    if mask is None:  # causal
-        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()[None, None]
     mask = F.pad(mask, (0, 1), value=True)  # every query sees its sink
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=hkv != hq
@@ -57,20 +55,31 @@ def _with_sinks(q, k, v, mask, sinks, scale):
 def sdpa_attention(q, k, v, document_ids, causal, window, scale, sinks=None):
     """SDPA with a dense [B, 1, S, S] mask for documents and windows (the CPU path, and
     CUDA's before FlexAttention: memory O(S^2)): q [B, Hq, S, D], k/v [B, Hkv, S, D*]."""
-    gqa = k.shape[1] != q.shape[1]
     mask = None
     if document_ids is not None or window is not None:
         if document_ids is None:  # one document: the window alone
             document_ids = q.new_zeros(q.shape[0], q.shape[2], dtype=torch.int64)
         mask = document_mask(document_ids, causal, window)  # [B, 1, S, S]
-    if sinks is not None:
-        if not causal and mask is None:
-            mask = torch.ones(1, 1, q.shape[2], q.shape[2], dtype=torch.bool, device=q.device)
-        return _with_sinks(q, k, v, mask, sinks, scale)
+    elif sinks is not None:  # the sink joins a mask: the causal one, or every key
+        mask = torch.ones(1, 1, q.shape[2], q.shape[2], dtype=torch.bool, device=q.device)
+        mask = mask.tril() if causal else mask
     if mask is None:
+        gqa = k.shape[1] != q.shape[1]
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa
         )
+    return masked_attention(q, k, v, mask, scale, sinks)
+
+
+def masked_attention(q, k, v, mask, scale, sinks=None):
+    """SDPA of q [B, Hq, Sq, D] over k/v [B, Hkv, Sk, D*] where a bool mask [B or 1, 1, Sq,
+    Sk] says which keys each query sees (at least one each), with each head's sink [Hq]
+    in its softmax denominator when `sinks` is given. The one masked path of the plain core
+    and of generation's cached core (trainer/generate/kv_cache.py), whose queries are the
+    newest positions of a longer sequence of keys."""
+    if sinks is not None:
+        return _with_sinks(q, k, v, mask, sinks, scale)
+    gqa = k.shape[1] != q.shape[1]
     if gqa and q.device.type != "cpu":
         # NOTE: SDPA's CUDA kernel for arbitrary masks (memory-efficient attention) does
         # not take GQA; without the repeat it would fall back to the math path.

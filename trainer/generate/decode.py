@@ -1,11 +1,11 @@
-"""The decoding loop: one full forward over the whole sequence per new token.
+"""Picking tokens, and the reference decoder: one full forward over the whole sequence per
+new token (`generate_uncached`).
 
-NOTE: no KV cache. Each step runs the model on the prompt and every token generated so far
-and keeps the last position's logits: O(n^2) work for n tokens instead of O(n). This is a
-check tool (what does the trained model say to a few prompts, does it stop where it should),
-and the full forward is exactly the function training computed (the models' contract,
-models/spec.py: input_ids and position_ids in, logits out), so no cache code can make it
-disagree with the model that was trained. A few hundred tokens take seconds on small models.
+The reference runs the model on the prompt and every token generated so far and keeps the
+last position's logits: O(n^2) work for n tokens, exactly the function training computed
+(the models' contract, models/spec.py: input_ids and position_ids in, logits out). The
+command decodes with a KV cache (trainer/generate/batched.py); the tests and
+benchmarks/generate_speed.py hold it to this decoder.
 """
 
 from __future__ import annotations
@@ -25,8 +25,16 @@ class Sampling:
     top_p: float = 1.0
     seed: int = 0
 
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The draws of one prompt: each has its own, seeded with `seed`, so that an answer
+        does not depend on the prompts decoded beside it."""
+        return torch.Generator(device=device).manual_seed(self.seed)
 
-def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+
+GREEDY = Sampling()
+
+
+def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
     """The next token from the last position's logits [V]."""
     if sampling.temperature == 0:
         return int(torch.argmax(logits))
@@ -39,23 +47,32 @@ def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) 
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
 
 
+def pick_rows(
+    logits: torch.Tensor, sampling: Sampling, generators: list[torch.Generator]
+) -> list[int]:
+    """The next token of each row of logits [B, V], row i drawing from generators[i]."""
+    if sampling.temperature == 0:
+        return torch.argmax(logits, dim=-1).tolist()
+    return [pick(row, sampling, g) for row, g in zip(logits, generators, strict=True)]
+
+
 @torch.no_grad()
-def generate(
+def generate_uncached(
     model: nn.Module,
     prompt: list[int],
     stop: set[int],
     max_new_tokens: int,
-    sampling: Sampling = Sampling(),
+    sampling: Sampling = GREEDY,
 ) -> tuple[list[int], bool]:
     """(the new token ids, whether a stop token ended them; it is the last id then)."""
     device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    generator = sampling.generator(device)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     new: list[int] = []
     for _ in range(max_new_tokens):
         positions = torch.arange(ids.shape[1], device=device)[None]
         logits = model(ids, positions).logits[0, -1]
-        token = _pick(logits, sampling, generator)
+        token = pick(logits, sampling, generator)
         new.append(token)
         if token in stop:
             return new, True

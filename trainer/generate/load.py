@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from models import HFFormatError, get_model_spec, model_names, read_config_json
+from models.common.plan import ParallelPlan
 from trainer.data.tokenizers import ByteTokenizer
 from trainer.errors import CheckpointError
 
@@ -101,12 +102,14 @@ def load_tokenizer(kind: str, path: str) -> Tokenizer:
     return Tokenizer(tok, stop, record.get("chat_template_kwargs") or {})
 
 
-def load_model(kind: str, path: str, device: torch.device) -> nn.Module:
-    """The whole model of checkpoint or export `path`, in eval mode, on `device`."""
+def load_model(kind: str, path: str, device: torch.device) -> tuple[nn.Module, ParallelPlan]:
+    """The whole model of checkpoint or export `path`, in eval mode, on `device`, and its
+    parallel plan (which names the attention cores the KV cache replaces)."""
     if kind == "checkpoint":
         from trainer.hf.export import load_checkpoint_model
 
-        return load_checkpoint_model(path)[0].to(device)
+        model, spec, _ = load_checkpoint_model(path)
+        return model.to(device), spec.plan
     from trainer.hf.weights import load_hf_weights
 
     model_type = read_config_json(path).get("model_type")
@@ -121,4 +124,4 @@ def load_model(kind: str, path: str, device: torch.device) -> nn.Module:
         model = spec.build(args)
     model.to_empty(device="cpu")  # every weight comes from the files
     load_hf_weights(model, spec.hf_adapter, args, path)
-    return model.eval().to(device)
+    return model.eval().to(device), spec.plan
