@@ -1,77 +1,8 @@
-"""Entry point: `torchrun --nproc_per_node=N train.py --config FILE.toml [--section.key=value ...]`.
+"""`torchrun --nproc_per_node=N train.py --config FILE.toml [--section.key=value ...]`: the
+training command from a clone; `moetrain.train` holds it (also `torchrun -m moetrain.train`).
+Bad configs and layouts are refused before any process group exists (exit 2)."""
 
-Bad configs and layouts are refused here, before any process group exists: exit code 2
-and one message, no traceback; so is a launch into a job directory that a live run holds
-(`trainer.checkpoint.job_lock`). A run stopped by too many consecutive bad steps exits 3,
-after saving a checkpoint, and so does a run whose every step was skipped: it trained
-nothing (`trainer.loop.guard`).
-"""
-
-from __future__ import annotations
-
-import os
-import sys
-
-from parallelisms.dims import ParallelDims, world_size_from_env
-from trainer.checkpoint.job_lock import JobLock
-from trainer.config import ConfigError, format_help, load_config, startup_notes
-from trainer.errors import USER_ERRORS, refuse
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "-h" in argv or "--help" in argv:
-        print(format_help())
-        return 0
-    try:
-        if not any(a == "--config" or a.startswith("--config=") for a in argv):
-            # The defaults alone are a 30B-parameter model: never what a bare launch means.
-            raise ConfigError(
-                "no --config given: pass --config FILE.toml (configs/debug_qwen3_moe.toml is "
-                "a CPU demo; configs/ holds the real models)"
-            )
-        cfg = load_config(argv)
-        p = cfg.parallel
-        dims = ParallelDims.of(p, world_size_from_env())
-        from trainer.loop.setup import preflight  # torch-heavy: only once the config is good
-
-        corpora = preflight(cfg, dims)  # the prepared data's manifests, read once
-        # One live run per job directory, held by rank 0 until this process ends.
-        lock = JobLock.acquire(cfg.job.output_dir) if os.environ.get("RANK", "0") == "0" else None
-    except USER_ERRORS as err:
-        return refuse(err)
-    if os.environ.get("RANK", "0") == "0":  # once per run, as the trainer's own lines
-        for note in startup_notes(cfg, dims):
-            print(note, flush=True)
-
-    import torch.distributed as dist
-
-    from trainer.loop.guard import NoUpdateApplied, SkipLimitReached
-    from trainer.loop.trainer import Trainer
-
-    try:
-        Trainer(cfg, dims, corpora).fit()
-        # NOTE: no rank tears its process group down while a peer may still talk to it.
-        dist.barrier()
-    except USER_ERRORS as err:  # e.g. a data source that turns out empty
-        return refuse(err)
-    except (SkipLimitReached, NoUpdateApplied) as err:  # every rank decided the same
-        return refuse(err, code=3)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if lock is not None:
-            lock.release()
-    return 0
-
+from moetrain.train import exit_now, main
 
 if __name__ == "__main__":
-    code = main()
-    # NOTE: exit without interpreter teardown. Rarely (about 1 run in 50 on CPU/gloo with
-    # all-to-all traffic), a C++ thread of the process-group machinery aborts the process
-    # during static destruction ("terminate called without an active exception"), after all
-    # work is done and the group destroyed, turning a finished run into exit code -6. Every
-    # file this run writes is closed by now, and checkpoint writes were waited for.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(main())

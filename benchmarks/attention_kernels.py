@@ -27,10 +27,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report import write_result  # noqa: E402
-from models.common.attention import sdpa_attention  # noqa: E402
-from models.common.flex import flex_attention_core  # noqa: E402
-from models.common.visibility import Visibility  # noqa: E402
-from parallelisms.attention_kernels import KERNELS  # noqa: E402
+from moetrain.models.common.attention import sdpa_attention  # noqa: E402
+from moetrain.models.common.flex import flex_attention_core  # noqa: E402
+from moetrain.models.common.visibility import Visibility  # noqa: E402
+from moetrain.parallelisms.attention_kernels import KERNELS  # noqa: E402
 
 GIB = 2**30
 

@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.data.sources import stdlib_files  # noqa: E402
+from moetrain.data.sources import stdlib_files  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -22,15 +22,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallelisms.dims import ParallelDims, world_size_from_env  # noqa: E402
-from trainer.config import load_config  # noqa: E402
+from moetrain.config import load_config  # noqa: E402
+from moetrain.parallelisms.dims import ParallelDims, world_size_from_env  # noqa: E402
 
 
 def main() -> None:
-    from trainer.checkpoint.checkpointer import Checkpointer
-    from trainer.checkpoint.markers import complete_checkpoints
-    from trainer.loop.setup import preflight
-    from trainer.loop.trainer import Trainer
+    from moetrain.checkpoint.checkpointer import Checkpointer
+    from moetrain.checkpoint.markers import complete_checkpoints
+    from moetrain.loop.preflight import preflight
+    from moetrain.loop.trainer import Trainer
 
     cfg = load_config(sys.argv[1:])
     cfg.train.steps, cfg.train.warmup_steps = 2, 1

@@ -1,4 +1,4 @@
-"""Data pipeline speed and memory: `python -m trainer.prepare`, the loader, RSS per rank.
+"""Data pipeline speed and memory: `python -m moetrain.prepare`, the loader, RSS per rank.
 
     python benchmarks/data.py [--quick] [--json FILE] [--keep] [--workers 1,2] [--machine TEXT]
 
@@ -12,7 +12,7 @@ trains a small BPE tokenizer.json on a slice of one (nothing is downloaded). The
   Reference: `tokenizers`' own encode_batch (all cores) over the same documents already in
   memory, in prepare's batch size: JSON parsing and file reading are not in the reference.
 - reader: a --small-mb and a --large-mb corpus prepared with the byte tokenizer, each read in
-  a fresh subprocess: `startup_s` is check_corpus + build_dataset (verify=size; and checksum
+  a fresh subprocess: `startup_s` is check_corpus + open_corpus (verify=size; and checksum
   for the large one), then --samples random samples through the dataset and through
   build_dataloader (GlobalBatchSampler, rank 0 of dp=8). `rss_growth_mib`: the peak RSS
   (VmHWM, reset after imports; ru_maxrss inherits the parent's peak across vfork+exec) less
@@ -49,7 +49,7 @@ import numpy as np
 from synthetic_corpus import MIB, generate, read_texts, train_bpe  # noqa: E402  (this script's folder is on sys.path)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BATCH_CHARS = 1 << 20  # text per encode_batch call, as trainer/prepare/worker.py batches
+BATCH_CHARS = 1 << 20  # text per encode_batch call, as moetrain/prepare/worker.py batches
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,7 +136,7 @@ def child_cpu(cmd: list[str], env: dict | None = None) -> tuple:
 
 
 def prepare_once(corpus, out, tokenizer, workers, shard_mb, env, import_cpu) -> dict:
-    cmd = [sys.executable, "-m", "trainer.prepare", "--source", "jsonl", "--path", corpus,
+    cmd = [sys.executable, "-m", "moetrain.prepare", "--source", "jsonl", "--path", corpus,
            "--tokenizer", tokenizer, "--out", out, "--workers", str(workers)]  # fmt: skip
     cmd += [] if shard_mb is None else ["--shard-mb", str(shard_mb)]
     shutil.rmtree(out, ignore_errors=True)  # else the CLI would resume, reusing the shards
@@ -179,10 +179,11 @@ def reader_child(args: argparse.Namespace) -> None:
     sys.path.insert(0, ROOT)
     import torch  # noqa: F401
 
-    from trainer.config import DataSection, TrainSection
-    from trainer.data.corpus import build_dataset, check_corpus
-    from trainer.data.loader import build_dataloader
-    from trainer.data.tokenizers import ByteTokenizer
+    from moetrain.config import DataSection, TrainSection
+    from moetrain.data.corpus import check_corpus, open_corpus
+    from moetrain.data.loader import build_dataloader
+    from moetrain.data.packing import PackedDataset
+    from moetrain.data.tokenizers import ByteTokenizer
 
     result = {"imports_s": time.perf_counter() - start, "rss_after_imports": rss()}
     with open("/proc/self/clear_refs", "w") as f:
@@ -190,7 +191,8 @@ def reader_child(args: argparse.Namespace) -> None:
     cfg = DataSection(source="tokens", path=args.reader, seq_len=args.seq_len, verify=args.verify)
     tokenizer, t0 = ByteTokenizer(), time.perf_counter()
     check_corpus(cfg, tokenizer)
-    dataset = build_dataset(cfg, tokenizer)
+    stream, summary, _ = open_corpus(cfg, tokenizer)  # as a run opens the corpus
+    dataset = PackedDataset(stream, cfg.seq_len, tokenizer.eos_id, summary, cfg.reset_positions)
     result.update(startup_s=time.perf_counter() - t0, num_samples=len(dataset))
     if not args.startup_only:
         idx = np.random.default_rng(args.seed).integers(0, len(dataset), args.samples)
@@ -257,7 +259,7 @@ def measure(args: argparse.Namespace, tmp: str, result: dict) -> None:
     result["bpe"] = {"vocab": args.vocab, "train_mib": args.train_mb, "train_s": seconds}
     out, runs = os.path.join(tmp, "prep"), []
     # CPU of the CLI's interpreter and imports, taken off each run's CPU for its MB per CPU-s.
-    imp = child_cpu([sys.executable, "-c", "import trainer.prepare.run"])[2]
+    imp = child_cpu([sys.executable, "-c", "import moetrain.prepare.run"])[2]
     result["prepare_import_cpu_s"] = imp
     for tok in ("byte", tok_json):
         runs += [run_prepare(corpora["prepare"], out, tok, w, shard_mb, args.repeats, imp)

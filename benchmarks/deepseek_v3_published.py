@@ -5,7 +5,7 @@
 
     python benchmarks/deepseek_v3_published.py [--out FILE.json]
 
-One `python -m trainer.dry_run` per row in a fresh process (`benchmarks/dry_run.py`'s
+One `python -m moetrain.planner` per row in a fresh process (`benchmarks/dry_run.py`'s
 `run_case`). An estimate of the model docs/planner.md states ("DeepSeek's published
 layout"), not a measurement. Prints one JSON object, then a one-line summary.
 """

@@ -2,7 +2,7 @@
 
     python benchmarks/dry_run.py [--out FILE.json]
 
-Runs `python -m trainer.dry_run` once per case in a fresh process and records its wall
+Runs `python -m moetrain.planner` once per case in a fresh process and records its wall
 time, the process's peak RSS, the exact command and the plan (per-rank state, activation
 peaks per checkpointing mode, per-step communication). Prints one JSON object, then a
 one-line summary. The goal (issue "Memory at scale"): each case under 60 s and 4 GiB on a
@@ -37,7 +37,7 @@ def run_case(args: list[str]) -> dict:
         start = time.perf_counter()
         with tempfile.TemporaryFile("w+") as stdout:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "trainer.dry_run", *args, "--json", out],
+                [sys.executable, "-m", "moetrain.planner", *args, "--json", out],
                 cwd=ROOT, stdout=stdout, text=True,
             )  # fmt: skip
             _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS
@@ -50,7 +50,7 @@ def run_case(args: list[str]) -> dict:
             plan = json.load(f)
     plan.pop("per_rank")  # thousands of rows; the printed table collapses them
     return {
-        "command": "python -m trainer.dry_run " + " ".join(args),
+        "command": "python -m moetrain.planner " + " ".join(args),
         "wall_s": round(wall, 1),
         "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2),  # ru_maxrss is in KiB on Linux
         "printed": printed,

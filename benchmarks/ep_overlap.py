@@ -26,8 +26,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.common.moe import MoE, MoEOptions, TopKRouter  # noqa: E402
-from parallelisms.expert_parallel import apply_expert_parallel  # noqa: E402
+from moetrain.models.common.moe import MoE, MoEOptions, TopKRouter  # noqa: E402
+from moetrain.parallelisms.expert_parallel import apply_expert_parallel  # noqa: E402
 
 MODES = ("shared", "chunks", "none")
 

@@ -32,10 +32,10 @@ from report import write_result  # noqa: E402  (this script's folder is on sys.p
 def eval_vs_train(config: str, steps: int) -> dict:
     import torch.distributed as dist
 
-    from parallelisms.dims import ParallelDims
-    from trainer.config import load_config
-    from trainer.loop.setup import preflight
-    from trainer.loop.trainer import Trainer
+    from moetrain.config import load_config
+    from moetrain.loop.preflight import preflight
+    from moetrain.loop.trainer import Trainer
+    from moetrain.parallelisms.dims import ParallelDims
 
     cfg = load_config(["--config", config, "--eval.fraction=0.05", "--metrics.jsonl=false"])
     cfg.eval.samples = cfg.train.global_batch_size
@@ -59,8 +59,8 @@ def eval_vs_train(config: str, steps: int) -> dict:
 
 
 def blended_order(sources: int, samples: int) -> dict:
-    from trainer.data.mixture import BlendedOrder
-    from trainer.data.sampler import GlobalBatchSampler
+    from moetrain.data.mixture import BlendedOrder
+    from moetrain.data.sampler import GlobalBatchSampler
 
     sizes = [1_000_000 + 7919 * i for i in range(sources)]
     weights = [1.0 / (i + 1) for i in range(sources)]

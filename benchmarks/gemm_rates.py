@@ -3,7 +3,7 @@
     python benchmarks/gemm_rates.py --config configs/qwen3_30b_a3b.toml [--section.key=value ...]
         [--tokens N] [--ep N] [--hardware h100] [--peak-tflops F] [--warmup K] [--iters M]
         [--json FILE] [--tiny]
-    python -m trainer.dry_run ... --gemm-rates FILE       (the planner, at these rates)
+    python -m moetrain.planner ... --gemm-rates FILE       (the planner, at these rates)
 
 The shapes come from the model the config builds (on the meta device), not from a list
 kept here: every `nn.Linear` (projections, dense and shared-expert MLPs, the head; a tied
@@ -12,12 +12,12 @@ every routed-expert weight stack `[E, out, in]`, each with the number of times t
 holds it. At `--tokens` rows (default: micro-batch x seq_len / cp, one rank's tokens), each
 distinct GEMM is timed forward and backward (autograd's dgrad and wgrad, as training runs
 them) with CUDA events after --warmup calls (3), median of --iters (20). The routed experts go
-through the project's grouped GEMM (`models.common.grouped_gemm.grouped_mm`: torch._grouped_mm)
+through the project's grouped GEMM (`moetrain.models.common.grouped_gemm.grouped_mm`: torch._grouped_mm)
 at balanced routing: tokens x top_k rows spread evenly over E / --ep experts; next to
 each, one dense GEMM of the same FLOPs. Attention: the model's own `AttentionCore` (SDPA,
 causal; a window or sinks take its masked path) at micro-batch x seq_len, whatever --tokens
 says, its FLOPs counted as the model counts them
-(`models.common.flops`: no causal discount), so that its efficiency is what the planner's
+(`moetrain.models.common.flops`: no causal discount), so that its efficiency is what the planner's
 count needs, and may read up to twice the kernel's own.
 
 Per kind (dense, grouped, attention) the efficiency is the model's FLOPs of that kind over
@@ -45,11 +45,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.report import write_result  # noqa: E402
-from models.common.attention import AttentionCore  # noqa: E402
-from models.common.flops import KINDS  # noqa: E402
-from models.common.grouped_gemm import grouped_mm, grouped_mm_supported  # noqa: E402
-from models.common.moe import MoE  # noqa: E402
-from trainer.dry_run.search import PRESETS, flops_per_token  # noqa: E402
+from moetrain.models.common.attention import AttentionCore  # noqa: E402
+from moetrain.models.common.flops import KINDS  # noqa: E402
+from moetrain.models.common.grouped_gemm import grouped_mm, grouped_mm_supported  # noqa: E402
+from moetrain.models.common.moe import MoE  # noqa: E402
+from moetrain.planner.search import PRESETS, flops_per_token  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # About 50 ms at an H100's clock: more than the host takes to launch the timed calls.
@@ -311,8 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="the debug config, fp32, on CPU")
     args, rest = parser.parse_known_args(argv)  # the rest: --config and its overrides
 
-    from models import get_model_spec
-    from trainer.config import load_config
+    from moetrain.config import load_config
+    from moetrain.models import get_model_spec
 
     cfg = load_config(rest)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")

@@ -1,4 +1,4 @@
-"""`python -m trainer.generate`'s decoding speed: the full-forward decoder, one prompt at a
+"""`python -m moetrain.generate`'s decoding speed: the full-forward decoder, one prompt at a
 time (the command before the KV cache), against the cached decoder, one prompt at a time
 and in left-padded batches, on the same prompts and the same model.
 
@@ -52,7 +52,7 @@ MODULES = [
 def byte_prompts(count: int) -> list[list[int]]:
     """`count` prompts of 24, 40, 56, ... bytes (cycling through 8 lengths), consecutive
     pieces of the modules' docstrings."""
-    from trainer.data.tokenizers import ByteTokenizer
+    from moetrain.data.tokenizers import ByteTokenizer
 
     docs = (importlib.import_module(name).__doc__ or "" for name in MODULES)
     text = " ".join(" ".join(docs).split())
@@ -74,10 +74,10 @@ def timed(fn) -> tuple[float, object]:
 def measure(args: argparse.Namespace, result: dict) -> None:
     import torch
 
-    from models import get_model_spec
-    from trainer.config import load_config
-    from trainer.generate.batched import generate_batch
-    from trainer.generate.decode import generate_uncached
+    from moetrain.config import load_config
+    from moetrain.generate.batched import generate_batch
+    from moetrain.generate.decode import generate_uncached
+    from moetrain.models import get_model_spec
 
     cfg = load_config(["--config", args.config])
     spec = get_model_spec(cfg.model.name)

@@ -56,7 +56,7 @@ merge env stdout "$RUNS/env_torch.out"
 # The stdlib corpus needs the interpreter's .py sources; a stripped image has none, then
 # train on this repository's own Python files instead.
 DATA=()
-if (($("$PY" -c 'from trainer.data.sources import stdlib_files; print(len(stdlib_files()))' 2>/dev/null || echo 0) < 100)); then
+if (($("$PY" -c 'from moetrain.data.sources import stdlib_files; print(len(stdlib_files()))' 2>/dev/null || echo 0) < 100)); then
     DATA=(--data.source=text "--data.path=$PWD/**/*.py")
     echo "no stdlib sources: training on $PWD/**/*.py" | tee -a "$LOG"
 fi
@@ -80,7 +80,7 @@ if [[ -n ${TINY:-} ]]; then # CPU check of the command line only
         --model.num_attention_heads=4 --model.num_key_value_heads=2 --model.head_dim=32
         --model.vocab_size=512 --data.seq_len=256)
 fi
-step proxy_dry_run 60 "$PY" -m trainer.dry_run --world-size=1 \
+step proxy_dry_run 60 "$PY" -m moetrain.planner --world-size=1 \
     --config configs/qwen3_30b_a3b.toml --train.device="$DEVICE" \
     --train.mixed_precision="$PREC" "${DATA[@]}" "${PROXY_ARGS[@]}" \
     --gpu-memory=80 --hardware=h100 --json "$RUNS/proxy_plan.json"

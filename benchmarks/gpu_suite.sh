@@ -91,7 +91,7 @@ proxy() { # PROXY_MODES: activation checkpointing modes, "compile", "aux" (aux w
                 "${PROXY[@]}" --train.compile=true
             continue
         fi
-        step "plan_$mode" 60 "$PY" -m trainer.dry_run --world-size=1 \
+        step "plan_$mode" 60 "$PY" -m moetrain.planner --world-size=1 \
             --config configs/qwen3_30b_a3b.toml --train.device=cuda --train.mixed_precision=bf16 \
             "${PROXY[@]}" --train.activation_checkpoint=$mode --gpu-memory=80 --hardware=h100 \
             --json "$RUNS/plan_$mode.json"
@@ -125,7 +125,7 @@ balance() { # BALANCE_AUX: aux weights ("published": the config's 0.001, the def
     done
 }
 lora() { # LoRA (rank 8, attention and routed experts) against full fine-tuning of the proxy
-    step plan_lora 60 "$PY" -m trainer.dry_run --world-size=1 \
+    step plan_lora 60 "$PY" -m moetrain.planner --world-size=1 \
         --config configs/qwen3_30b_a3b.toml --train.device=cuda --train.mixed_precision=bf16 \
         "${PROXY[@]}" --peft.method=lora --gpu-memory=80 --hardware=h100 \
         --json "$RUNS/plan_lora.json"

@@ -160,7 +160,7 @@ def measure_long_docs(args: argparse.Namespace, tmp: str, result: dict) -> None:
         else:
             line_mib = long_line_corpus(corpus, mib, args.seed)
         chat = ["--format", "chat"] if args.chat else []
-        cmd = [sys.executable, "-m", "trainer.prepare", "--source", "jsonl", "--path", corpus,
+        cmd = [sys.executable, "-m", "moetrain.prepare", "--source", "jsonl", "--path", corpus,
                "--tokenizer", tokenizer, "--out", out, "--workers", "2", "--shard-mb", "1",
                *chat]  # fmt: skip
         proc, wall, peaks = prepare_sampled(cmd)

@@ -69,17 +69,17 @@ def block_activation_bytes(argv: list[str], mode: str) -> dict[str, int]:
     fp32, read from the allocator's events inside the block's forward window. The attention
     cores run the fused CPU kernel (`use_fused_attention`).
 
-    NOTE: the planner's activation model (`trainer.dry_run.footprint.trace_step`) measures
+    NOTE: the planner's activation model (`moetrain.planner.footprint.trace_step`) measures
     the same quantity on the meta device (`StepTrace.saved_by_structure`);
     tests/test_activation_checkpoint.py holds the two within 5% of each other."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from models import get_model_spec
-    from parallelisms.activation_checkpoint import apply_activation_checkpointing
-    from parallelisms.plan import match_modules
-    from trainer.config import load_config
-    from trainer.dry_run.meta_trace import use_fused_attention
+    from moetrain.config import load_config
+    from moetrain.models import get_model_spec
+    from moetrain.parallelisms.activation_checkpoint import apply_activation_checkpointing
+    from moetrain.parallelisms.plan import match_modules
+    from moetrain.planner.meta_trace import use_fused_attention
 
     cfg = load_config(argv)
     spec = get_model_spec(cfg.model.name)
@@ -131,10 +131,10 @@ def block_activation_bytes(argv: list[str], mode: str) -> dict[str, int]:
 
 def measure_mode(argv: list[str], mode: str, warmup: int, measure: int) -> dict:
     """One rank, this process: a Trainer with `mode`, timed steps, then one profiled step."""
-    from parallelisms.dims import ParallelDims
-    from trainer.config import load_config
-    from trainer.loop.setup import preflight
-    from trainer.loop.trainer import Trainer
+    from moetrain.config import load_config
+    from moetrain.loop.preflight import preflight
+    from moetrain.loop.trainer import Trainer
+    from moetrain.parallelisms.dims import ParallelDims
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(

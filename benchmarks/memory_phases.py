@@ -15,7 +15,7 @@ optimizer_step, zero_grad, metrics. `--per-block` adds the allocated bytes after
 block's forward. Hooks: a forward pre-hook on the model, wrappers of `StepLoss` and of the
 trainer's `grad_norm` / `clip_grads_` names, the optimizer's step hooks and `zero_grad`.
 
-The planner (`trainer.dry_run.layout_cost`) measures the same config in this process
+The planner (`moetrain.planner.layout_cost`) measures the same config in this process
 (fake process group of 1, meta device); the result puts its figures next to the measured
 ones, per mode: the resting state, the forward/backward peak (steps after the first,
 which hold the optimizer state), the update peak (norm, clip, optimizer step) and the
@@ -112,8 +112,8 @@ class _MarkedLoss:
 
 def instrument(trainer, rec: Recorder, per_block: bool) -> None:
     """Hooks at every phase boundary of `StepQueue.train_step` (see the module doc)."""
-    import trainer.loop.step as loop
-    from parallelisms.plan import match_modules
+    import moetrain.loop.step as loop
+    from moetrain.parallelisms.plan import match_modules
 
     opened = rec.opened
 
@@ -158,7 +158,7 @@ def state_bytes(trainer) -> dict:
     """Bytes behind the parameters and the optimizer state (distinct storages)."""
     import torch
 
-    from trainer.dry_run.meta_trace import storage_bytes
+    from moetrain.planner.meta_trace import storage_bytes
 
     state = [v for s in trainer.optimizer.state.values() for v in s.values()]
     tensors = [v for v in state if isinstance(v, torch.Tensor)]
@@ -168,10 +168,10 @@ def state_bytes(trainer) -> dict:
 def measure_mode(argv: list[str], mode: str, steps: int, per_block: bool) -> dict:
     import torch
 
-    from parallelisms.dims import ParallelDims
-    from trainer.config import load_config
-    from trainer.loop.setup import preflight
-    from trainer.loop.trainer import Trainer
+    from moetrain.config import load_config
+    from moetrain.loop.preflight import preflight
+    from moetrain.loop.trainer import Trainer
+    from moetrain.parallelisms.dims import ParallelDims
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(
@@ -242,10 +242,10 @@ def plan(argv: list[str], modes: list[str]) -> tuple[dict, str]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from parallelisms.dims import ParallelDims
-    from trainer.config import load_config
-    from trainer.dry_run.layout_cost import measure_layout, peak_bytes, step_bytes, update_bytes
-    from trainer.loop.setup import preflight
+    from moetrain.config import load_config
+    from moetrain.loop.preflight import preflight
+    from moetrain.parallelisms.dims import ParallelDims
+    from moetrain.planner.layout_cost import measure_layout, peak_bytes, step_bytes, update_bytes
 
     cfg = load_config(list(argv))
     preflight(cfg, ParallelDims.of(cfg.parallel, 1))

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.common.moe import MoE, MoEOptions, TopKRouter  # noqa: E402
-from parallelisms.expert_parallel import apply_expert_parallel  # noqa: E402
+from moetrain.models.common.moe import MoE, MoEOptions, TopKRouter  # noqa: E402
+from moetrain.parallelisms.expert_parallel import apply_expert_parallel  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:

@@ -3,7 +3,7 @@
     python benchmarks/moe_syncs.py [--tokens=4096 --hidden=2048 --inter=768 --experts=128
         --topk=8 --gemm=grouped_mm,loop --dtype=bf16 --iters=20 --json FILE]
 
-The layer is `models.common.moe.MoE` with a `TopKRouter`, built as benchmarks/moe_layer.py
+The layer is `moetrain.models.common.moe.MoE` with a `TopKRouter`, built as benchmarks/moe_layer.py
 builds it (N(0, 0.02) weights; default: the Qwen3-30B-A3B proxy's shape), without expert
 parallelism. Per grouped-GEMM implementation:
 
@@ -45,7 +45,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.moe_layer import _sync, build, time_fwd_bwd  # noqa: E402
 from benchmarks.report import write_result  # noqa: E402
-from models.common.moe import MoE  # noqa: E402
+from moetrain.models.common.moe import MoE  # noqa: E402
 
 SYNC = "synchroniz"  # in the debug mode's message: "called a synchronizing CUDA operation"
 

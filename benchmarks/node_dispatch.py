@@ -4,7 +4,7 @@ against sending each token across once per destination node (counts, no processe
     python benchmarks/node_dispatch.py [--tokens 8192] [--nodes 4] [--ranks-per-node 8]
         [--experts 256] [--top-k 8] [--groups 8] [--topk-group 4] [--hidden 7168] [--json FILE]
 
-Routing is DeepSeek-V3's (`models.common.moe.GroupLimitedRouter`: sigmoid affinities,
+Routing is DeepSeek-V3's (`moetrain.models.common.moe.GroupLimitedRouter`: sigmoid affinities,
 the best `topk_group` of `groups` expert groups, top-k inside them) with random weights on
 random tokens of one source rank. Experts are laid out as expert parallelism lays them
 (expert e on rank e // (experts / ep), ranks numbered node-major). Per dispatch (forward; the
@@ -25,7 +25,7 @@ Prints one JSON object (or writes --json FILE), then a one-line summary.
 runs the dispatchers themselves: nodes x ranks-per-node CPU processes (gloo), each with
 --tokens-per-rank tokens (default 512) through one MoE layer of that routing (hidden 64,
 fp32), forward and backward, once with today's flat all-to-all and once with the two-stage
-dispatch (parallelisms/node_dispatch.py). It reports the inter-node bytes each dispatcher
+dispatch (moetrain/parallelisms/node_dispatch.py). It reports the inter-node bytes each dispatcher
 counted, summed over the ranks, next to the count of remote (token, expert) assignments and
 (token, node) pairs from the routers' outputs, and scales the rows to bf16 rows of --hidden.
 """
@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from report import write_result  # noqa: E402
 
-from models.common.moe import GroupLimitedRouter  # noqa: E402
+from moetrain.models.common.moe import GroupLimitedRouter  # noqa: E402
 
 
 def routing(args) -> torch.Tensor:
@@ -80,8 +80,8 @@ def _measure_worker(rank: int, world: int, args, out_path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from models.common.moe import MoE
-    from parallelisms.expert_parallel import apply_expert_parallel
+    from moetrain.models.common.moe import MoE
+    from moetrain.parallelisms.expert_parallel import apply_expert_parallel
 
     dist.init_process_group("gloo")
     per_node = args.ranks_per_node

@@ -132,7 +132,7 @@ def moe_layers(args) -> dict:
     """{side: (layer, x, grad)}: one MoE layer of each at the tiny widths, initialised by its
     own code, the same input [1, seq, dim] and output gradient."""
     from benchmarks.titan_side import import_torchtitan_qwen3
-    from models.common.moe import MoE, MoEOptions, TopKRouter
+    from moetrain.models.common.moe import MoE, MoEOptions, TopKRouter
 
     dim, hidden = TINY["hidden_size"], TINY["moe_intermediate_size"]
     experts, top_k = TINY["num_experts"], TINY["num_experts_per_tok"]
@@ -190,7 +190,7 @@ def measure(args, timed: bool = True) -> dict:
     layer: its experts' arithmetic alone (`experts_fwd_bwd`), and the step and the layer
     without it: what routing, statistics, permutation, combine, loss, norm, clipping, the
     guard and the optimizer cost, the experts' GEMMs (a loop on CPU) left out."""
-    from trainer.loop.setup import init_distributed
+    from moetrain.build.distributed import init_distributed
 
     init_distributed(torch.device("cpu"))
     step_ops, layer_ops, expert_ops, times = {}, {}, {}, {}

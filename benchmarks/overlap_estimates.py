@@ -3,7 +3,7 @@ overlapping the expert all-to-all (`parallel.ep_overlap`: none, shared, chunks).
 
     python benchmarks/overlap_estimates.py [--out FILE.json]
 
-One `python -m trainer.dry_run` per layout and form, in a fresh process
+One `python -m moetrain.planner` per layout and form, in a fresh process
 (`benchmarks/dry_run.py`'s `run_case`); the layouts are those of the table in
 docs/planner.md ("Pipeline stages in the planner"), global batch 16,384 x 4096, full
 checkpointing (DualPipeV: none, which it needs). An estimate of the model the docs state, not a measurement. Prints one JSON

@@ -13,7 +13,7 @@ Document masks (packed samples of lognormal document lengths, mean seq/4 by defa
         takes a mask) and counts the query-key pairs each computes;
     python benchmarks/ring_attention.py --docs-only [--seq=8192 --samples=32]
         no processes: per-rank work under document masks for cp 2, 4, 8 (both layouts),
-        from `parallelisms.cp_schedule.document_attention_work`, and its balance.
+        from `moetrain.parallelisms.cp_schedule.document_attention_work`, and its balance.
 
 Sliding windows (GPT-OSS): python benchmarks/ring_attention.py --window-only [--seq=32768
 --window=128] counts, per cp, the pairs the ring computes against the causal ring's.
@@ -35,8 +35,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallelisms.context_parallel import RingStats, ring_attention  # noqa: E402
-from parallelisms.cp_schedule import (  # noqa: E402
+from moetrain.parallelisms.context_parallel import RingStats, ring_attention  # noqa: E402
+from moetrain.parallelisms.cp_schedule import (  # noqa: E402
     attention_work,
     balanced_table,
     document_attention_work,

@@ -1,4 +1,4 @@
-"""How long `python -m trainer.dry_run --search` takes on the shipped DeepSeek-V3 671B config.
+"""How long `python -m moetrain.planner --search` takes on the shipped DeepSeek-V3 671B config.
 
     python benchmarks/search_time.py [--out FILE.json] [--cases NAME,...] [--root DIR]
 

@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallelisms.dims import ParallelDims, world_size_from_env  # noqa: E402
-from trainer.config import load_config  # noqa: E402
+from moetrain.config import load_config  # noqa: E402
+from moetrain.parallelisms.dims import ParallelDims, world_size_from_env  # noqa: E402
 
 
 def pop_flag(argv: list[str], name: str, default: str) -> str:
@@ -36,9 +36,9 @@ def pop_flag(argv: list[str], name: str, default: str) -> str:
 
 
 def measure_steps(cfg, warmup: int, measure: int) -> dict:
-    from trainer.loop.setup import preflight
-    from trainer.loop.trainer import Trainer
-    from trainer.metrics.logger import peak_memory_gib
+    from moetrain.loop.preflight import preflight
+    from moetrain.loop.trainer import Trainer
+    from moetrain.metrics.logger import peak_memory_gib
 
     p = cfg.parallel
     dims = ParallelDims.of(p, world_size_from_env())
@@ -75,8 +75,8 @@ def compare_with_transformers(cfg, iters: int) -> dict:
     timed in alternating calls."""
     import transformers
 
-    from models import get_model_spec
-    from trainer.hf.weights import load_hf_weights
+    from moetrain.hf.weights import load_hf_weights
+    from moetrain.models import get_model_spec
 
     spec = get_model_spec(cfg.model.name)
     args = cfg.model.args

@@ -35,12 +35,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.report import write_result  # noqa: E402
-from parallelisms.dims import ParallelDims  # noqa: E402
-from parallelisms.plan import match_modules  # noqa: E402
-from trainer.config import load_config  # noqa: E402
-from trainer.data.batch import Batch  # noqa: E402
-from trainer.loop.setup import init_distributed, preflight  # noqa: E402
-from trainer.loop.trainer import Trainer  # noqa: E402
+from moetrain.build.distributed import init_distributed  # noqa: E402
+from moetrain.config import load_config  # noqa: E402
+from moetrain.data.batch import Batch  # noqa: E402
+from moetrain.loop.preflight import preflight  # noqa: E402
+from moetrain.loop.trainer import Trainer  # noqa: E402
+from moetrain.parallelisms.dims import ParallelDims  # noqa: E402
+from moetrain.parallelisms.plan import match_modules  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "qwen3_30b_a3b.toml")
 # Our [model] keys -> values; full = configs/qwen3_30b_a3b.toml's, restated for both sides.
@@ -59,7 +60,7 @@ DIFFERENCES = [
     "Trainer.train_step restated (its Trainer needs a tokenizer and data on disk), reading "
     "loss and norm on the host at its log_freq (10) where ours reads them every step",
     "data: building each step's batches (the loaders' work) is outside the timed window on "
-    "both sides; the host-to-device copy (ours trainer.prepare_batch) is inside",
+    "both sides; the host-to-device copy (ours trainer.batches.prepare_batch) is inside",
     "balancing: ours adds Qwen3's Switch aux loss (1e-3); torchtitan moves an expert bias "
     "(aux-loss-free, 1e-3) before each update instead",
     "router: both softmax (fp32), top-k, renormalised; ours keeps its weight fp32, titan bf16",
@@ -134,14 +135,14 @@ def build_ours(args, shapes: dict, device: torch.device, out_dir: str):
     def step(micro_batches: list[Batch]) -> None:
         # As train.py's loop: the step queued, the previous one's record read (its loss is in
         # trainer.history once read: `losses_of`).
-        trainer.advance([trainer.prepare_batch(b) for b in micro_batches])
+        trainer.advance([trainer.batches.prepare_batch(b) for b in micro_batches])
 
     info = {
         "config": os.path.relpath(CONFIG, ROOT),
         "optimizer_impl_setting": getattr(cfg.train, "optimizer_impl", None),
         "flops_per_token": trainer.flops_per_token,
         "peak_flops": trainer.peak_flops,
-        "step": "Trainer.advance (trainer/loop/trainer.py): the loop body of train.py",
+        "step": "Trainer.advance (moetrain/loop/trainer.py): the loop body of train.py",
         "losses_of": lambda: [r["loss"] for r in trainer.history],  # popped by `measure`
     }
     return load, step, counts, trainer.optimizer, info

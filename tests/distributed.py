@@ -33,9 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 _PRELOAD = (
     "torch",
     "torch.distributed.tensor",
-    "train",
-    "trainer.loop.setup",
-    "trainer.loop.trainer",
+    "moetrain.train",
+    "moetrain.loop.preflight",
+    "moetrain.build.model",
+    "moetrain.loop.trainer",
     "tests.distributed",
 )
 
@@ -182,7 +183,7 @@ def _train_rank(rank: int, nproc: int, port: int, argv: list[str], at: tuple) ->
     """One rank of `train.py`, as torchrun's worker (or plain `python train.py` for one)."""
     env, cwd, log = at
     _enter({**env, **(_rank_env(rank, nproc, port) if nproc > 1 else {})}, cwd, log)
-    import train
+    from moetrain import train
 
     sys.argv = ["train.py", *argv]
     try:

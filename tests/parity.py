@@ -17,19 +17,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models import get_model_spec
-from models.common.balance_losses import load_balancing_loss, sequence_balance_loss
-from models.common.moe import GroupLimitedRouter, MoEOptions, TopKRouter
-from models.common.replay import is_replay
-from parallelisms.dims import ParallelDims
-from trainer.config import load_config
-from trainer.data.batch import IGNORE_INDEX, Batch
-from trainer.data.corpus import build_dataset
-from trainer.data.sampler import GlobalBatchSampler
-from trainer.data.tokenizers import build_tokenizer
-from trainer.loop.losses import with_mtp_targets
-from trainer.loop.optim import build_optimizer, lr_factor
-from trainer.loop.peft import apply_lora, init_adapters
+from moetrain.build.lora import apply_lora, init_adapters
+from moetrain.build.optimizer import build_optimizer, lr_factor
+from moetrain.config import load_config
+from moetrain.data.batch import IGNORE_INDEX, Batch
+from moetrain.data.sampler import GlobalBatchSampler
+from moetrain.data.tokenizers import build_tokenizer
+from moetrain.loop.losses import with_mtp_targets
+from moetrain.models import get_model_spec
+from moetrain.models.common.balance_losses import load_balancing_loss, sequence_balance_loss
+from moetrain.models.common.moe import GroupLimitedRouter, MoEOptions, TopKRouter
+from moetrain.models.common.replay import is_replay
+from moetrain.parallelisms.dims import ParallelDims
+from tests.corpus import build_dataset
 
 STEPS = 3
 TINY = [
@@ -149,8 +149,8 @@ def stepped_records(trainer, steps: int):
 
 def build_trainer(argv: list[str], world: int):
     """(config, Trainer) of `argv` on this rank of `world`, as train.py builds them."""
-    from trainer.loop.setup import preflight
-    from trainer.loop.trainer import Trainer
+    from moetrain.loop.preflight import preflight
+    from moetrain.loop.trainer import Trainer
 
     cfg = load_config(argv)
     p = cfg.parallel

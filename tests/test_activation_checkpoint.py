@@ -25,13 +25,13 @@ import torch
 from torch import nn
 
 from benchmarks.memory import peak_bytes
-from models import get_model_spec
-from models.common.moe import GroupLimitedRouter
-from parallelisms.activation_checkpoint import apply_activation_checkpointing
-from parallelisms.plan import match_modules
+from moetrain.config import load_config
+from moetrain.models import get_model_spec
+from moetrain.models.common.moe import GroupLimitedRouter
+from moetrain.parallelisms.activation_checkpoint import apply_activation_checkpointing
+from moetrain.parallelisms.plan import match_modules
 from tests.distributed import run_distributed
 from tests.parity import TINY, TINY_DSV3, layout_worker
-from trainer.config import load_config
 
 MODES = ("none", "full", "selective")
 EP2, CP2 = "--parallel.ep=2", "--parallel.cp=2"
@@ -194,7 +194,7 @@ def test_selective_under_the_split_backward(argv):
     bit for bit, and the plain backward's within fp32 summation order."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-    from models.common.staged import default_positions, run_blocks
+    from moetrain.models.common.staged import default_positions, run_blocks
 
     def run(mode: str, split: bool) -> dict:
         model = _model(argv, mode)
@@ -229,9 +229,9 @@ def test_planner_block_bytes_match_the_allocator(config):
     events (benchmarks/memory.py `block_activation_bytes`), within 5%; and `selective`
     keeps less than `none` (the debug configs, one micro-batch of 4 x 128, fp32)."""
     from benchmarks.memory import block_activation_bytes
-    from models.common.moe import MoEOptions
-    from trainer.dry_run.footprint import block_structure, trace_step
-    from trainer.dry_run.meta_trace import use_fused_attention
+    from moetrain.models.common.moe import MoEOptions
+    from moetrain.planner.footprint import block_structure, trace_step
+    from moetrain.planner.meta_trace import use_fused_attention
 
     argv = [f"--config=configs/{config}.toml", "--train.device=cpu"]
     cfg = load_config(argv)
@@ -265,11 +265,11 @@ def test_selective_keeps_no_expert_output_for_the_routing_weights():
     """Qwen3-MoE debug on the meta trace (the planner's, held to the allocator above): under
     `selective` a MoE block keeps less, by its experts' output rows (top-k x dim a token,
     fp32), than with the down-projection outside the recomputed regions, as it was."""
-    from models.common.mlp import swiglu
-    from models.common.moe import GroupedExperts, MoEOptions
-    from models.common.recompute import recomputed
-    from trainer.dry_run.footprint import block_structure, trace_step
-    from trainer.dry_run.meta_trace import use_fused_attention
+    from moetrain.models.common.mlp import swiglu
+    from moetrain.models.common.moe import GroupedExperts, MoEOptions
+    from moetrain.models.common.recompute import recomputed
+    from moetrain.planner.footprint import block_structure, trace_step
+    from moetrain.planner.meta_trace import use_fused_attention
 
     class KeptDown(GroupedExperts):  # the former arithmetic: only SwiGLU's product rebuilt
         def ffn(self, x_sorted, tokens_per_expert):

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models.common.attention import AttentionCore
-from parallelisms.context_parallel import RingStats, ring_attention
-from parallelisms.cp_schedule import local_positions, split_for_cp
+from moetrain.models.common.attention import AttentionCore
+from moetrain.parallelisms.context_parallel import RingStats, ring_attention
+from moetrain.parallelisms.cp_schedule import local_positions, split_for_cp
 from tests.distributed import run_per_world
 
 B, S, HQ, HKV, D = 2, 48, 4, 2, 8  # S splits into 2 * cp chunks for cp = 2, 3, 4

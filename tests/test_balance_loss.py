@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.common.balance_losses import (
+from moetrain.models.common.balance_losses import (
     load_balancing_loss,
     sequence_balance_loss,
     stack_stats,
     z_loss_sum,
 )
-from models.common.moe import MoE, RouterStats, TopKRouter
+from moetrain.models.common.moe import MoE, RouterStats, TopKRouter
 
 
 def _stats_from_logits(logits: torch.Tensor, top_k: int) -> RouterStats:

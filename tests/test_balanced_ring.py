@@ -1,5 +1,5 @@
 """`parallel.cp_layout=balanced`: each micro-batch laid out over the cp ranks by its
-documents' work (parallelisms.cp_schedule.balanced_table), one table read by the data split
+documents' work (moetrain.parallelisms.cp_schedule.balanced_table), one table read by the data split
 and by the ring. Balance on the ring benchmark's lognormal documents, the ring against plain
 masked attention on real gloo ranks, and kernel calls against an independent count."""
 
@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from parallelisms.context_parallel import RingStats, ring_attention
-from parallelisms.cp_schedule import balanced_table, document_attention_work, split_for_cp
-from parallelisms.dims import CP_CHUNKS_PER_RANK
+from moetrain.parallelisms.context_parallel import RingStats, ring_attention
+from moetrain.parallelisms.cp_schedule import balanced_table, document_attention_work, split_for_cp
+from moetrain.parallelisms.dims import CP_CHUNKS_PER_RANK
 from tests.distributed import run_per_world
 from tests.test_document_mask import (
     HKV,

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from models.common.lora import is_adapter
-from parallelisms.plan import match_modules
+from moetrain.models.common.lora import is_adapter
+from moetrain.parallelisms.plan import match_modules
 from tests.distributed import run_distributed, run_train
 from tests.parity import build_trainer
 from tests.test_bf16 import BF16, MODELS, STEPS, _local, _max_rel, _step1_bound, losses_worker
@@ -85,7 +85,7 @@ def test_a_bf16_base_computes_as_the_fp32_base_and_trains_on_ep2_as_on_one_rank(
 def test_a_bf16_base_saved_with_the_checkpoint_resumes_exactly_and_exports(tmp_path):
     """checkpoint.save_frozen=true: the base is saved in bf16 (the routers in fp32), a
     resume from it repeats the uninterrupted run, and the export reads it into fp32."""
-    from trainer.hf.export import load_checkpoint_model
+    from moetrain.checkpoint.whole_model import load_checkpoint_model
 
     run = [*LORA_RUN, "--peft.base_dtype=bf16", "--checkpoint.save_frozen=true", BF16_MP]
     straight = run_train(run, tmp_path / "straight", nproc=2)

@@ -47,7 +47,7 @@ def hf_logits_worker(rank: int, world: int, runs: dict[str, list[str]], tokens, 
 def _export(step_dir, out_dir, dtype: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    cmd = [sys.executable, "-m", "trainer.hf.export", f"--checkpoint={step_dir}",
+    cmd = [sys.executable, "-m", "moetrain.export", f"--checkpoint={step_dir}",
            f"--out={out_dir}", f"--dtype={dtype}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

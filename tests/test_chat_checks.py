@@ -9,10 +9,10 @@ import json
 
 import pytest
 
+from moetrain.data.prepared import PreparedCorpus
+from moetrain.prepare.cli import main as prepare
 from tests.chat_model import save_chat_tokenizer
 from tests.test_published_templates import CONVS, FAMILIES, TEMPLATES, TOOLS, _tool_conversation
-from trainer.data.prepared import PreparedCorpus
-from trainer.prepare.cli import main as prepare
 
 pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 

@@ -23,13 +23,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import get_model_spec
+from moetrain.config import load_config
+from moetrain.data.prepared import PreparedCorpus
+from moetrain.models import get_model_spec
+from moetrain.prepare.cli import main as prepare
 from tests.chat_model import save_chat_tokenizer
 from tests.distributed import run_train
 from tests.test_chat_templates import CASES, CONVERSATIONS
-from trainer.config import load_config
-from trainer.data.prepared import PreparedCorpus
-from trainer.prepare.cli import main as prepare
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,9 +10,9 @@ import json
 import numpy as np
 import pytest
 
+from moetrain.data.prepared import PreparedCorpus
+from moetrain.prepare.cli import main as prepare
 from tests.chat_model import CHATML, SPECIALS, conversations, save_chat_tokenizer
-from trainer.data.prepared import PreparedCorpus
-from trainer.prepare.cli import main as prepare
 
 pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 

@@ -19,9 +19,9 @@ import json
 import numpy as np
 import pytest
 
+from moetrain.prepare.cli import main as prepare
+from moetrain.prepare.instructions import chat_tokenizer, render_chat
 from tests.chat_model import save_chat_tokenizer
-from trainer.prepare.cli import main as prepare
-from trainer.prepare.instructions import chat_tokenizer, render_chat
 
 pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 
@@ -198,8 +198,8 @@ def test_a_prompt_written_otherwise_once_the_answer_follows_trains_after_that_pr
     """A header that counts the messages: each answer's cut renders another first line than
     its prompt. The answer is trained after the prompt it is generated from, as the cut
     writes it (--chat-turns per_turn, spliced)."""
-    from trainer.prepare.chat_messages import Conversation
-    from trainer.prepare.chat_turns import Renderer, render_conversation
+    from moetrain.prepare.chat_messages import Conversation
+    from moetrain.prepare.chat_turns import Renderer, render_conversation
 
     template = "{{- messages | length }} messages\n" + CASES["qwen2.5"][0]
     directory = tmp_path / "tok"
@@ -299,7 +299,7 @@ def test_a_long_conversation_tokenized_in_pieces_gives_apply_chat_templates_ids(
 ):
     """The shape of a 16 MB conversation at test size: its rendering is tokenized in pieces
     of a few hundred characters (chat_tokens.py), and ids and mask are the whole one's."""
-    from trainer.prepare import chat_tokens, long_docs
+    from moetrain.prepare import chat_tokens, long_docs
 
     for attr, value in (("PIECE_CHARS", 400), ("CHECK_CHARS", 64)):
         monkeypatch.setattr(long_docs, attr, value)
@@ -317,8 +317,8 @@ def test_a_long_conversation_tokenized_in_pieces_gives_apply_chat_templates_ids(
 
 
 def test_an_instruction_line_over_the_limit_is_refused_by_line(tmp_path, capsys, monkeypatch):
-    from trainer.data import reader
-    from trainer.prepare import instructions
+    from moetrain.data import reader
+    from moetrain.prepare import instructions
 
     monkeypatch.setattr(instructions, "MAX_LINE_BYTES", 4000)
     monkeypatch.setattr(reader, "READ_BYTES", 257)  # the line comes in many reads

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-import train
+from moetrain import train
 from tests.distributed import ROOT, finish, kill_launch, launch_train, read_metrics, run_train
 
 DEBUG = [
@@ -100,14 +100,14 @@ def test_resume_from_pipeline_stages_into_one_process(tmp_path):
 
 def test_export_reproduces_our_logits_in_transformers(ep_run, tmp_path):
     transformers = pytest.importorskip("transformers", reason="needs the [hf] extra")
-    from trainer.hf.export import load_checkpoint_model
+    from moetrain.checkpoint.whole_model import load_checkpoint_model
 
     step_dir = ep_run[0] / "checkpoints" / "step-4"
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
-            "trainer.hf.export",
+            "moetrain.export",
             f"--checkpoint={step_dir}",
             f"--out={tmp_path / 'hf'}",
             "--dtype=fp32",
@@ -280,7 +280,7 @@ def test_resume_from_plain_fsdp_into_expert_parallelism(tmp_path):
 def test_newest_means_last_committed(tmp_path):
     """After a rollback (resume from an older step), the abandoned run's later steps are
     older commits: resume=auto and keep_last follow the run that is going on."""
-    from trainer.checkpoint.markers import COMPLETE, complete_checkpoints
+    from moetrain.checkpoint.markers import COMPLETE, complete_checkpoints
 
     for step, committed in [(200, 10.0), (100, 5.0), (110, 20.0)]:
         (tmp_path / f"step-{step}").mkdir()

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from moetrain.checkpoint.checksums import gather_sums
+from moetrain.errors import CheckpointError
+from moetrain.metrics.logger import MetricsLogger
 from tests.distributed import ROOT, launch_train, read_metrics, run_train
 from tests.parity import TINY
-from trainer.checkpoint.commit import gather_sums
-from trainer.errors import CheckpointError
-from trainer.metrics.logger import MetricsLogger
 
 RUN = [*TINY, "--checkpoint.interval=2", "--metrics.jsonl=true", "--metrics.log_interval=1"]
 
@@ -145,7 +145,7 @@ def test_a_failed_rewrite_of_the_metrics_leaves_them_whole(tmp_path):
     code = (
         "import resource, sys\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))\n"  # the rewrite cannot fit
-        "from trainer.metrics.logger import MetricsLogger\n"
+        "from moetrain.metrics.logger import MetricsLogger\n"
         f"MetricsLogger({str(tmp_path)!r}, 50, True, True, False, resume_step=30)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

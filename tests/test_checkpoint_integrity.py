@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import train
+from moetrain import train
+from moetrain.checkpoint.markers import COMPLETE, TRAINER_STATE
 from tests.distributed import ROOT, run_train
-from trainer.checkpoint.markers import COMPLETE, TRAINER_STATE
 
 RUN = [
     "--config=configs/debug_qwen3_moe.toml",

@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models.common.grouped_gemm import grouped_mm, grouped_mm_op
-from models.common.moe import MoE, TopKRouter
+from moetrain.config import ConfigError, load_config
+from moetrain.models.common.grouped_gemm import grouped_mm, grouped_mm_op
+from moetrain.models.common.moe import MoE, TopKRouter
 from tests.distributed import run_distributed
 from tests.parity import STEPS, TINY, build_trainer, stepped_records
-from trainer.config import ConfigError, load_config
 
 TOL = 1e-5
 BF16 = ["--train.mixed_precision=bf16"]
@@ -138,7 +138,7 @@ def test_a_compiled_moe_layer_routes_counts_and_backpropagates_as_eager_does():
     output, not the index (the compiled layer failed; the 3-block training above did not
     reach that lowering); and the routed sum's in-place `index_add_` inside its autograd
     Function, which torch 2.11's compile took for an output of nothing: the experts got no
-    gradient at all (models/common/row_sum.py)."""
+    gradient at all (moetrain/models/common/row_sum.py)."""
     torch.manual_seed(0)
     moe = MoE(16, 8, TopKRouter(16, 8, 2, True))
     for p in moe.parameters():
@@ -216,6 +216,6 @@ def test_compile_matches_eager_in_bf16(tmp_path):
     print(f"bf16 against fp32, norm-wise relative (bound {bound:.3g}): {errors}")
     assert all(e <= bound for mode in errors.values() for e in mode.values()), errors
     # The graph breaks only at the router: its own FSDP unit in fp32 under bf16, whose
-    # all-gather hooks dynamo skips (parallelisms/compile.py).
+    # all-gather hooks dynamo skips (moetrain/parallelisms/compile.py).
     breaks = out["compile"]["breaks"]
     assert breaks and all("skipping FSDP hooks" in b or "`disable`" in b for b in breaks), breaks

@@ -1,4 +1,4 @@
-"""Tests of trainer.config: defaults < TOML < CLI, typing, refusals and the help text."""
+"""Tests of moetrain.config: defaults < TOML < CLI, typing, refusals and the help text."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from dataclasses import MISSING, fields, replace
 
 import pytest
 
-from models import get_model_spec, model_names
-from models.qwen3_moe.args import Qwen3MoeArgs
-from trainer.config import (
+from moetrain.config import (
     ConfigError,
     DataSection,
     JobConfig,
@@ -22,7 +20,9 @@ from trainer.config import (
     load_config,
     validate,
 )
-from trainer.config.checks import ZBV_EXACT_FROM
+from moetrain.config.checks import ZBV_EXACT_FROM
+from moetrain.models import get_model_spec, model_names
+from moetrain.models.qwen3_moe.args import Qwen3MoeArgs
 
 # A small model that passes Qwen3MoeArgs.validate(), written as a TOML [model] table.
 SMALL_MODEL = """

@@ -1,5 +1,5 @@
 """Config bounds and refusals that span sections: one generic bound check for the job
-sections and every model's args (`models.common.args.arg`), every problem of a TOML at
+sections and every model's args (`moetrain.models.common.args.arg`), every problem of a TOML at
 once, and did-you-mean on the key's own name. Parsing and single refusals: test_config.py."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from dataclasses import dataclass, fields, replace
 
 import pytest
 
-from models import get_model_spec, model_names
-from models.common.args import arg, field_problems
-from models.deepseek_v3.args import DeepseekV3Args
-from models.qwen3_moe.args import Qwen3MoeArgs
+from moetrain.config import DataSection, TrainSection, format_help, load_config
+from moetrain.models import get_model_spec, model_names
+from moetrain.models.common.args import arg, field_problems
+from moetrain.models.deepseek_v3.args import DeepseekV3Args
+from moetrain.models.qwen3_moe.args import Qwen3MoeArgs
 from tests.test_config import config_error, write_toml
-from trainer.config import DataSection, TrainSection, format_help, load_config
 
 # --- field bounds: one generic check for the job sections and the model args ------------
 
@@ -70,7 +70,7 @@ def test_help_shows_bounds():
 
 
 def test_the_registry_names_each_models_own_args_class():
-    from models import model_args_class
+    from moetrain.models import model_args_class
 
     for name in model_names():
         assert model_args_class(name) is get_model_spec(name).args_cls
@@ -107,8 +107,8 @@ def test_every_problem_of_a_toml_is_reported_at_once(tmp_path):
     ],
 )
 def test_did_you_mean_ranks_by_the_keys_own_name(typed, meant):
-    from trainer.config.load import _all_args_classes, _dotted_keys
-    from trainer.config.suggest import closest_key
+    from moetrain.config.load import _all_args_classes, _dotted_keys
+    from moetrain.config.suggest import closest_key
 
     assert closest_key(typed, _dotted_keys(*_all_args_classes())) == meant
 

@@ -1,9 +1,9 @@
 """Values a run accepts that do nothing in it, or act other than their name says: one
-console line each (`trainer/config/notes.py`), never a refusal."""
+console line each (`moetrain/config/notes.py`), never a refusal."""
 
 from __future__ import annotations
 
-from trainer.config import load_config, startup_notes
+from moetrain.config import load_config, startup_notes
 
 
 def test_a_cp_layout_without_context_parallel_ranks_is_noted():
@@ -17,7 +17,7 @@ def test_a_cp_layout_without_context_parallel_ranks_is_noted():
 def test_a_global_batch_aux_loss_under_accumulation_is_noted_with_its_real_scope():
     """moe.aux_loss_mode=global_batch spans one accumulation round (docs/parallelisms.md,
     "Loss and gradient scale"): its value follows the data-parallel degree."""
-    from parallelisms.dims import ParallelDims
+    from moetrain.parallelisms.dims import ParallelDims
 
     argv = ["--moe.aux_loss_mode=global_batch", "--train.global_batch_size=16"]
     cfg = load_config([*argv, "--train.micro_batch_size=4"])

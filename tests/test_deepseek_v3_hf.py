@@ -14,13 +14,13 @@ transformers = pytest.importorskip("transformers", reason="needs the [hf] extra 
 
 from safetensors.torch import load_file  # noqa: E402
 
-from models import get_model_spec  # noqa: E402
-from models.common.balance_losses import load_balancing_loss  # noqa: E402
-from models.common.moe import MoEOptions  # noqa: E402
-from models.deepseek_v3.args import DeepseekV3Args  # noqa: E402
-from models.deepseek_v3.hf import HFFormatError, args_from_hf_config, load_hf_config  # noqa: E402
-from trainer.config import load_config  # noqa: E402
-from trainer.hf.weights import load_hf_weights, save_hf_checkpoint  # noqa: E402
+from moetrain.config import load_config  # noqa: E402
+from moetrain.hf.weights import load_hf_weights, save_hf_checkpoint  # noqa: E402
+from moetrain.models import get_model_spec  # noqa: E402
+from moetrain.models.common.balance_losses import load_balancing_loss  # noqa: E402
+from moetrain.models.common.moe import MoEOptions  # noqa: E402
+from moetrain.models.deepseek_v3.args import DeepseekV3Args  # noqa: E402
+from moetrain.models.deepseek_v3.hf import HFFormatError, args_from_hf_config, load_hf_config  # noqa: E402
 
 SPEC = get_model_spec("deepseek_v3")
 

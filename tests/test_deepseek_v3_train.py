@@ -9,14 +9,14 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from models.common.balance_losses import sequence_balance_loss, stack_stats
-from models.common.moe import GroupLimitedRouter, MoE
-from models.deepseek_v3.args import DeepseekV3Args
-from models.deepseek_v3.model import DeepseekV3ForCausalLM
+from moetrain.data.batch import IGNORE_INDEX, Batch
+from moetrain.loop.balance import BiasUpdate
+from moetrain.loop.losses import with_mtp_targets
+from moetrain.models.common.balance_losses import sequence_balance_loss, stack_stats
+from moetrain.models.common.moe import GroupLimitedRouter, MoE
+from moetrain.models.deepseek_v3.args import DeepseekV3Args
+from moetrain.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from tests.distributed import run_train
-from trainer.data.batch import IGNORE_INDEX, Batch
-from trainer.loop.balance import BiasUpdate
-from trainer.loop.losses import with_mtp_targets
 
 # --- load balancing -----------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ The rule:
 3. A quoted section matches a heading of that page (any level, outside code fences) when it
    equals the heading's text after the `#`s, or that text less a trailing parenthesised
    list that starts with a backtick, the code the section covers: "Stages" names
-   `### Stages (`trainer/loop/stages.py`, `checkpoint.init_from`)`. Whitespace is
+   `### Stages (`moetrain/checkpoint/continuation.py`, `checkpoint.init_from`)`. Whitespace is
    collapsed; case counts.
 4. An anchor (`docs/p.md#slug`, and the `#slug` of any Markdown link) must be the slug
    GitHub gives one of the target page's headings: lower case, every character other than

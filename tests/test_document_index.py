@@ -10,13 +10,13 @@ import json
 import numpy as np
 import pytest
 
+from moetrain.config import load_config
+from moetrain.data.holdout import held_out
+from moetrain.data.packing import FlatDocuments, PackedDataset
+from moetrain.data.run_data import build_data
+from moetrain.data.tokenizers import build_tokenizer
+from moetrain.prepare.cli import main as prepare
 from tests.chat_model import save_chat_tokenizer
-from trainer.config import load_config
-from trainer.data.holdout import held_out
-from trainer.data.packing import FlatDocuments, PackedDataset
-from trainer.data.run_data import build_data
-from trainer.data.tokenizers import build_tokenizer
-from trainer.prepare.cli import main as prepare
 
 pytest.importorskip("transformers", reason="needs the [hf] extra (a tokenizer with specials)")
 

@@ -17,16 +17,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from models.common.attention import AttentionCore
-from parallelisms import ring_messages
-from parallelisms.attention_kernels import KERNELS, resolve_kernel
-from parallelisms.context_parallel import RingStats, ring_attention
-from parallelisms.cp_schedule import attention_work, document_attention_work, split_for_cp
-from parallelisms.dims import LayoutError
+from moetrain.config.load import load_config
+from moetrain.data.packing import PackedDataset, document_positions
+from moetrain.loop.preflight import check_cp_kernel
+from moetrain.models.common.attention import AttentionCore
+from moetrain.parallelisms import ring_messages
+from moetrain.parallelisms.attention_kernels import KERNELS, resolve_kernel
+from moetrain.parallelisms.context_parallel import RingStats, ring_attention
+from moetrain.parallelisms.cp_schedule import attention_work, document_attention_work, split_for_cp
+from moetrain.parallelisms.dims import LayoutError
 from tests.distributed import ROOT, run_per_world
-from trainer.config.load import load_config
-from trainer.data.packing import PackedDataset, document_positions
-from trainer.loop.setup import check_cp_kernel
 
 B, S, HQ, HKV, D = 4, 48, 8, 2, 12  # S splits into 2 * 4 chunks of 6
 SCALE = D**-0.5
@@ -276,7 +276,7 @@ def test_cpu_flash_cannot_take_a_document_mask(capsys, monkeypatch):
         resolve_kernel("sdpa_cudnn", cuda, D, D, False, torch.float32)
     with pytest.raises(ValueError, match="flex runs on CUDA only"):
         resolve_kernel("flex", torch.device("cpu"), D, D, True)
-    import train
+    from moetrain import train
 
     monkeypatch.chdir(ROOT)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):

@@ -1,4 +1,4 @@
-"""The dry-run planner (`python -m trainer.dry_run`) against what real runs allocate."""
+"""The dry-run planner (`python -m moetrain.planner`) against what real runs allocate."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _dry_run(world_size: int, *overrides: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
         subprocess.run(
-            [sys.executable, "-m", "trainer.dry_run", f"--world-size={world_size}",
+            [sys.executable, "-m", "moetrain.planner", f"--world-size={world_size}",
              "--config", CONFIG, *overrides, "--json", out],
             cwd=ROOT, check=True, capture_output=True, text=True,
         )  # fmt: skip
@@ -51,9 +51,9 @@ def _real_state_bytes(rank: int, world_size: int, layouts: list[list[str]], out:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from parallelisms.dims import ParallelDims
-    from trainer.config import load_config
-    from trainer.loop.trainer import Trainer
+    from moetrain.config import load_config
+    from moetrain.loop.trainer import Trainer
+    from moetrain.parallelisms.dims import ParallelDims
 
     found = []
     for overrides in layouts:
@@ -138,20 +138,20 @@ def test_activation_estimate_within_15_percent_of_measured_peak():
 
 def test_refusals_of_a_real_launch_apply():
     run = subprocess.run(
-        [sys.executable, "-m", "trainer.dry_run", "--world-size=4", "--config", CONFIG,
+        [sys.executable, "-m", "moetrain.planner", "--world-size=4", "--config", CONFIG,
          "--parallel.ep=16"],
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert run.returncode == 2
     assert "parallel.ep=16" in run.stderr and "Traceback" not in run.stderr
     run = subprocess.run(
-        [sys.executable, "-m", "trainer.dry_run", "--config", CONFIG],
+        [sys.executable, "-m", "moetrain.planner", "--config", CONFIG],
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert run.returncode == 2 and "--world-size" in run.stderr
     # an ep group of 4 ranks straddling the planned nodes of 6 (12 ranks in all)
     run = subprocess.run(
-        [sys.executable, "-m", "trainer.dry_run", "--world-size=12", "--config", CONFIG,
+        [sys.executable, "-m", "moetrain.planner", "--world-size=12", "--config", CONFIG,
          "--parallel.ep=4", "--train.global_batch_size=12", "--train.micro_batch_size=1",
          "--ranks-per-node=6"],
         cwd=ROOT, capture_output=True, text=True,
@@ -160,7 +160,7 @@ def test_refusals_of_a_real_launch_apply():
 
 
 def test_a_worker_count_is_a_count_and_belongs_to_a_search(capsys):
-    from trainer.dry_run.cli import main
+    from moetrain.planner.cli import main
 
     assert main(["--world-size=4", "--config", CONFIG, "--search", "--workers=some"]) == 2
     assert "--workers 'some'" in capsys.readouterr().err
@@ -184,7 +184,7 @@ def test_a_worker_count_is_a_count_and_belongs_to_a_search(capsys):
     ],
 )
 def test_a_count_or_figure_no_machine_has_is_refused_naming_the_flag(flags, capsys):
-    from trainer.dry_run.cli import main
+    from moetrain.planner.cli import main
 
     assert main([*flags, "--config", CONFIG]) == 2
     err = capsys.readouterr().err
@@ -231,7 +231,7 @@ def test_all_to_all_bytes_follow_the_routed_rows():
 
 
 def _plan_in_process(world_size: int, config: str, *overrides: str) -> dict:
-    from trainer.dry_run.cli import main
+    from moetrain.planner.cli import main
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
@@ -248,9 +248,9 @@ def test_pipeline_stages_with_lora_plan_the_adapters_alone_as_trained():
     in the parameters but neither in the gradients nor in the reduce-scatter."""
     import torch
 
-    from models import get_model_spec
-    from trainer.config import load_config
-    from trainer.loop.peft import apply_lora
+    from moetrain.build.lora import apply_lora
+    from moetrain.config import load_config
+    from moetrain.models import get_model_spec
 
     lora = ["--parallel.pp=2", "--peft.method=lora"]
     plan = _plan_in_process(2, CONFIG, *lora)
@@ -283,13 +283,13 @@ def test_pipeline_stages_with_lora_plan_the_adapters_alone_as_trained():
 
 def test_a_bf16_lora_base_halves_the_frozen_bytes_and_says_so(capsys):
     """peft.base_dtype=bf16: the frozen weights at 2 bytes each, but the routers (fp32 under
-    bf16, trainer.loop.peft.hold_frozen_base); the adapters' state unchanged. One rank: no
+    bf16, moetrain.build.lora.hold_frozen_base); the adapters' state unchanged. One rank: no
     shard padding, so the bytes are the parameters' exactly."""
     import torch
 
-    from models import get_model_spec
-    from parallelisms.plan import match_modules
-    from trainer.config import load_config
+    from moetrain.config import load_config
+    from moetrain.models import get_model_spec
+    from moetrain.parallelisms.plan import match_modules
 
     lora = ["--peft.method=lora"]
     fp32 = _plan_in_process(1, CONFIG, *lora)["per_rank"][0]

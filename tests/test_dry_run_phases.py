@@ -30,7 +30,7 @@ IMPLS = ("foreach", "fused")
 
 def _update(trainer, max_norm: float) -> None:
     """Trainer.optimizer_step's order."""
-    from parallelisms.clip import clip_grads_, grad_norm
+    from moetrain.parallelisms.clip import clip_grads_, grad_norm
 
     clip_grads_(trainer.params, max_norm, grad_norm(trainer.params))
     trainer.optimizer.step()
@@ -41,9 +41,9 @@ def _real_update_bytes(_rank: int, _world_size: int, out: str) -> None:
     clip, optimizer step) once the state exists, on one gloo rank: {optimizer_impl: bytes}."""
     sys.path.insert(0, ROOT)
     from benchmarks.memory import peak_bytes
-    from parallelisms.dims import ParallelDims
-    from trainer.config import load_config
-    from trainer.loop.trainer import Trainer
+    from moetrain.config import load_config
+    from moetrain.loop.trainer import Trainer
+    from moetrain.parallelisms.dims import ParallelDims
 
     measured = {}
     for impl in IMPLS:
@@ -98,9 +98,9 @@ def _traces(_rank: int, _world_size: int, args: list[str], out: str) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainer.config import load_config
-    from trainer.dry_run import footprint, meta_trace
-    from trainer.dry_run.layout_cost import measure_layout
+    from moetrain.config import load_config
+    from moetrain.planner import footprint, meta_trace
+    from moetrain.planner.layout_cost import measure_layout
 
     cfg = load_config(args)
     if dist.is_initialized():  # the harness's gloo group: the planner plays on a fake one
@@ -176,7 +176,7 @@ def test_proxy_peak_within_5_percent_of_its_h100_measurement():
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
         subprocess.run(
-            [sys.executable, "-m", "trainer.dry_run", "--world-size=1", *PROXY,
+            [sys.executable, "-m", "moetrain.planner", "--world-size=1", *PROXY,
              "--parallel.fsdp_gather=micro_batch", "--json", out],
             cwd=ROOT, check=True, capture_output=True, text=True,
         )  # fmt: skip

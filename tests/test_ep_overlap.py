@@ -2,8 +2,8 @@
 
 One 4-rank launch of the tiny DeepSeek-V3 (a shared expert per MoE layer), over gloo,
 whose collectives run on threads of their own, so the overlap is real on CPU too:
-- ep2 x efsdp2 and ep4 over 2 simulated nodes (two-stage dispatch): 3 steps with the
-  combine under the shared experts (`shared`) equal 3 steps without overlap bit for bit.
+- ep2 x efsdp2 and ep4 over 2 simulated nodes (two-stage dispatch): 2 steps with the
+  combine under the shared experts (`shared`) equal 2 steps without overlap bit for bit.
   Only when the transfer is waited for moves; the arithmetic is the same. (Against one
   process, within 1e-5: the EP rows of tests/test_layout_parity.py, which run `shared`
   and `chunks` over 5 steps; `chunks` splits the weight-gradient sums, so it is not
@@ -12,7 +12,7 @@ whose collectives run on threads of their own, so the overlap is real on CPU too
   transfer left in flight is issued before the compute it hides and waited for after it,
   forward and backward, in every MoE layer; with `none`, nothing is left to wait for.
 - DualPipeV (pp2 x ep2, the tiny Qwen3-MoE): its overlapped pairs of a forward and a
-  backward run on two threads (parallelisms/pipeline_overlap.py); 2 steps equal the pairs
+  backward run on two threads (moetrain/parallelisms/pipeline_overlap.py); 2 steps equal the pairs
   run one after the other (`none`) bit for bit, and in a profiled step (every thread's
   events) an all-to-all of each thread runs while the other thread computes.
 """
@@ -89,7 +89,7 @@ def _worker(rank: int, world: int, out_path: str) -> None:
             argv = [*TINY_DSV3, *layout, f"--parallel.ep_overlap={overlap}"]
             _, trainer = build_trainer(argv, world)
             if overlap != "chunks":
-                records = list(stepped_records(trainer, 3))
+                records = list(stepped_records(trainer, 2))
                 results[name, overlap] = [
                     {k: v for k, v in r.items() if k not in MEASURED} for r in records
                 ]

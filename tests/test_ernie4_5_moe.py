@@ -16,16 +16,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from models import HFFormatError, get_model_spec
-from models.common.balance_losses import load_balancing_loss
-from models.common.moe import MoE, MoEOptions
-from models.ernie4_5_moe import hf
-from models.ernie4_5_moe.args import Ernie45MoeArgs
-from models.ernie4_5_moe.model import TiedHeadBias
+from moetrain.config import load_config
+from moetrain.data.packing import document_positions
+from moetrain.hf.weights import load_hf_weights, save_hf_checkpoint
+from moetrain.models import HFFormatError, get_model_spec
+from moetrain.models.common.balance_losses import load_balancing_loss
+from moetrain.models.common.moe import MoE, MoEOptions
+from moetrain.models.ernie4_5_moe import hf
+from moetrain.models.ernie4_5_moe.args import Ernie45MoeArgs
+from moetrain.models.ernie4_5_moe.model import TiedHeadBias
 from tests.distributed import ROOT, run_train
-from trainer.config import load_config
-from trainer.data.packing import document_positions
-from trainer.hf.weights import load_hf_weights, save_hf_checkpoint
 
 SPEC = get_model_spec("ernie4_5_moe")
 BASE = dict(
@@ -171,7 +171,7 @@ def test_logits_and_loss_match_transformers(transformers, case, tmp_path):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_pooled_aux_with_a_correction_bias_is_transformers_value(transformers, case, tmp_path):
     """Hugging Face's aux counts the top-k of the unbiased probabilities, whatever the bias
-    chose; so does ours (models.common.balance_losses), with the case's non-zero bias."""
+    chose; so does ours (moetrain.models.common.balance_losses), with the case's non-zero bias."""
     hf_model = _hf_model(transformers, case)
     biases = [t for n, t in hf_model.named_parameters() if n.endswith("e_score_correction_bias")]
     biases += [t for n, t in hf_model.named_buffers() if n.endswith("e_score_correction_bias")]

@@ -1,6 +1,6 @@
-"""The held-out loss ([eval], trainer/loop/evaluation.py): the same on every layout, free of
-side effects on training, reproduced from a checkpoint by `python -m trainer.evaluate`; and
-`eval.fraction`'s hold-out of whole documents (trainer/data/holdout.py)."""
+"""The held-out loss ([eval], moetrain/loop/evaluation.py): the same on every layout, free of
+side effects on training, reproduced from a checkpoint by `python -m moetrain.evaluate`; and
+`eval.fraction`'s hold-out of whole documents (moetrain/data/holdout.py)."""
 
 from __future__ import annotations
 
@@ -17,19 +17,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import train
-from parallelisms.dims import ParallelDims
+from moetrain import train
+from moetrain.checkpoint.markers import COMPLETE, TRAINER_STATE, find_checkpoint
+from moetrain.config import DataSection, EvalSection, load_config
+from moetrain.data.holdout import held_out
+from moetrain.data.run_data import build_data
+from moetrain.data.tokenizers import ByteTokenizer
+from moetrain.errors import CheckpointError
+from moetrain.evaluate.cli import main as evaluate
+from moetrain.parallelisms.dims import ParallelDims
+from moetrain.prepare.cli import main as prepare
 from tests.distributed import ROOT, run_distributed, run_train
 from tests.parity import TINY, _full
 from tests.test_tokens_source import write_jsonl
-from trainer.checkpoint.markers import COMPLETE, TRAINER_STATE, find_checkpoint
-from trainer.config import DataSection, EvalSection, load_config
-from trainer.data.holdout import held_out
-from trainer.data.run_data import build_data
-from trainer.data.tokenizers import ByteTokenizer
-from trainer.errors import CheckpointError
-from trainer.evaluate.cli import main as evaluate
-from trainer.prepare.cli import main as prepare
 
 # 5 samples: no data-parallel size here divides them (ranks get padding that counts nothing).
 # 0.4: TINY's 60,000 tokens are 9 documents of the stdlib; a tenth holds out none of them.
@@ -37,8 +37,8 @@ EVAL = ["--eval.fraction=0.4", "--eval.samples=5", "--eval.micro_batch_size=2"]
 
 
 def _eval_worker(rank: int, world: int, argv: list[str], out_path: str) -> None:
-    from trainer.loop.setup import preflight
-    from trainer.loop.trainer import Trainer
+    from moetrain.loop.preflight import preflight
+    from moetrain.loop.trainer import Trainer
 
     cfg = load_config(argv)
     p = cfg.parallel
@@ -59,7 +59,7 @@ EVAL_LAYOUTS = {
     "ep2": (2, ["--parallel.ep=2"]),
     "cp2": (2, ["--parallel.cp=2"]),
     "cp2_ep2": (2, ["--parallel.cp=2", "--parallel.ep=2"]),
-    # forward only through pipeline stages (parallelisms/pipeline_forward.py)
+    # forward only through pipeline stages (moetrain/parallelisms/pipeline_forward.py)
     "pp2_cp2_ep2": (4, ["--parallel.pp=2", "--parallel.cp=2", "--parallel.ep=2"]),
 }
 
@@ -89,8 +89,8 @@ def test_the_eval_loss_is_the_same_on_every_layout(eval_losses, name):
 def _interleaved_worker(rank: int, world: int, argv: list[str], out_path: str) -> None:
     """Two trainers on the same ranks, one evaluating after every step: the training must
     not see it (losses, grad norms and every parameter bit for bit)."""
-    from trainer.loop.setup import preflight
-    from trainer.loop.trainer import Trainer
+    from moetrain.loop.preflight import preflight
+    from moetrain.loop.trainer import Trainer
 
     cfg = load_config(argv)
     p = cfg.parallel
@@ -106,7 +106,8 @@ def _interleaved_worker(rank: int, world: int, argv: list[str], out_path: str) -
                 trainer.evaluate()
             records.append((record["loss"], record["grad_norm"], record.get("a2a_bytes")))
         params = {n: _full(q) for n, q in trainer.model.named_parameters()}
-        runs.append((records, params, trainer.sampler.state_at(trainer.state.consumed_samples)))
+        position = trainer.batches.order.sampler.state_at(trainer.state.consumed_samples)
+        runs.append((records, params, position))
     if rank == 0:
         torch.save(runs, out_path)
     dist.barrier()
@@ -161,7 +162,7 @@ def test_trainer_evaluate_gives_the_loss_the_run_logged(tmp_path, capsys, monkey
             "torch.distributed.run",
             "--nproc_per_node=2",
             "-m",
-            "trainer.evaluate",
+            "moetrain.evaluate",
             *argv,
             "--parallel.ep=2",
             "--checkpoint",
@@ -194,7 +195,7 @@ def test_trainer_evaluate_gives_the_loss_the_run_logged(tmp_path, capsys, monkey
     assert "--checkpoint.resume" not in err
 
 
-# --- what `python -m trainer.evaluate` is given ----------------------------------------------
+# --- what `python -m moetrain.evaluate` is given ----------------------------------------------
 
 
 def _fake_checkpoint(root: Path, step: int, committed_at: float) -> Path:
@@ -266,7 +267,7 @@ def test_evaluate_under_torchrun_refuses_once_and_not_for_the_training_batch(tmp
     argv = [*TINY, "--train.global_batch_size=2", f"--eval.path={tmp_path / 'none'}"]
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "-m", "trainer.evaluate", *argv, "--checkpoint", str(tmp_path / "job")],
+         "-m", "moetrain.evaluate", *argv, "--checkpoint", str(tmp_path / "job")],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )  # fmt: skip
@@ -336,7 +337,7 @@ def test_bad_held_out_data_is_refused(tmp_path, capsys, monkeypatch):
     assert "eval.path and eval.fraction are all held-out data" in capsys.readouterr().err
     assert train.main([*TINY, f"--eval.path={tmp_path / 'none'}"]) == 2
     err = capsys.readouterr().err
-    assert f"eval.path='{tmp_path / 'none'}' does not exist" in err and "trainer.prepare" in err
+    assert f"eval.path='{tmp_path / 'none'}' does not exist" in err and "moetrain.prepare" in err
     argv = [*TINY, "--eval.fraction=0.5", "--eval.samples=100000", "--train.steps=1"]
     assert train.main([*argv, f"--job.output_dir={tmp_path / 'run'}"]) == 2
     assert "fewer than the 100000 eval.samples" in capsys.readouterr().err

@@ -7,14 +7,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from models import get_model_spec
-from models.common.moe import MoE, TopKRouter
-from parallelisms.dims import LayoutError, ParallelDims
-from parallelisms.expert_parallel import apply_expert_parallel
-from parallelisms.parallelize import check_layout
-from parallelisms.plan import PlanError, match_modules
+from moetrain.config import load_config
+from moetrain.models import get_model_spec
+from moetrain.models.common.moe import MoE, TopKRouter
+from moetrain.parallelisms.dims import LayoutError, ParallelDims
+from moetrain.parallelisms.expert_parallel import apply_expert_parallel
+from moetrain.parallelisms.parallelize import check_layout
+from moetrain.parallelisms.plan import PlanError, match_modules
 from tests.distributed import run_distributed
-from trainer.config import load_config
 
 HIDDEN, TOKENS, TOP_K, EXPERTS = 16, 12, 2, 4
 
@@ -96,7 +96,7 @@ def test_dispatch_matches_unsharded_layer_and_moves_minimum_bytes(kind, tmp_path
 
 
 def _prefetch_worker(rank: int, world: int, out_path: str) -> None:
-    from trainer.loop.trainer import Trainer
+    from moetrain.loop.trainer import Trainer
 
     cfg = load_config(["--config=configs/debug_qwen3_moe.toml", "--parallel.ep=2"])
     dims = ParallelDims.resolve(1, -1, 1, 2, world)
@@ -199,7 +199,7 @@ def test_a_plan_without_the_moe_seams_is_refused_on_every_layout(field):
 
 
 def test_layout_refusal_through_train_py(monkeypatch, capsys):
-    import train
+    from moetrain import train
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.delenv("RANK", raising=False)
@@ -210,8 +210,8 @@ def test_layout_refusal_through_train_py(monkeypatch, capsys):
 def _hf_load_worker(rank: int, world: int, hf_dir: str, out_path: str, layout: str) -> None:
     from torch.distributed.tensor import DTensor
 
-    from trainer.hf.weights import load_hf_weights
-    from trainer.loop.trainer import Trainer
+    from moetrain.hf.weights import load_hf_weights
+    from moetrain.loop.trainer import Trainer
 
     argv = ["--config=configs/debug_qwen3_moe.toml", layout, f"--model.init_from_hf={hf_dir}"]
     cfg = load_config(argv)
@@ -235,7 +235,7 @@ def _hf_load_worker(rank: int, world: int, hf_dir: str, out_path: str, layout: s
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["--parallel.ep=2", "--parallel.pp=2"], ids=["ep2", "pp2"])
 def test_init_from_hf_reads_only_the_local_part_on_each_rank(layout, tmp_path):
-    from trainer.hf.weights import save_hf_checkpoint
+    from moetrain.hf.weights import save_hf_checkpoint
 
     args = load_config(["--config=configs/debug_qwen3_moe.toml"]).model.args
     spec = get_model_spec("qwen3_moe")

@@ -19,12 +19,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from models import get_model_spec
-from models.common.init import init_all_
+from moetrain.build.lora import apply_lora, init_adapters
+from moetrain.checkpoint.markers import COMPLETE, TRAINER_STATE
+from moetrain.config import config_to_dict, load_config
+from moetrain.models import get_model_spec
+from moetrain.models.common.weight_init import init_all_
 from tests.distributed import ROOT
-from trainer.checkpoint.markers import COMPLETE, TRAINER_STATE
-from trainer.config import config_to_dict, load_config
-from trainer.loop.peft import apply_lora, init_adapters
 
 SHARD_MB = 4
 
@@ -49,7 +49,7 @@ def model_argv(layers: int) -> list[str]:
 # sampled from /proc every millisecond (ru_maxrss would report the import's own peak).
 MEASURE = """
 import json, os, sys, threading, time
-import trainer.hf.export
+import moetrain.export.cli
 page = os.sysconf("SC_PAGE_SIZE")
 def rss():
     with open("/proc/self/statm") as f:
@@ -61,7 +61,7 @@ def sample():
         time.sleep(0.001)
 thread = threading.Thread(target=sample)
 thread.start()
-code = trainer.hf.export.main(sys.argv[1:])
+code = moetrain.export.cli.main(sys.argv[1:])
 done.set()
 thread.join()
 print(json.dumps({"code": code, "growth_mb": (max(peak[0], rss()) - base) / 2**20}))
@@ -138,7 +138,7 @@ def _files(directory) -> dict[str, bytes]:
 def test_an_export_replaces_an_earlier_one_whole_or_not_at_all(tmp_path, capsys):
     """Fast half of the export-into-a-used-directory check (the slow half, through train.py
     with transformers loading each export: test_lora.py's adapter export)."""
-    from trainer.hf.export import main
+    from moetrain.export.cli import main
 
     _, _, ckpt, _ = _checkpoint(tmp_path, ["--config=configs/debug_qwen3_moe.toml"], "run")
     out = tmp_path / "hf"
@@ -187,9 +187,9 @@ def test_adapters_export_in_their_trained_dtype_and_merged_weights_in_bf16(
     trained adapters (that test checks the two agree within 1e-4, on the defaults)."""
     from safetensors.torch import load_file
 
-    from trainer.hf.export import main
-    from trainer.hf.peft_export import PREFIX
-    from trainer.hf.peft_format import WEIGHTS, peft_layout
+    from moetrain.export.adapters import PREFIX
+    from moetrain.export.cli import main
+    from moetrain.hf.peft_format import WEIGHTS, peft_layout
 
     cfg, model, ckpt = lora_job
     layout = peft_layout(model, get_model_spec(cfg.model.name).hf_adapter, cfg.model.args)
@@ -219,9 +219,9 @@ def test_adapters_export_in_their_trained_dtype_and_merged_weights_in_bf16(
 def test_a_job_directory_means_its_newest_checkpoint_and_anything_else_is_refused(
     lora_job, tmp_path, capsys
 ):
-    """As trainer.generate and trainer.evaluate read it (find_checkpoint); it was taken for
+    """As moetrain.generate and moetrain.evaluate read it (find_checkpoint); it was taken for
     a damaged checkpoint ("COMPLETE is missing ... --checkpoint.resume=none")."""
-    from trainer.hf.export import main
+    from moetrain.export.cli import main
 
     job = tmp_path / "job"
     shutil.copytree(lora_job[2].parent.parent, job)
@@ -252,7 +252,7 @@ def test_a_shard_size_that_is_not_positive_is_refused_before_anything_is_read(
     value, tmp_path, capsys
 ):
     """0 and -1 wrote one file per tensor. A missing checkpoint: the flag is judged first."""
-    from trainer.hf.export import main
+    from moetrain.export.cli import main
 
     argv = ["--checkpoint", str(tmp_path / "missing"), "--out", str(tmp_path / "hf")]
     assert main([*argv, f"--max-shard-gb={value}"]) == 2
@@ -268,7 +268,7 @@ def test_a_shard_size_that_is_not_positive_is_refused_before_anything_is_read(
 def test_an_export_killed_midway_leaves_the_earlier_one_and_a_rerun_succeeds(lora_job, tmp_path):
     """SIGKILL as the first of a sharded export's 21 files appears (~0.8 s before it
     would finish): no cleanup runs, and the earlier export stays byte for byte."""
-    from trainer.hf.export import main
+    from moetrain.export.cli import main
 
     ckpt = lora_job[2]
     out = tmp_path / "hf"
@@ -279,7 +279,7 @@ def test_an_export_killed_midway_leaves_the_earlier_one_and_a_rerun_succeeds(lor
     assert main(["--checkpoint", str(ckpt), "--out", str(out)]) == 0  # one file
     earlier = _files(out)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.hf.export", *sharded(out)], cwd=ROOT,
+        [sys.executable, "-m", "moetrain.export", *sharded(out)], cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"),
     )  # fmt: skip
     # Where the first file appears (the staging directory; `out` itself would fail the test).

@@ -11,15 +11,15 @@ import json
 import pytest
 import torch
 
+from moetrain.checkpoint.markers import TRAINER_STATE
+from moetrain.checkpoint.tokenizer_record import tokenizer_record
+from moetrain.config import load_config
+from moetrain.errors import DataError
+from moetrain.export.cli import main as export
+from moetrain.hf.stop_tokens import template_stop_ids
+from moetrain.prepare.cli import main as prepare
 from tests.chat_model import CHAT_DATA, CHATML, save_chat_tokenizer
 from tests.test_export import _checkpoint
-from trainer.checkpoint.markers import TRAINER_STATE
-from trainer.config import load_config
-from trainer.errors import DataError
-from trainer.hf.export import main as export
-from trainer.hf.stop_tokens import template_stop_ids
-from trainer.loop.tokenizer_record import tokenizer_record
-from trainer.prepare.cli import main as prepare
 
 transformers = pytest.importorskip("transformers")
 
@@ -90,8 +90,8 @@ def test_the_export_carries_the_tokenizer_template_and_stop_tokens(run, tmp_path
     assert model.generation_config.eos_token_id == [0, 2]
     model.generate(**inputs, do_sample=False, max_new_tokens=4)
 
-    # trainer.generate on the checkpoint (its record) and on the export: the same tokens.
-    from trainer.generate.cli import main as generate
+    # moetrain.generate on the checkpoint (its record) and on the export: the same tokens.
+    from moetrain.generate.cli import main as generate
 
     answers = []
     for source in (ckpt, out):

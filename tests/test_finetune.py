@@ -14,7 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import train
+from moetrain import train
+from moetrain.data.batch import IGNORE_INDEX
+from moetrain.data.conversations import PackedConversations, check_some_fit
+from moetrain.data.prepared import PreparedCorpus
+from moetrain.prepare.cli import main as prepare
+from moetrain.prepare.instructions import chat_tokenizer, render_chat
 from tests.chat_model import (
     CHAT_DATA,
     SPECIALS,
@@ -23,11 +28,6 @@ from tests.chat_model import (
     save_chat_tokenizer,
 )
 from tests.distributed import ROOT, run_train
-from trainer.data.batch import IGNORE_INDEX
-from trainer.data.conversations import PackedConversations, check_some_fit
-from trainer.data.prepared import PreparedCorpus
-from trainer.prepare.cli import main as prepare
-from trainer.prepare.instructions import chat_tokenizer, render_chat
 
 transformers = pytest.importorskip("transformers")
 
@@ -256,7 +256,7 @@ def test_every_layout_gives_the_same_masked_losses(chat_model, prepared, tmp_pat
 def test_from_hugging_face_weights_to_an_export_transformers_reloads(chat_model, tmp_path, capsys):
     """LoRA (adapters saved alone) on chat data from HF weights; the merged export holds the
     run's held-out loss, its tokenizer and template, and generation stops on the template's
-    stop tokens; trainer.generate on the checkpoint is transformers' greedy on the export."""
+    stop tokens; moetrain.generate on the checkpoint is transformers' greedy on the export."""
     held = conversations()[-4:]
     train_file, held_file = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     train_file.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations()[:-4]))
@@ -291,7 +291,7 @@ def test_from_hugging_face_weights_to_an_export_transformers_reloads(chat_model,
     export = tmp_path / "export"
     step = out / "checkpoints" / "step-4"
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.hf.export", "--checkpoint", str(step),
+        [sys.executable, "-m", "moetrain.export", "--checkpoint", str(step),
          "--out", str(export), "--dtype", "fp32"],
         cwd=ROOT, check=True, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -312,8 +312,8 @@ def test_from_hugging_face_weights_to_an_export_transformers_reloads(chat_model,
     assert ours == pytest.approx(total / count, rel=1e-4)
 
     # transformers with the export's own tokenizer, template and stop tokens, against
-    # trainer.generate on the checkpoint: the same greedy tokens.
-    from trainer.generate.cli import main as generate
+    # moetrain.generate on the checkpoint: the same greedy tokens.
+    from moetrain.generate.cli import main as generate
 
     exported = transformers.AutoTokenizer.from_pretrained(export)
     assert exported.chat_template == template.read_text()
@@ -336,10 +336,10 @@ def test_from_hugging_face_weights_to_an_export_transformers_reloads(chat_model,
 def test_a_global_batch_without_a_masked_in_token_has_no_nan():
     import torch.distributed as dist
 
-    from models import get_model_spec
-    from parallelisms.dims import ParallelDims
-    from trainer.data.batch import Batch
-    from trainer.loop.losses import BalanceTerms, StepLoss
+    from moetrain.data.batch import Batch
+    from moetrain.loop.losses import BalanceTerms, LossScope, StepLoss
+    from moetrain.models import get_model_spec
+    from moetrain.parallelisms.dims import ParallelDims
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -359,7 +359,7 @@ def test_a_global_batch_without_a_masked_in_token_has_no_nan():
         )
         dims = ParallelDims.resolve(1, -1, 1, 1, 1)
         terms = spec.loss_terms(args)
-        step = StepLoss(terms, BalanceTerms(), dims, None, 2, 1, torch.device("cpu"))
+        step = StepLoss(terms, BalanceTerms(), LossScope(dims, None, 2, 1, torch.device("cpu")))
         step.begin([batch])
         loss = step(model(batch.input_ids, batch.position_ids), batch)
         loss.backward()

@@ -1,4 +1,4 @@
-"""FlexAttention's tile tables, built from a block's rule (models/common/flex.py): every
+"""FlexAttention's tile tables, built from a block's rule (moetrain/models/common/flex.py): every
 (q tile, k tile) holding a visible pair is listed, and a tile is called full only when
 every pair in it is visible; on the ring's zigzag blocks, with documents, windows and
 none, causal or not. (The kernel itself needs CUDA: tests/test_gpu.py.)"""
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.common.flex import TILE, _sparse_tiles
-from models.common.visibility import Visibility
-from parallelisms.attention_kernels import KERNELS
-from parallelisms.cp_schedule import local_positions, split_for_cp
+from moetrain.models.common.flex import TILE, _sparse_tiles
+from moetrain.models.common.visibility import Visibility
+from moetrain.parallelisms.attention_kernels import KERNELS
+from moetrain.parallelisms.cp_schedule import local_positions, split_for_cp
 
 
 def _documents(b: int, s: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Where a LoRA run's frozen base came from (`trainer.loop.frozen_base`): the content
+"""Where a LoRA run's frozen base came from (`moetrain.checkpoint.frozen_base`): the content
 fingerprint of a Hugging Face directory, whole and sampled, the record of checkpoints from
 before it existed, and the refusals when the base is gone or changed. (Through train.py:
 tests/test_stages.py's LoRA stage, tests/test_lora.py's changed Hugging Face base.)"""
@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import trainer.loop.frozen_base as frozen_base
-from trainer.errors import CheckpointError
-from trainer.loop.frozen_base import check_base, hf_fingerprint, recorded_base
+import moetrain.checkpoint.frozen_base as frozen_base
+from moetrain.checkpoint.frozen_base import check_base, hf_fingerprint, recorded_base
+from moetrain.errors import CheckpointError
 
 
 def _weights(directory, scale: float = 1.0, rows: int = 64) -> None:

@@ -156,7 +156,7 @@ def test_one_rank_auto_accumulates_as_the_single_process_reference_does():
 
 
 def test_auto_gathers_once_per_step_where_fsdp_has_one_rank_only():
-    from parallelisms.dims import ParallelDims
+    from moetrain.parallelisms.dims import ParallelDims
 
     one = ParallelDims.resolve(1, -1, 1, 1, 1)
     assert one.fsdp_gather("auto") == "step"

@@ -1,4 +1,4 @@
-"""`python -m trainer.generate` against transformers' own decoding, on a tiny Hugging Face
+"""`python -m moetrain.generate` against transformers' own decoding, on a tiny Hugging Face
 Qwen3-MoE with a chat tokenizer made in-process: the same greedy tokens on 3 prompts, the
 same stop, and a --prompts file decoded in left-padded batches, every answer transformers'
 greedy one and the full-forward decoder's. Its refusals: tests/test_generate_refusals.py;
@@ -12,11 +12,11 @@ import json
 import pytest
 import torch
 
+from moetrain.generate.batched import generate_batch
+from moetrain.generate.cli import main
+from moetrain.generate.decode import Sampling, generate_uncached
+from moetrain.generate.load import load_model, load_tokenizer
 from tests.chat_model import save_chat_model
-from trainer.generate.batched import generate_batch
-from trainer.generate.cli import main
-from trainer.generate.decode import Sampling, generate_uncached
-from trainer.generate.load import load_model, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -160,7 +160,7 @@ def test_a_failure_leaves_the_finished_answers_in_the_partial_file(
 ):
     """Decoding fails in the second batch: --out is not written (nothing looks complete),
     and the first batch's answer is in FILE.partial, which the message names."""
-    from trainer.generate import batched
+    from moetrain.generate import batched
 
     calls = []
 

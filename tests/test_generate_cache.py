@@ -1,5 +1,5 @@
-"""Generation's KV cache (trainer/generate/kv_cache.py, batched.py) on tiny random models of
-three attention kinds, each saved by transformers and loaded as `python -m trainer.generate`
+"""Generation's KV cache (moetrain/generate/kv_cache.py, batched.py) on tiny random models of
+three attention kinds, each saved by transformers and loaded as `python -m moetrain.generate`
 loads an export: Qwen3-MoE (GQA, YaRN), DeepSeek-V3 (MLA; also built with an MTP module)
 and GPT-OSS (sliding windows shorter than the prompts, large sinks). A left-padded batch of
 prompts of different lengths, decoded with the cache, against the full-forward decoder of
@@ -13,14 +13,14 @@ import dataclasses
 import pytest
 import torch
 
-from models import get_model_spec
-from models.common.attention import AttentionCore
+from moetrain.generate import batched
+from moetrain.generate.batched import generate_batch, left_padded
+from moetrain.generate.decode import generate_uncached
+from moetrain.generate.kv_cache import cached_attention
+from moetrain.generate.load import load_model
+from moetrain.models import get_model_spec
+from moetrain.models.common.attention import AttentionCore
 from tests import test_deepseek_v3_hf, test_gpt_oss, test_hf_parity
-from trainer.generate import batched
-from trainer.generate.batched import generate_batch, left_padded
-from trainer.generate.decode import generate_uncached
-from trainer.generate.kv_cache import cached_attention
-from trainer.generate.load import load_model
 
 transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 

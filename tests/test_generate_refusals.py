@@ -1,4 +1,4 @@
-"""`python -m trainer.generate`'s refusals: exit status 2 and one message naming the flag or
+"""`python -m moetrain.generate`'s refusals: exit status 2 and one message naming the flag or
 file (and line) and the fix, before any model loads. Bad prompt files are refused with an
 empty directory as --checkpoint: they are read before the checkpoint is even resolved."""
 
@@ -10,9 +10,9 @@ import shutil
 import pytest
 import torch
 
+from moetrain.checkpoint.markers import COMPLETE, METADATA, TRAINER_STATE
+from moetrain.generate.cli import main
 from tests.chat_model import save_chat_model
-from trainer.checkpoint.markers import COMPLETE, METADATA, TRAINER_STATE
-from trainer.generate.cli import main
 
 pytest.importorskip("transformers")
 
@@ -169,4 +169,4 @@ def test_a_checkpoint_without_a_tokenizer_record_is_refused(tmp_path, capsys):
     (step / COMPLETE).write_text(json.dumps({"step": 1, "committed_at": 0.0}))
     err = _refused(["--checkpoint", str(tmp_path), "--prompt", "x"], capsys)
     assert f"{step} records no tokenizer" in err, err
-    assert "export it (python -m trainer.hf.export), copy the tokenizer files" in err
+    assert "export it (python -m moetrain.export), copy the tokenizer files" in err

@@ -13,14 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models import HFFormatError, get_model_spec
-from models.common.moe import MoEOptions
-from models.glm4_moe import hf
-from models.glm4_moe.args import Glm4MoeArgs
+from moetrain.config import load_config
+from moetrain.data.packing import document_positions
+from moetrain.hf.weights import load_hf_weights, save_hf_checkpoint
+from moetrain.models import HFFormatError, get_model_spec
+from moetrain.models.common.moe import MoEOptions
+from moetrain.models.glm4_moe import hf
+from moetrain.models.glm4_moe.args import Glm4MoeArgs
 from tests.distributed import ROOT, run_train
-from trainer.config import load_config
-from trainer.data.packing import document_positions
-from trainer.hf.weights import load_hf_weights, save_hf_checkpoint
 
 SPEC = get_model_spec("glm4_moe")
 BASE = dict(

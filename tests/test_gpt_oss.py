@@ -10,14 +10,14 @@ import json
 import pytest
 import torch
 
-from models import HFFormatError, get_model_spec
-from models.common.balance_losses import load_balancing_loss
-from models.common.moe import MoEOptions
-from models.gpt_oss import hf
-from models.gpt_oss.args import GptOssArgs
+from moetrain.data.packing import document_positions
+from moetrain.hf.weights import load_hf_weights, save_hf_checkpoint
+from moetrain.models import HFFormatError, get_model_spec
+from moetrain.models.common.balance_losses import load_balancing_loss
+from moetrain.models.common.moe import MoEOptions
+from moetrain.models.gpt_oss import hf
+from moetrain.models.gpt_oss.args import GptOssArgs
 from tests.distributed import ROOT, run_train
-from trainer.data.packing import document_positions
-from trainer.hf.weights import load_hf_weights, save_hf_checkpoint
 
 SPEC = get_model_spec("gpt_oss")
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,

@@ -21,12 +21,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.common.attention import AttentionCore
-from models.common.visibility import Visibility
-from parallelisms.attention_kernels import KERNELS
-from parallelisms.cp_schedule import local_positions, split_for_cp
-from parallelisms.ring_messages import RingStats, merge
-from parallelisms.ring_steps import Ring, mask_ids, sink_lse, step_blocks
+from moetrain.models.common.attention import AttentionCore
+from moetrain.models.common.visibility import Visibility
+from moetrain.parallelisms.attention_kernels import KERNELS
+from moetrain.parallelisms.cp_schedule import local_positions, split_for_cp
+from moetrain.parallelisms.ring_messages import RingStats, merge
+from moetrain.parallelisms.ring_steps import Ring, mask_ids, sink_lse, step_blocks
 
 pytestmark = [
     pytest.mark.gpu,

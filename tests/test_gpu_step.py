@@ -14,12 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallelisms.dims import ParallelDims
+from moetrain.build.distributed import init_distributed
+from moetrain.config import load_config
+from moetrain.loop.preflight import preflight
+from moetrain.loop.trainer import Trainer
+from moetrain.parallelisms.dims import ParallelDims
 from tests.parity import TINY, _full
 from tests.test_guard import _guard_worker, check_skip_changed_nothing
-from trainer.config import load_config
-from trainer.loop.setup import init_distributed, preflight
-from trainer.loop.trainer import Trainer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,7 +43,7 @@ def test_a_cuda_step_syncs_nothing_and_its_skip_changes_nothing(precision, tmp_p
     # Scatter-adds by atomics make CUDA's backward differ from run to run by rounding. In
     # fp32 the experts' GEMMs take the loop fallback (torch's grouped GEMM is bf16 only on
     # CUDA), which reads the tokens per expert: an allowed read.
-    fallback = "models/common/moe.py" if precision == "fp32" else None
+    fallback = "moetrain/models/common/moe.py" if precision == "fp32" else None
     out = torch.load(tmp_path / "out.pt")
     check_skip_changed_nothing(out, False, loss_rtol=1e-4, allowed_reads=fallback)
 

@@ -1,4 +1,4 @@
-"""Bad steps are skipped, not applied (trainer/loop/guard.py), on every layout.
+"""Bad steps are skipped, not applied (moetrain/loop/guard.py), on every layout.
 
 A step whose gradients hold a NaN (`debug.inject_nonfinite_step`, a real NaN in a gradient
 shard on every rank) must leave parameters, optimizer state and buffers (the routing bias
@@ -14,14 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import train
-from parallelisms.dims import ParallelDims
+from moetrain import train
+from moetrain.config import load_config, resume_notes
+from moetrain.loop.guard import MIN_SPIKE_HISTORY, StepGuard, likely_cause
+from moetrain.parallelisms.dims import ParallelDims
 from tests.distributed import ROOT, launch_train, read_metrics, run_distributed
 from tests.parity import TINY, TINY_DSV3, _full
 from tests.test_host_reads import HostReads
 from tests.test_mixture import DEBUG, _refused
-from trainer.config import load_config, resume_notes
-from trainer.loop.guard import MIN_SPIKE_HISTORY, StepGuard, likely_cause
 
 # --- the rule itself ----------------------------------------------------------------------
 
@@ -163,8 +163,8 @@ def _snapshot(trainer) -> dict[str, torch.Tensor]:
 
 
 def _guard_worker(rank: int, world: int, argv: list[str], out_path: str) -> None:
-    from trainer.loop.setup import preflight
-    from trainer.loop.trainer import Trainer
+    from moetrain.loop.preflight import preflight
+    from moetrain.loop.trainer import Trainer
 
     def trainer_for(extra: list[str]) -> Trainer:
         cfg = load_config([*argv, *extra])
@@ -174,7 +174,7 @@ def _guard_worker(rank: int, world: int, argv: list[str], out_path: str) -> None
         return Trainer(cfg, dims, corpora)
 
     # A: step INJECT gets a NaN gradient. Each step is queued under a mode that counts the
-    # host reads of tensor values inside it (trainer/loop/step.py: none on the default path).
+    # host reads of tensor values inside it (moetrain/loop/step.py: none on the default path).
     a = trainer_for([f"--debug.inject_nonfinite_step={INJECT}"])
     assert a.optimizer.defaults.get("fused"), "the default path is fused AdamW"
     records, states, reads = [], [_snapshot(a)], []

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 
-from models import get_model_spec  # noqa: E402
-from models.common.balance_losses import load_balancing_loss  # noqa: E402
-from models.common.moe import MoEOptions  # noqa: E402
-from models.qwen3_moe.hf import HFFormatError, args_from_hf_config, load_hf_config  # noqa: E402
-from trainer.hf.weights import load_hf_weights, save_hf_checkpoint  # noqa: E402
+from moetrain.hf.weights import load_hf_weights, save_hf_checkpoint  # noqa: E402
+from moetrain.models import get_model_spec  # noqa: E402
+from moetrain.models.common.balance_losses import load_balancing_loss  # noqa: E402
+from moetrain.models.common.moe import MoEOptions  # noqa: E402
+from moetrain.models.qwen3_moe.hf import HFFormatError, args_from_hf_config, load_hf_config  # noqa: E402
 
 SPEC = get_model_spec("qwen3_moe")
 

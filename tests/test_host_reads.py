@@ -1,4 +1,4 @@
-"""No host read inside a step on the default path (trainer/loop/step.py): from a step's
+"""No host read inside a step on the default path (moetrain/loop/step.py): from a step's
 first forward op until the next step is queued, the host reads nothing the device computes.
 
 Two checks, since on CPU a tensor's `.tolist()` and `.numpy()` read its memory without
@@ -9,7 +9,7 @@ passing through torch's dispatcher:
   it and asserts it saw none;
 - the code of the step path holds no call that reads a tensor into Python (`item`,
   `tolist`, `numpy`, `cpu`), read from its source here. The allowed reads live elsewhere:
-  the expert all-to-all's split sizes (parallelisms/expert_parallel.py), the grouped GEMM's
+  the expert all-to-all's split sizes (moetrain/parallelisms/expert_parallel.py), the grouped GEMM's
   loop fallback, the pipeline schedules.
 """
 
@@ -25,8 +25,9 @@ import warnings
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallelisms import clip
-from trainer.loop import balance, guard, losses, report, run_state, step, trainer
+from moetrain.checkpoint import run_state
+from moetrain.loop import balance, guard, losses, run_report, step, trainer
+from moetrain.parallelisms import clip
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TESTS = os.path.join(_REPO, "tests")
@@ -98,7 +99,7 @@ STEP_PATH = [
     clip.grad_norm,
     clip.clip_grads_,
     balance.BiasUpdate.__call__,
-    report.global_load,
+    run_report.global_load,
 ]
 _READ_CALLS = {"item", "tolist", "numpy", "cpu"}
 

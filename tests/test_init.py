@@ -8,13 +8,13 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models import get_model_spec
-from models.common.init import init_all_, init_tiles
-from parallelisms.dims import ParallelDims
-from parallelisms.init import init_weights_global
+from moetrain.config import load_config
+from moetrain.models import get_model_spec
+from moetrain.models.common.weight_init import init_all_, init_tiles
+from moetrain.parallelisms.dims import ParallelDims
+from moetrain.parallelisms.sharded_init import init_weights_global
 from tests.distributed import run_distributed
 from tests.parity import TINY, TINY_DSV3
-from trainer.config import load_config
 
 TILE = 48  # elements: far below every weight matrix of the tiny models, so all are tiled
 ALLOCATING = {"empty", "empty_strided", "zeros", "ones", "full", "clone", "_to_copy", "cat"}
@@ -47,7 +47,7 @@ def test_tiles_cover_every_element_once_and_stay_within_the_bound(shape, tile):
 
 
 def _worker(rank, world, argv, tile, out_path):
-    from trainer.loop.trainer import Trainer
+    from moetrain.loop.trainer import Trainer
 
     cfg = load_config(argv)
     p = cfg.parallel
@@ -87,7 +87,7 @@ def test_tiled_init_is_layout_independent_and_bounded(argv, world, tmp_path):
 
 def _router_loads(model, ids) -> list[float]:
     """Each MoE layer's busiest expert over the mean, for one forward (ceiling E / k)."""
-    from models.common.moe import TopKRouter
+    from moetrain.models.common.moe import TopKRouter
 
     loads, hooks = [], []
     for m in model.modules():

@@ -1,4 +1,4 @@
-"""One live run per job directory (issue 64, item 12): `trainer.checkpoint.job_lock`.
+"""One live run per job directory (issue 64, item 12): `moetrain.checkpoint.job_lock`.
 
 The refusal of a real second launch beside a live torchrun run is checked in
 tests/test_checkpoint.py (the SIGTERM test's run); here, the lock's own life: held by a live
@@ -12,11 +12,11 @@ import time
 
 import pytest
 
+from moetrain.checkpoint.job_lock import JobLock
+from moetrain.errors import CheckpointError
 from tests.distributed import ROOT
-from trainer.checkpoint.job_lock import JobLock
-from trainer.errors import CheckpointError
 
-HOLD = "from trainer.checkpoint.job_lock import JobLock; import sys, time; "
+HOLD = "from moetrain.checkpoint.job_lock import JobLock; import sys, time; "
 HOLD += "JobLock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)"
 
 

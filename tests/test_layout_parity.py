@@ -16,12 +16,12 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from models import get_model_spec
-from models.common.lora import is_adapter
+from moetrain.config import load_config
+from moetrain.config.checks import ZBV_EXACT_FROM, torch_release
+from moetrain.models import get_model_spec
+from moetrain.models.common.lora import is_adapter
 from tests.distributed import run_distributed
 from tests.parity import TINY, TINY_DSV3, assert_same_training, layout_worker, reference_run
-from trainer.config import load_config
-from trainer.config.checks import ZBV_EXACT_FROM, torch_release
 
 
 class Layout(NamedTuple):
@@ -95,7 +95,7 @@ LAYOUTS = {
     # ... with the global-batch aux loss (counts over the stage's ranks), the z-loss, and a
     # tied head: the first and the last stage, each with the embedding, on one rank.
     # ... with `selective` recomputation: the input pass rebuilds the attention's inputs,
-    # the weight pass the projections' inputs (models/common/recompute.py).
+    # the weight pass the projections' inputs (moetrain/models/common/recompute.py).
     "pp2_zbv_dp2_ep2_global_aux_z_tied_selective": Layout(
         TINY, 4, [PP2, ZBV, EP2, L4, GLOBAL_AUX, Z_LOSS, TIED, AC], 2
     ),
@@ -106,7 +106,7 @@ LAYOUTS = {
     # ... with LoRA: a frozen embedding, yet the stages pass gradients back.
     "pp2_dualpipev_lora": Layout(TINY, 2, [PP2, DUALPIPEV, L4, *LORA], 1, steps=5),
     # ... with EP: each overlapped pair of a forward and a backward runs on two threads,
-    # their all-to-alls taking turns (parallelisms/pipeline_overlap.py).
+    # their all-to-alls taking turns (moetrain/parallelisms/pipeline_overlap.py).
     # ... with `selective` recomputation, rebuilt on the backward's thread.
     "pp2_dualpipev_ep2_overlap_selective": Layout(
         TINY, 4, [PP2, DUALPIPEV, EP2, L4, "--train.micro_batch_size=1", AC], 2
@@ -138,7 +138,7 @@ def test_layout_matches_single_process(name, tmp_path):
     if any(a.startswith("--parallel.ep=") for a in case.layout):
         # Flat: each remote assignment crosses once out (dispatch) and once back (combine),
         # in forward and in backward; summed over the ranks that send them. Across nodes:
-        # each (token, remote node) pair instead (parallelisms/node_dispatch.py).
+        # each (token, remote node) pair instead (moetrain/parallelisms/node_dispatch.py).
         key = "a2a_internode" if nodes else "a2a"
         for step in range(len(out["records"])):
             sent = sum(rank[step][f"{key}_bytes"] for rank in out["per_rank"])

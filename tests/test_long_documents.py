@@ -1,5 +1,5 @@
-"""Long documents in `python -m trainer.prepare` (trainer/prepare/long_docs.py,
-trainer/data/long_lines.py): streamed and tokenized in pieces, with the ids, the shards and
+"""Long documents in `python -m moetrain.prepare` (moetrain/prepare/long_docs.py,
+moetrain/data/long_lines.py): streamed and tokenized in pieces, with the ids, the shards and
 the refusals of the whole-document path, and a worker's memory flat in the document's length.
 Thresholds are lowered so that small files take the long path."""
 
@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moetrain.data import long_lines, reader
+from moetrain.data.reader import COMMAND_LINE, TextStream
+from moetrain.data.shards import ShardedTokens, read_manifest
+from moetrain.errors import DataError
+from moetrain.prepare import long_docs
+from moetrain.prepare.cli import main
 from tests.test_prepare import ROOT, all_files, in_memory, refuse
-from trainer.data import long_lines, reader
-from trainer.data.reader import COMMAND_LINE, TextStream
-from trainer.data.shards import ShardedTokens, read_manifest
-from trainer.errors import DataError
-from trainer.prepare import long_docs
-from trainer.prepare.cli import main
 
 # Every kind of boundary the pre-tokenizers treat apart, and what must not be cut through.
 PARTS = ["word", "Cat", " ", " ", " ", "\n", "\n\n", "\n\n\n", "\r\n", "\r", "\t", "   ",
@@ -244,7 +244,7 @@ def test_streamed_text_file_is_read_text(small, tmp_path):
     assert reader.text_document(str(path), len(body)) == reader.read_text(path)
 
 
-# --- through `python -m trainer.prepare` -----------------------------------------------------
+# --- through `python -m moetrain.prepare` -----------------------------------------------------
 
 
 def tokens_of(out: Path) -> np.ndarray:
@@ -368,7 +368,7 @@ def test_a_workers_memory_stays_flat_on_a_long_line(tmp_path):
     with open(tmp_path / "c.jsonl", "w") as f:  # units: short lines, the long line, short
         f.write(short + json.dumps({"text": text(3_500_000)}) + "\n" + short)
     assert (tmp_path / "c.jsonl").stat().st_size > 24e6
-    cmd = [sys.executable, "-m", "trainer.prepare", "--source", "jsonl", "--path",
+    cmd = [sys.executable, "-m", "moetrain.prepare", "--source", "jsonl", "--path",
            str(tmp_path / "c.jsonl"), "--tokenizer", str(tmp_path / "tokenizer.json"),
            "--out", str(tmp_path / "out"), "--workers", "2", "--shard-mb", "1"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

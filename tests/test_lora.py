@@ -15,14 +15,14 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-import train
-from models import get_model_spec
-from models.common.lora import adapted_weights, is_adapter, merged
+from moetrain import train
+from moetrain.build.lora import apply_lora, init_adapters
+from moetrain.checkpoint.initial_adapters import load_peft_adapters
+from moetrain.config import ConfigError, load_config
+from moetrain.config.moe_peft import PeftSection
+from moetrain.models import get_model_spec
+from moetrain.models.common.lora import adapted_weights, is_adapter, merged
 from tests.distributed import ROOT, run_train
-from trainer.config import ConfigError, load_config
-from trainer.config.moe_peft import PeftSection
-from trainer.loop.peft import apply_lora, init_adapters
-from trainer.loop.peft_init import load_peft_adapters
 
 ALL = '--peft.targets=["attention", "experts", "shared_experts"]'
 
@@ -97,7 +97,7 @@ def test_targets_the_model_lacks_are_refused_before_launch(extra, expected, caps
 
 
 def test_expert_parallelism_over_a_configuration_without_experts_names_the_key(monkeypatch, capsys):
-    from trainer.dry_run.cli import main
+    from moetrain.planner.cli import main
 
     monkeypatch.chdir(ROOT)
     assert main(["--world-size", "2", *QWEN2_DENSE, "--parallel.ep=2"]) == 2
@@ -156,7 +156,7 @@ LORA_RUN = [
 @pytest.mark.slow
 def test_resume_is_exact_and_the_merged_export_reloads_with_the_adapted_logits(tmp_path):
     transformers = pytest.importorskip("transformers", reason="needs the [hf] extra")
-    from trainer.hf.export import load_checkpoint_model
+    from moetrain.checkpoint.whole_model import load_checkpoint_model
 
     straight = run_train(LORA_RUN, tmp_path / "straight", nproc=2)
     resumed_dir = tmp_path / "resumed" / "checkpoints"
@@ -174,12 +174,12 @@ def test_resume_is_exact_and_the_merged_export_reloads_with_the_adapted_logits(t
     state = [k.split(".", 2)[-1].rsplit(".", 1)[0] for k in saved if k.startswith("optim.state.")]
     assert state and all(is_adapter(k) for k in state)
     out = tmp_path / "hf"
-    cmd = [sys.executable, "-m", "trainer.hf.export", "--checkpoint", str(step), "--out",
+    cmd = [sys.executable, "-m", "moetrain.export", "--checkpoint", str(step), "--out",
            str(out), "--dtype", "fp32"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     # Read with other adapters than it was trained with: refused, naming the key.
-    cmd = [sys.executable, "-m", "trainer.evaluate", "--config=configs/debug_qwen3_moe.toml",
+    cmd = [sys.executable, "-m", "moetrain.evaluate", "--config=configs/debug_qwen3_moe.toml",
            "--checkpoint", str(step), "--data.max_tokens=200000", "--eval.fraction=0.05",
            "--eval.samples=16"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -201,7 +201,7 @@ def test_resume_is_exact_and_the_merged_export_reloads_with_the_adapted_logits(t
 
 def _export(step, out, *extra: str) -> str:
     """The real CLI; returns what it printed."""
-    cmd = [sys.executable, "-m", "trainer.hf.export", "--checkpoint", str(step), "--out",
+    cmd = [sys.executable, "-m", "moetrain.export", "--checkpoint", str(step), "--out",
            str(out), *extra]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -214,8 +214,8 @@ def test_the_adapter_export_is_what_peft_loads_and_a_later_export_replaces_it(
 ):
     transformers = pytest.importorskip("transformers", reason="needs the [hf] extra")
     peft = pytest.importorskip("peft", reason="needs the [hf] extra (peft)")
+    from moetrain.checkpoint.whole_model import load_checkpoint_model
     from tests.chat_model import save_chat_model
-    from trainer.hf.export import load_checkpoint_model
 
     base_dir = tmp_path / "base"
     save_chat_model(base_dir)  # a tiny Qwen3-MoE in Hugging Face's format
@@ -310,7 +310,7 @@ def test_the_adapter_export_is_what_peft_loads_and_a_later_export_replaces_it(
     # Other weights at the base's path: the adapters would apply to another model, so a
     # resume, an evaluation and the export refuse, naming the path (its content fingerprint).
     save_chat_model(base_dir, seed=1)
-    from trainer.hf.export import main as export
+    from moetrain.export.cli import main as export
 
     cmd = ["--checkpoint", str(step), "--out", str(tmp_path / "merged")]
     assert export(cmd) == 2

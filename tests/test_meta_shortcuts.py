@@ -1,4 +1,4 @@
-"""The planner's meta shortcuts (`trainer.dry_run.meta_trace.meta_op`): element-wise and
+"""The planner's meta shortcuts (`moetrain.planner.meta_trace.meta_op`): element-wise and
 foreach ops whose meta kernels are Python loops are shaped directly. Each shortcut must
 give what the op's own meta kernel gives, and the update the planner measures with them
 (`footprint.update_transient`: norm, clip, AdamW's foreach step) must be the same bytes.
@@ -13,7 +13,7 @@ import os
 import torch
 from torch import nn
 
-from trainer.dry_run import footprint, meta_trace
+from moetrain.planner import footprint, meta_trace
 
 
 def _model() -> nn.Module:
@@ -52,7 +52,7 @@ def test_each_shortcut_gives_what_the_meta_kernel_gives(monkeypatch):
     model = _model()
     monkeypatch.setattr(meta_trace, "meta_op", checking)
     with_shortcuts = footprint.update_transient(_optimizer(model), {})
-    # One mesh group takes the norm in one op (parallelisms.clip), without the square the
+    # One mesh group takes the norm in one op (moetrain.parallelisms.clip), without the square the
     # sharded norm sums; that shortcut is checked on its own.
     squares = torch.empty(3, 5, device="meta").t()
     checking(torch.ops.aten.pow.Tensor_Scalar, (squares, 2), {})
@@ -78,8 +78,8 @@ def _dies_in_a_worker(value: int, measured=None) -> int:
 def test_the_search_runs_here_what_a_dead_worker_left():
     """`workers.SearchPool`: jobs no worker started, and jobs a worker held when it died,
     run in the planner's own process; every result arrives."""
-    from trainer.dry_run.layout_cost import Measured
-    from trainer.dry_run.workers import SearchPool, resolved
+    from moetrain.planner.layout_cost import Measured
+    from moetrain.planner.workers import SearchPool, resolved
 
     pool, cache = SearchPool(1, 1), {}
     try:

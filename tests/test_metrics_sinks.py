@@ -8,9 +8,9 @@ import importlib.util
 import pytest
 import torch
 
-import train
+from moetrain import train
+from moetrain.metrics.plot import main as plot
 from tests.distributed import ROOT, run_train
-from trainer.metrics.plot import main as plot
 
 RUN = [
     "--config=configs/debug_qwen3_moe.toml",

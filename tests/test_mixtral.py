@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import HFFormatError, get_model_spec
-from models.common.args import field_problems
-from models.common.balance_losses import load_balancing_loss
-from models.common.moe import MoEOptions
-from models.mixtral import hf
-from models.mixtral.args import MixtralArgs
+from moetrain.data.packing import document_positions
+from moetrain.hf.weights import load_hf_weights, save_hf_checkpoint
+from moetrain.models import HFFormatError, get_model_spec
+from moetrain.models.common.args import field_problems
+from moetrain.models.common.balance_losses import load_balancing_loss
+from moetrain.models.common.moe import MoEOptions
+from moetrain.models.mixtral import hf
+from moetrain.models.mixtral.args import MixtralArgs
 from tests.distributed import ROOT, run_train
-from trainer.data.packing import document_positions
-from trainer.hf.weights import load_hf_weights, save_hf_checkpoint
 
 SPEC = get_model_spec("mixtral")
 BASE = dict(

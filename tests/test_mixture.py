@@ -1,4 +1,4 @@
-"""[[data.mix]]: prepared corpora blended by weight (trainer/data/mixture.py)."""
+"""[[data.mix]]: prepared corpora blended by weight (moetrain/data/mixture.py)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-import train
+from moetrain import train
+from moetrain.config import DataSection, MixSource, load_config, startup_notes
+from moetrain.data.mixture import BlendedOrder, interleave, weight_changes
+from moetrain.data.run_data import build_data
+from moetrain.data.sampler import GlobalBatchSampler
+from moetrain.data.tokenizers import ByteTokenizer
+from moetrain.errors import DataError
+from moetrain.prepare.cli import main as prepare
 from tests.distributed import ROOT, finish, launch_train, read_metrics, run_train
 from tests.test_tokens_source import write_jsonl
-from trainer.config import DataSection, MixSource, load_config, startup_notes
-from trainer.data.mixture import BlendedOrder, interleave, weight_changes
-from trainer.data.run_data import build_data
-from trainer.data.sampler import GlobalBatchSampler
-from trainer.data.tokenizers import ByteTokenizer
-from trainer.errors import DataError
-from trainer.prepare.cli import main as prepare
 
 WEIGHTS = {
     "two": [0.7, 0.3],
@@ -226,7 +226,7 @@ def test_bad_blends_are_refused_before_anything_starts(corpora, tmp_path, capsys
     assert "data.source = 'tokens'" in err
     missing = tmp_path / "nothing"
     err = _refused([*run[:-1], f"--data.mix=[{{path='{missing}', weight=1}}]"], capsys, monkeypatch)
-    assert f"data.mix[1].path='{missing}' does not exist" in err and "trainer.prepare" in err
+    assert f"data.mix[1].path='{missing}' does not exist" in err and "moetrain.prepare" in err
     # Each table is named by its own key, held-out ones too.
     web = f"{{path='{corpora['web']}', weight=1}}"
     err = _refused(

@@ -1,4 +1,4 @@
-"""The model contract where it is data rather than code (`models/spec.py`): routers take
+"""The model contract where it is data rather than code (`moetrain/models/spec.py`): routers take
 part in the aux-loss-free bias update by the buffers they hold, whatever their class; a
 config.json without `rope_theta` reads as transformers reads it; `loss_terms` and
 `flops_per_token` are derived from the args fields a spec names."""
@@ -13,16 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import get_model_spec, model_names
-from models.common.flops import active_params
-from models.common.moe import MoE, Routing
-from models.common.replay import is_replay
-from models.spec import AttentionShape, BiasBuffers, ModelSpec
-from trainer.loop.balance import attach_bias_update, bias_routers
+from moetrain.loop.balance import attach_bias_update, bias_routers
+from moetrain.models import get_model_spec, model_names
+from moetrain.models.common.flops import active_params
+from moetrain.models.common.moe import MoE, Routing
+from moetrain.models.common.replay import is_replay
+from moetrain.models.spec import AttentionShape, BiasBuffers, ModelSpec
 
 
 class SelectionBiasRouter(nn.Module):
-    """A softmax router written here, outside `models/common`, with no base class of the
+    """A softmax router written here, outside `moetrain/models/common`, with no base class of the
     trainer's: the experts are chosen by the probabilities plus a bias, weighted by the
     probabilities alone (ERNIE-4.5's routing). It registers the bias and the counts under
     the names it is given."""

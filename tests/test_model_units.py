@@ -6,15 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.common.bias_router import BiasedSoftmaxRouter
-from models.common.grouped_gemm import grouped_mm
-from models.common.hf_names import Moved, PrefixedStackedNames
-from models.common.mlp import SwiGLU
-from models.common.moe import MoE, MoEOptions, TopKRouter
-from models.common.replay import replay
-from models.common.rope import apply_rope_interleaved, rope_cos_sin
-from trainer.config import TrainSection
-from trainer.loop.optim import lr_factor
+from moetrain.build.optimizer import lr_factor
+from moetrain.config import TrainSection
+from moetrain.models.common.bias_router import BiasedSoftmaxRouter
+from moetrain.models.common.grouped_gemm import grouped_mm
+from moetrain.models.common.hf_names import Moved, PrefixedStackedNames
+from moetrain.models.common.mlp import SwiGLU
+from moetrain.models.common.moe import MoE, MoEOptions, TopKRouter
+from moetrain.models.common.replay import replay
+from moetrain.models.common.rope import apply_rope_interleaved, rope_cos_sin
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 5, 2], [0, 0, 10, 0], [0, 0, 0, 0]])
@@ -214,12 +214,12 @@ def test_a_moved_key_changes_module_and_shape_both_ways():
 
 
 def test_routed_sum_keeps_only_the_index_and_gives_index_add_gradients():
-    """Unpermute's sum of each token's routed rows (models/common/row_sum.py): the same
+    """Unpermute's sum of each token's routed rows (moetrain/models/common/row_sum.py): the same
     output and row gradients as autograd's index_add_, bit for bit, while what its backward
     keeps is the index alone (index_add_ keeps the [N, dim] rows as well)."""
     from torch.autograd.graph import saved_tensors_hooks
 
-    from models.common.moe import Unpermute
+    from moetrain.models.common.moe import Unpermute
 
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(12, 6, generator=g, requires_grad=True)

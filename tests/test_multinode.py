@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from moetrain.checkpoint.markers import COMPLETE
 from tests.distributed import ROOT, free_port, read_metrics, run_train
-from trainer.checkpoint.markers import COMPLETE
 
 RUN = [
     "--config=configs/debug_qwen3_moe.toml",

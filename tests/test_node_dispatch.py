@@ -10,11 +10,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from models.common.moe import GroupLimitedRouter, MoE
-from parallelisms.all_to_all import Traffic
-from parallelisms.dims import LayoutError, ParallelDims
-from parallelisms.expert_parallel import apply_expert_parallel
-from parallelisms.node_dispatch import NodeDispatcher
+from moetrain.models.common.moe import GroupLimitedRouter, MoE
+from moetrain.parallelisms.all_to_all import Traffic
+from moetrain.parallelisms.dims import LayoutError, ParallelDims
+from moetrain.parallelisms.expert_parallel import apply_expert_parallel
+from moetrain.parallelisms.node_dispatch import NodeDispatcher
 from tests.distributed import run_distributed
 
 HIDDEN, TOKENS, EXPERTS, TOP_K, GROUPS, TOPK_GROUP = 16, 24, 16, 4, 8, 2

@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import HFFormatError, get_model_spec
-from models.common.args import field_problems
-from models.common.balance_losses import load_balancing_loss
-from models.common.moe import MoEOptions
-from models.olmoe import hf
-from models.olmoe.args import OlmoeArgs
+from moetrain.hf.weights import load_hf_weights, save_hf_checkpoint
+from moetrain.models import HFFormatError, get_model_spec
+from moetrain.models.common.args import field_problems
+from moetrain.models.common.balance_losses import load_balancing_loss
+from moetrain.models.common.moe import MoEOptions
+from moetrain.models.olmoe import hf
+from moetrain.models.olmoe.args import OlmoeArgs
 from tests.distributed import ROOT, run_train
-from trainer.hf.weights import load_hf_weights, save_hf_checkpoint
 
 SPEC = get_model_spec("olmoe")
 CLIP = 0.8  # below the typical |q|, |k| (rms 1 after their norms) and |v|: clamping bites

@@ -1,5 +1,5 @@
 """The update's pieces in one process on plain tensors: the gradient norm and clipping
-(`parallelisms/clip.py`, foreach ops) against a plain reference, fused AdamW against
+(`moetrain/parallelisms/clip.py`, foreach ops) against a plain reference, fused AdamW against
 foreach (`train.optimizer_impl`), and a checkpoint of one resumed by the other. The
 sharded and multi-mesh cases: tests/test_layout_parity.py (every row fused against a
 foreach reference) and tests/test_checkpoint.py (foreach saved, fused resumed)."""
@@ -13,10 +13,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from parallelisms.clip import clip_grads_, grad_norm
-from trainer.checkpoint.checkpointer import _OPTIONS, Checkpointer, _state
-from trainer.config import TrainSection
-from trainer.loop.optim import build_optimizer, fused_unsupported, optimizer_impl
+from moetrain.build.optimizer import build_optimizer, fused_unsupported, optimizer_impl
+from moetrain.checkpoint.checkpointer import _OPTIONS, Checkpointer, _state
+from moetrain.config import TrainSection
+from moetrain.parallelisms.clip import clip_grads_, grad_norm
 
 
 def _model(seed: int = 0) -> nn.Module:

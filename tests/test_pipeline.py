@@ -10,17 +10,22 @@ import random
 import pytest
 import torch
 
-from models import get_model_spec
-from parallelisms.dims import (
+from moetrain.config import ConfigError, load_config
+from moetrain.models import get_model_spec
+from moetrain.parallelisms.dims import (
     LayoutError,
     check_pipeline,
     pipeline_micro_batches_needed,
     stage_rank,
 )
-from parallelisms.pipeline_build import cut_pipeline, stage_module
-from parallelisms.pipeline_split import StageCosts, balanced_split, stage_costs, trunk_blocks
+from moetrain.parallelisms.pipeline_build import cut_pipeline, stage_module
+from moetrain.parallelisms.pipeline_split import (
+    StageCosts,
+    balanced_split,
+    stage_costs,
+    trunk_blocks,
+)
 from tests.parity import TINY, TINY_DSV3
-from trainer.config import ConfigError, load_config
 
 L4 = "--model.num_hidden_layers=4"
 

@@ -1,4 +1,4 @@
-"""The planner's pipeline model (`trainer.dry_run.pipeline_schedule`): torch's own orders of
+"""The planner's pipeline model (`moetrain.planner.pipeline_schedule`): torch's own orders of
 actions, replayed, against the closed forms of the schedules' papers."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from parallelisms.dims import stage_rank, stages_per_rank
-from trainer.dry_run.pipeline_schedule import held_peak, schedule_order, simulate
+from moetrain.parallelisms.dims import stage_rank, stages_per_rank
+from moetrain.planner.pipeline_schedule import held_peak, schedule_order, simulate
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_a_send_between_ranks_delays_the_pipeline_by_its_hops(fake_world):
 
 def test_dualpipev_pairs_hide_each_others_all_to_all(fake_world):
     """With the expert all-to-all half of every forward and backward, DualPipeV's
-    overlapped pairs run their two at once (parallelisms/pipeline_overlap.py): each pair
+    overlapped pairs run their two at once (moetrain/parallelisms/pipeline_overlap.py): each pair
     hides min(a2a_F, compute_B) + min(a2a_B, compute_F), and the busy time drops by
     that for every pair, nothing else."""
     pp, n = 4, 16

@@ -1,6 +1,6 @@
 """Pipeline stages through `train.py` against one process: the held-out loss under every
-schedule (forward only, parallelisms/pipeline_forward.py) and from `python -m
-trainer.evaluate` at pp 2, the logged expert load (counted once, not once per stage), and a
+schedule (forward only, moetrain/parallelisms/pipeline_forward.py) and from `python -m
+moetrain.evaluate` at pp 2, the logged expert load (counted once, not once per stage), and a
 stage that trains no parameter (LoRA on the experts, its blocks dense), across a resume."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ LORA = [
 
 
 def _evaluate_worker(rank: int, world: int, argv: list[str]) -> None:
-    from trainer.evaluate.cli import main
+    from moetrain.evaluate.cli import main
 
     assert main(argv) == 0
 
@@ -64,7 +64,7 @@ def test_pipeline_runs_evaluate_log_and_train_as_one_process(tmp_path):
         )
         same(records, ("loss", "grad_norm", "eval_loss"), range(1, 3))
         assert records[0]["expert_load"] == reference[0]["expert_load"]
-    # python -m trainer.evaluate at pp 2 (its check of the training batch does not refuse
+    # python -m moetrain.evaluate at pp 2 (its check of the training batch does not refuse
     # it) gives the loss the DualPipeV run logged at step 2.
     logged = records[-1]["eval_loss"]
     result = tmp_path / "eval.json"

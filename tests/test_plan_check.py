@@ -1,4 +1,4 @@
-"""A parallel plan must describe its model on every layout (parallelisms.plan.check_plan):
+"""A parallel plan must describe its model on every layout (moetrain.parallelisms.plan.check_plan):
 a pattern that matches nothing, or a seam left unnamed, is refused before any work, with
 exit 2 and no traceback, from train.py and from the planner alike, at ep = 1 too."""
 
@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-from models import get_model_spec, model_names
-from parallelisms.plan import PlanError, check_plan, match_modules
+from moetrain.config import load_config
+from moetrain.models import get_model_spec, model_names
+from moetrain.parallelisms.plan import PlanError, check_plan, match_modules
 from tests.distributed import ROOT
-from trainer.config import load_config
 
 QWEN3 = "--config=configs/debug_qwen3_moe.toml"
 TYPO = "layers.*.mlp.expert"  # one letter short of layers.*.mlp.experts
@@ -77,7 +77,7 @@ def test_optional_patterns_may_match_nothing():
 @pytest.fixture
 def typo_plan(monkeypatch):
     """Qwen3-MoE with a routed_experts typo, as a user's new model would have it."""
-    import trainer.loop.setup as setup
+    import moetrain.loop.preflight as setup
 
     spec = get_model_spec("qwen3_moe")
     bad = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, routed_experts=TYPO))
@@ -85,7 +85,7 @@ def typo_plan(monkeypatch):
 
 
 def test_train_py_refuses_a_typo_at_ep1_with_exit_2(typo_plan, monkeypatch, capsys):
-    import train
+    from moetrain import train
 
     monkeypatch.chdir(ROOT)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -97,7 +97,7 @@ def test_train_py_refuses_a_typo_at_ep1_with_exit_2(typo_plan, monkeypatch, caps
 
 
 def test_the_planner_refuses_a_typo_at_ep1_with_exit_2(typo_plan, monkeypatch, capsys):
-    from trainer.dry_run.cli import main
+    from moetrain.planner.cli import main
 
     monkeypatch.chdir(ROOT)
     assert main(["--world-size", "2", QWEN3]) == 2
@@ -115,7 +115,7 @@ def test_the_planner_plans_the_published_sizes(config, billions, tmp_path):
     16 ranks with ep 8, and its shards add up to the whole model (fp32 parameters)."""
     out = tmp_path / "plan.json"
     subprocess.run(
-        [sys.executable, "-m", "trainer.dry_run", "--world-size=16", "--config",
+        [sys.executable, "-m", "moetrain.planner", "--world-size=16", "--config",
          f"configs/{config}.toml", "--parallel.ep=8", "--json", str(out)],
         cwd=ROOT, check=True, capture_output=True, text=True,
     )  # fmt: skip
@@ -126,13 +126,13 @@ def test_the_planner_plans_the_published_sizes(config, billions, tmp_path):
 
 
 def test_experts_fewer_than_the_fsdp_ranks_are_split_evenly(tmp_path):
-    """Mixtral's 8 experts over 16 fsdp ranks at ep 1: sharded on dim 1 (parallelisms/fsdp.py),
+    """Mixtral's 8 experts over 16 fsdp ranks at ep 1: sharded on dim 1 (moetrain/parallelisms/fsdp.py),
     so every rank holds the same share of every expert. Sharded on dim 0, 8 ranks would hold
     a whole expert each and 8 an expert's worth of padding: twice the experts' memory in
     all, and the optimizer state on half the ranks."""
     out = tmp_path / "plan.json"
     subprocess.run(
-        [sys.executable, "-m", "trainer.dry_run", "--world-size=16", "--config",
+        [sys.executable, "-m", "moetrain.planner", "--world-size=16", "--config",
          "configs/mixtral_8x7b.toml", "--json", str(out)],
         cwd=ROOT, check=True, capture_output=True, text=True,
     )  # fmt: skip
@@ -161,7 +161,7 @@ def test_a_model_built_without_shared_experts_is_described(name, overrides):
 def test_fsdp_placement_asks_only_of_expert_stacks():
     """FSDP calls the placement for every parameter of a block (norms of 128, biases):
     with 3 ranks, only the [8, ...] expert stacks, whose rows 3 divides, go by rows."""
-    from parallelisms.fsdp import _experts_by_rows
+    from moetrain.parallelisms.fsdp import _experts_by_rows
 
     model, plan = _meta("qwen3_moe", "--model.moe_intermediate_size=48")
     by_3 = _experts_by_rows(model, plan, 3)

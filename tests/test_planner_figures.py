@@ -15,7 +15,7 @@ def test_the_planner_prints_total_and_active_parameters(capsys, tmp_path):
     """Qwen3-MoE debug (configs/debug_qwen3_moe.toml), counted by hand from its config:
     hidden 128, vocab 320 (embedding and head apart), 4 blocks (block 0 dense), 4 heads of
     32, 2 KV heads, 8 experts of 64, top 2."""
-    from trainer.dry_run.cli import main
+    from moetrain.planner.cli import main
 
     h, vocab, hd = 128, 320, 32
     attention = h * 4 * hd * 2 + h * 2 * hd * 2 + 2 * hd + 2 * h  # q, o; k, v; q/k norms; 2 norms
@@ -41,10 +41,10 @@ def test_mtp_depths_pass_through_the_shared_head_again():
     and pipeline stages give it to the last stage (issue 57, correction 2)."""
     import torch
 
-    from models import get_model_spec
-    from models.common.flops import training_flops_per_token
-    from parallelisms.pipeline_split import stage_costs
-    from trainer.config import load_config
+    from moetrain.config import load_config
+    from moetrain.models import get_model_spec
+    from moetrain.models.common.flops import training_flops_per_token
+    from moetrain.parallelisms.pipeline_split import stage_costs
 
     cfg = load_config(["--config", DSV3])
     spec = get_model_spec(cfg.model.name)
@@ -68,7 +68,7 @@ def test_mtp_depths_pass_through_the_shared_head_again():
 def test_the_interleaved_refusal_names_counts_that_run():
     """Torch runs Interleaved1F1B in n // pp rounds, whose number must divide n: 120 on 16
     ranks is 7 rounds, which do not; any multiple of 16 runs (issue 57, correction 7)."""
-    from parallelisms.dims import pipeline_micro_batches_needed
+    from moetrain.parallelisms.dims import pipeline_micro_batches_needed
 
     need = pipeline_micro_batches_needed("Interleaved1F1B", 16, 120)
     assert "(7 rounds for 120, which they do not divide): e.g. 112 or 128" in need
@@ -83,9 +83,9 @@ def test_a_group_limited_router_reaches_fewer_nodes():
     (issue 57, correction 4). The spec states the bound."""
     from math import comb
 
-    from models import get_model_spec
-    from trainer.config import load_config
-    from trainer.dry_run.a2a_cost import node_share
+    from moetrain.config import load_config
+    from moetrain.models import get_model_spec
+    from moetrain.planner.a2a_cost import node_share
 
     assert node_share(256, 8, 8, (8, 4)) == 0.5
     uniform = 8 * (1 - comb(224, 8) / comb(256, 8)) / 8
@@ -100,8 +100,8 @@ def test_a_group_limited_router_reaches_fewer_nodes():
 def test_h800_links_are_deepseeks_and_each_figure_is_a_flag(capsys):
     """H800 as DeepSeek-V3's report states it: NVLink 160 GB/s usable, InfiniBand 50 GB/s
     (issue 57, correction 5); the memory bandwidth is a figure like the others."""
-    from trainer.dry_run.cli import main
-    from trainer.dry_run.hardware import PRESETS
+    from moetrain.planner.cli import main
+    from moetrain.planner.hardware import PRESETS
 
     h800 = PRESETS["h800"]
     assert (h800.intra_gbps, h800.inter_gbps, h800.memory_gbps) == (160, 50, 3350)
@@ -117,9 +117,9 @@ def test_the_optimizer_step_streams_its_state_at_the_memory_bandwidth(capsys, tm
     6 and item 2: the planner counts it)."""
     import torch
 
-    from models import get_model_spec
-    from trainer.config import load_config
-    from trainer.dry_run.cli import main
+    from moetrain.config import load_config
+    from moetrain.models import get_model_spec
+    from moetrain.planner.cli import main
 
     cfg = load_config(["--config", CONFIG])
     with torch.device("meta"):
@@ -140,7 +140,7 @@ def test_the_optimizer_step_streams_its_state_at_the_memory_bandwidth(capsys, tm
 def test_the_search_weighs_the_v_schedules_with_selective_checkpointing(tmp_path):
     """ZBVZeroBubble and DualPipeV are ranked with `selective` (which recomputes inside
     either half of their split backward), never with `full` (refused by the config)."""
-    from trainer.dry_run.cli import main
+    from moetrain.planner.cli import main
 
     out = tmp_path / "plan.json"
     argv = ["--world-size=2", "--config", CONFIG, "--search", "--workers=0", f"--json={out}"]
@@ -157,8 +157,8 @@ def test_stages_of_a_v_are_balanced_per_rank():
     [1, 3, 3, 1] (issue 57, correction 3). Never worse than per stage, on random costs."""
     import random
 
-    from parallelisms.dims import stage_rank
-    from parallelisms.pipeline_split import (
+    from moetrain.parallelisms.dims import stage_rank
+    from moetrain.parallelisms.pipeline_split import (
         StageCosts,
         balanced_split,
         rank_balanced_split,

@@ -1,4 +1,4 @@
-"""Tests of `python -m trainer.prepare` (trainer/prepare/run.py, trainer/prepare/worker.py):
+"""Tests of `python -m moetrain.prepare` (moetrain/prepare/run.py, moetrain/prepare/worker.py):
 the prepared stream equals the in-memory one, determinism, resume, and the refusals."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer.config import DataSection
-from trainer.data.packing import pack_documents
-from trainer.data.shards import MANIFEST, ShardedTokens, read_manifest
-from trainer.data.sources import iter_documents
-from trainer.data.tokenizers import build_tokenizer
-from trainer.prepare.cli import main
-from trainer.prepare.plan import plan_file_units
+from moetrain.config import DataSection
+from moetrain.data.shards import MANIFEST, ShardedTokens, read_manifest
+from moetrain.data.sources import iter_documents
+from moetrain.data.tokenizers import build_tokenizer
+from moetrain.prepare.cli import main
+from moetrain.prepare.work_plan import plan_file_units
+from tests.corpus import pack_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["the", "cat", "sat", "dog", "ran", "a", "héllo", "wörld", "✓", "zebra"]
@@ -76,7 +76,7 @@ def prepare(source: str, path: str, out: Path, *extra: str, workers: int = 2, mb
 
 
 def matched(pattern: str) -> list[str]:
-    """The files a source glob selects, in order (as trainer/data/sources.py selects them)."""
+    """The files a source glob selects, in order (as moetrain/data/sources.py selects them)."""
     return sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
 
 
@@ -220,7 +220,7 @@ def test_resume_after_kill(tmp_path):
     pattern = write_jsonl(tmp_path / "c", files=4, lines=6000)
     tok = str(save_tiny_tokenizer(tmp_path / "tokenizer.json"))
     argv = ["--source", "jsonl", "--path", pattern, "--tokenizer", tok, "--workers", "1"]
-    cmd = [sys.executable, "-m", "trainer.prepare", *argv, "--shard-mb", "0.02"]
+    cmd = [sys.executable, "-m", "moetrain.prepare", *argv, "--shard-mb", "0.02"]
     work = tmp_path / "killed" / ".work"
     proc = subprocess.Popen(
         [*cmd, "--out", str(tmp_path / "killed")], cwd=ROOT, start_new_session=True
@@ -316,7 +316,7 @@ def test_two_prepares_cannot_write_one_directory(tmp_path, capsys):
         err = refuse(
             capsys, ["--source", "jsonl", "--path", pattern, "--out", str(tmp_path / "out")]
         )
-        assert "another `python -m trainer.prepare` is writing" in err
+        assert "another `python -m moetrain.prepare` is writing" in err
     finally:
         os.close(fd)
     assert prepare("jsonl", pattern, tmp_path / "out") == 0

@@ -1,4 +1,4 @@
-"""`python -m trainer.prepare` as a fine-tuner uses it around the data: `--show` (what is
+"""`python -m moetrain.prepare` as a fine-tuner uses it around the data: `--show` (what is
 trained, decoded), `--truncate` (long conversations kept to their whole turns that fit, not
 only left out), a dataset given as one data file, and a summary that reports the sizes read
 and written. Each is checked against what transformers, datasets or the file system say."""
@@ -12,6 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moetrain.data.conversations import PackedConversations
+from moetrain.data.prepared import PreparedCorpus
+from moetrain.prepare.chat_messages import Conversation
+from moetrain.prepare.chat_turns import Renderer, render_conversation
+from moetrain.prepare.cli import main as prepare
+from moetrain.prepare.instructions import chat_tokenizer
+from moetrain.prepare.show import CLOSE, OPEN
+from moetrain.prepare.summary import decimal_size
 from tests.chat_model import CHATML, conversations, save_chat_tokenizer
 from tests.test_published_templates import (
     CONVS,
@@ -24,14 +32,6 @@ from tests.test_published_templates import (
     _reference,
     _tool_conversation,
 )
-from trainer.data.conversations import PackedConversations
-from trainer.data.prepared import PreparedCorpus
-from trainer.prepare.chat_messages import Conversation
-from trainer.prepare.chat_turns import Renderer, render_conversation
-from trainer.prepare.cli import main as prepare
-from trainer.prepare.instructions import chat_tokenizer
-from trainer.prepare.show import CLOSE, OPEN
-from trainer.prepare.summary import decimal_size
 
 pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 

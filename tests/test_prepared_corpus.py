@@ -1,4 +1,4 @@
-"""The data path's one reader of prepared directories (trainer/data/prepared.py): a run
+"""The data path's one reader of prepared directories (moetrain/data/prepared.py): a run
 reads each manifest once, from the preflight to the loader; the hold-out hash is the
 formula docs/data.md states; a checkpoint made under the old hash is refused by name."""
 
@@ -11,19 +11,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import trainer.data.prepared as prepared
-from models import get_model_spec
-from parallelisms.dims import ParallelDims
+import moetrain.data.prepared as prepared
+from moetrain.checkpoint.resume import accept_checkpoint
+from moetrain.config import load_config
+from moetrain.data.holdout import HOLDOUT_HASH, held_out
+from moetrain.data.loader import build_dataloader
+from moetrain.data.run_data import build_data
+from moetrain.data.tokenizers import build_tokenizer
+from moetrain.errors import DataError
+from moetrain.models import get_model_spec
+from moetrain.parallelisms.dims import ParallelDims
+from moetrain.prepare.cli import main as prepare
 from tests.distributed import ROOT
 from tests.test_tokens_source import write_jsonl
-from trainer.config import load_config
-from trainer.data.holdout import HOLDOUT_HASH, held_out
-from trainer.data.loader import build_dataloader
-from trainer.data.run_data import build_data
-from trainer.data.tokenizers import build_tokenizer
-from trainer.errors import DataError
-from trainer.loop.resume import accept_checkpoint
-from trainer.prepare.cli import main as prepare
 
 MASK64 = (1 << 64) - 1
 
@@ -87,7 +87,7 @@ def test_a_run_reads_each_prepared_manifest_once(tmp_path, monkeypatch):
         return real(path, key)
 
     monkeypatch.setattr(prepared, "read_manifest", counting)
-    from trainer.loop.setup import preflight
+    from moetrain.loop.preflight import preflight
 
     corpora = preflight(cfg, ParallelDims.of(cfg.parallel, 1))
     tokenizer = build_tokenizer(cfg.data)
@@ -103,13 +103,13 @@ def test_nothing_but_the_prepared_corpus_reads_a_manifest():
     it wrote."""
     callers = {
         str(p.relative_to(ROOT))
-        for p in (ROOT / "trainer").rglob("*.py")
+        for p in (ROOT / "moetrain").rglob("*.py")
         if re.search(r"\bread_manifest\(", p.read_text())
     }
     assert callers == {
-        "trainer/data/shards.py",  # its definition
-        "trainer/data/prepared.py",
-        "trainer/prepare/run.py",
+        "moetrain/data/shards.py",  # its definition
+        "moetrain/data/prepared.py",
+        "moetrain/prepare/run.py",
     }
 
 

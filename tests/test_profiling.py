@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
+from moetrain.config import load_config, resume_notes
+from moetrain.loop.profiling import StepProfiler
 from tests.distributed import finish, launch_train
 from tests.parity import TINY
 from tests.test_mixture import DEBUG, _refused
-from trainer.config import load_config, resume_notes
-from trainer.loop.profiling import StepProfiler
 
 
 def _range_names(trace_path) -> set[str]:

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from moetrain.errors import DataError
+from moetrain.prepare.chat_messages import Conversation
+from moetrain.prepare.chat_turns import Renderer, render_conversation
+from moetrain.prepare.instructions import chat_tokenizer
 from tests.chat_model import save_chat_tokenizer
 from tests.test_chat_templates import CONVERSATIONS, _m
-from trainer.errors import DataError
-from trainer.prepare.chat_messages import Conversation
-from trainer.prepare.chat_turns import Renderer, render_conversation
-from trainer.prepare.instructions import chat_tokenizer
 
 pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 

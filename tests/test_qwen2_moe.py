@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import HFFormatError, get_model_spec
-from models.common.balance_losses import load_balancing_loss
-from models.common.moe import MoE, MoEOptions
-from models.qwen2_moe import hf
-from models.qwen2_moe.args import Qwen2MoeArgs
+from moetrain.config import load_config
+from moetrain.data.packing import document_positions
+from moetrain.hf.weights import load_hf_weights, save_hf_checkpoint
+from moetrain.models import HFFormatError, get_model_spec
+from moetrain.models.common.balance_losses import load_balancing_loss
+from moetrain.models.common.moe import MoE, MoEOptions
+from moetrain.models.qwen2_moe import hf
+from moetrain.models.qwen2_moe.args import Qwen2MoeArgs
 from tests.distributed import ROOT, run_train
-from trainer.config import load_config
-from trainer.data.packing import document_positions
-from trainer.hf.weights import load_hf_weights, save_hf_checkpoint
 
 SPEC = get_model_spec("qwen2_moe")
 BASE = dict(

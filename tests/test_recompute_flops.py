@@ -1,6 +1,6 @@
 """What `train.activation_checkpoint = "selective"` computes again, measured by the
-planner (`trainer.dry_run.recompute_cost`) and added to its step's compute
-(`trainer.dry_run.step_cost.estimate`), on hand figures (issue 57)."""
+planner (`moetrain.planner.recompute_cost`) and added to its step's compute
+(`moetrain.planner.step_cost.estimate`), on hand figures (issue 57)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tests.test_planner_figures import DSV3
 
 
 def _plan(tmp_path, config: str, mode: str) -> dict:
-    from trainer.dry_run.cli import main
+    from moetrain.planner.cli import main
 
     out = tmp_path / f"{mode}.json"
     argv = ["--world-size=1", "--config", config, f"--train.activation_checkpoint={mode}"]
@@ -27,9 +27,9 @@ def _down_projections(config: str) -> tuple[int, int, int]:
     weights, 0 without), from the model itself."""
     import torch
 
-    from models import get_model_spec
-    from models.common.moe import MoE
-    from trainer.config import load_config
+    from moetrain.config import load_config
+    from moetrain.models import get_model_spec
+    from moetrain.models.common.moe import MoE
 
     cfg = load_config(["--config", config])
     with torch.device("meta"):
@@ -48,8 +48,8 @@ def test_selective_counts_the_mla_up_projections_once_more(tmp_path):
     else that is a GEMM; the step's compute grows by those FLOPs at the planner's rate."""
     import torch
 
-    from models import get_model_spec
-    from trainer.config import load_config
+    from moetrain.config import load_config
+    from moetrain.models import get_model_spec
 
     cfg = load_config(["--config", DSV3])
     with torch.device("meta"):
@@ -84,9 +84,9 @@ def test_selective_by_block_structure_under_pipeline_stages():
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainer.config import load_config
-    from trainer.dry_run.layout_cost import measure_layout
-    from trainer.dry_run.recompute_cost import recomputed_by_structure, recomputed_per_token
+    from moetrain.config import load_config
+    from moetrain.planner.layout_cost import measure_layout
+    from moetrain.planner.recompute_cost import recomputed_by_structure, recomputed_per_token
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     try:

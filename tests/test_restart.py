@@ -1,7 +1,7 @@
 """In-place restarts: `torchrun --max-restarts=1`, one worker killed with SIGKILL after a
 checkpoint; the agent restarts the workers, which resume from the last complete checkpoint
 and finish with the uninterrupted run's losses. And the store each round rendezvouses
-through (`trainer.loop.setup.round_store`), against announcements a dead round left behind."""
+through (`moetrain.build.distributed.round_store`), against announcements a dead round left behind."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from moetrain.build.distributed import ROUND_STORE_KEY, round_store
+from moetrain.checkpoint.markers import COMPLETE
 from tests.distributed import finish, free_port, kill_launch, launch_train, read_metrics, run_train
-from trainer.checkpoint.markers import COMPLETE
-from trainer.loop.setup import ROUND_STORE_KEY, round_store
 
 # Tiny and short: a launch is mostly start-up, and the test launches four times.
 RUN = [

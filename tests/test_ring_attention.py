@@ -9,9 +9,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.profiler import ProfilerActivity, profile
 
-from parallelisms.attention_kernels import KERNELS
-from parallelisms.context_parallel import RingStats, ring_attention
-from parallelisms.cp_schedule import attention_work, split_for_cp
+from moetrain.parallelisms.attention_kernels import KERNELS
+from moetrain.parallelisms.context_parallel import RingStats, ring_attention
+from moetrain.parallelisms.cp_schedule import attention_work, split_for_cp
 from tests.distributed import run_per_world
 
 B, S, HQ, HKV, D = 2, 48, 8, 2, 12  # GQA 8:2, head_dim not a power of two; S % (2 * 4) == 0

@@ -1,5 +1,5 @@
 """Routers compute in fp32 from a bf16 input and keep that input, not an fp32 copy of it,
-for backward (models/common/fp32_linear.py; FSDP's fp32 router units do not cast inputs).
+for backward (moetrain/models/common/fp32_linear.py; FSDP's fp32 router units do not cast inputs).
 
 Checked against autograd's own cast-then-linear, bit for bit, and in a real bf16 step on an
 FSDP rank: every router receives bf16 and nothing of the width of its input is kept in fp32.
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.common.fp32_linear import fp32_linear
+from moetrain.models.common.fp32_linear import fp32_linear
 from tests.distributed import run_distributed
 from tests.parity import TINY, TINY_DSV3, build_trainer
 

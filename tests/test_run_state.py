@@ -1,4 +1,4 @@
-"""`RunState` (trainer/loop/run_state.py) is what `trainer_state.pt` holds besides the
+"""`RunState` (moetrain/checkpoint/run_state.py) is what `trainer_state.pt` holds besides the
 weights' bookkeeping: its keys are the checkpoint format, and a state saved and loaded the
 way checkpoints are (`torch.save`, `torch.load(weights_only=True)`) comes back whole.
 tests/test_checkpoint.py resumes real runs through the front door."""
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from trainer.config import load_config
-from trainer.data.packing import CorpusSummary
-from trainer.data.sampler import GlobalBatchSampler
-from trainer.loop.guard import StepGuard
-from trainer.loop.run_state import RunState
+from moetrain.checkpoint.run_state import RunState
+from moetrain.config import load_config
+from moetrain.data.packing import CorpusSummary
+from moetrain.data.sampler import GlobalBatchSampler, SampleOrder
+from moetrain.loop.guard import StepGuard
 
 # The keys of `trainer_state.pt` before the trainer was composed of parts (checkpoints
 # written then must keep resuming); the checkpointer adds `frozen_saved`.
@@ -19,7 +19,7 @@ FORMAT = ["step", "guard", "data", "rng", "config", "data_identity", "base", "to
 
 
 class _Dataset:
-    """What the state records of the data: its summary (trainer.loop.resume.data_identity)."""
+    """What the state records of the data: its summary (moetrain.checkpoint.resume.data_identity)."""
 
     summary = CorpusSummary("stdlib", 10, 4096, None, False, fingerprint="f" * 16)
 
@@ -29,7 +29,7 @@ def _state() -> RunState:
     t = cfg.train
     guard = StepGuard(t.max_skipped_steps, t.skip_spike_sigma, t.skip_spike_window)
     sampler = GlobalBatchSampler(64, 8, 2, 0, 1, seed=0)
-    return RunState(cfg, _Dataset(), guard, sampler, torch.device("cpu"), rank=0)
+    return RunState(cfg, SampleOrder(_Dataset(), sampler), guard, torch.device("cpu"), rank=0)
 
 
 def test_a_saved_run_state_loads_back_whole(tmp_path):

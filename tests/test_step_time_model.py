@@ -1,4 +1,4 @@
-"""`python -m trainer.dry_run --search`: the step-time model's ranking follows from the
+"""`python -m moetrain.planner --search`: the step-time model's ranking follows from the
 bytes and FLOPs it prints, recomputed here from the documented formula (docs/planner.md,
 "Step-time model"), and faster links never make a layout slower. With `--gemm-rates FILE`
 (measured efficiency per kind of kernel, `benchmarks/gemm_rates.py`) the compute is each
@@ -16,10 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from parallelisms.dims import ParallelDims
+from moetrain.parallelisms.dims import ParallelDims
+from moetrain.planner.recompute_cost import GemmFlops
+from moetrain.planner.search import Hardware, estimate, rates_by_kind, read_rates
 from tests.distributed import ROOT
-from trainer.dry_run.recompute_cost import GemmFlops
-from trainer.dry_run.search import Hardware, estimate, rates_by_kind, read_rates
 
 GB = 1e9
 SEARCH = ["--world-size=4", "--config=configs/debug_qwen3_moe.toml",
@@ -45,7 +45,7 @@ def _debug_flops_by_kind() -> dict:
 
 def _search(tmp_path) -> dict:
     out = tmp_path / "plan.json"
-    cmd = [sys.executable, "-m", "trainer.dry_run", *SEARCH, f"--json={out}"]
+    cmd = [sys.executable, "-m", "moetrain.planner", *SEARCH, f"--json={out}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "fastest layouts that fit" in proc.stdout
@@ -173,7 +173,7 @@ def test_measured_rates_give_each_kind_its_own_efficiency(tmp_path):
     rates, out = tmp_path / "rates.json", tmp_path / "plan.json"
     rates.write_text(json.dumps(RATES))
     args = [a for a in SEARCH if a != "--search"]
-    cmd = [sys.executable, "-m", "trainer.dry_run", *args, "--train.activation_checkpoint=full",
+    cmd = [sys.executable, "-m", "moetrain.planner", *args, "--train.activation_checkpoint=full",
            f"--gemm-rates={rates}", f"--json={out}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -191,8 +191,8 @@ def test_measured_rates_give_each_kind_its_own_efficiency(tmp_path):
 
 
 def test_a_rates_file_without_a_kind_the_model_has_is_refused(tmp_path):
-    from trainer.config import ConfigError
-    from trainer.dry_run.search import PRESETS
+    from moetrain.config import ConfigError
+    from moetrain.planner.search import PRESETS
 
     rates = tmp_path / "rates.json"
     kinds = {k: v for k, v in RATES["categories"].items() if k != "grouped"}
@@ -206,7 +206,7 @@ def test_a_rates_file_without_a_kind_the_model_has_is_refused(tmp_path):
 
 
 def _with_split(total: float):
-    from models.common.flops import FlopsPerToken
+    from moetrain.models.common.flops import FlopsPerToken
 
     return FlopsPerToken(total, _debug_flops_by_kind())
 
@@ -248,10 +248,10 @@ def test_the_rates_benchmark_times_the_matmuls_the_model_counts(model):
     import torch
 
     from benchmarks.gemm_rates import attention_flops, attention_shapes, gemm_shapes
-    from models import get_model_spec
-    from models.common.moe import MoE
-    from trainer.config import load_config
-    from trainer.dry_run.search import flops_per_token
+    from moetrain.config import load_config
+    from moetrain.models import get_model_spec
+    from moetrain.models.common.moe import MoE
+    from moetrain.planner.search import flops_per_token
 
     cfg = load_config(["--config", f"{ROOT}/configs/debug_{model}.toml"])
     split, seq, tokens = flops_per_token(cfg).by_kind, cfg.data.seq_len, 64
@@ -280,9 +280,9 @@ def _reuse_worker(_rank: int, _world_size: int, out: str) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainer.config import load_config
-    from trainer.dry_run.layout_cost import MODES, Measured, measure_layout, peak_bytes
-    from trainer.dry_run.search import PRESETS, candidates
+    from moetrain.config import load_config
+    from moetrain.planner.layout_cost import MODES, Measured, measure_layout, peak_bytes
+    from moetrain.planner.search import PRESETS, candidates
 
     cfg = load_config([*SEARCH[1:4], "--parallel.ranks_per_node=2"])
     if dist.is_initialized():  # the harness's gloo group: the planner plays on a fake one
@@ -315,10 +315,10 @@ def _reuse_worker(_rank: int, _world_size: int, out: str) -> None:
 
 def _pooled(trials: list, reuse) -> dict:
     """The search's traces and whole-model shardings measured again, part in a worker
-    process and part taken back into this one (trainer.dry_run.workers): whether each
+    process and part taken back into this one (moetrain.planner.workers): whether each
     equals this process's own, and where they ran."""
-    from trainer.dry_run.layout_cost import Measured
-    from trainer.dry_run.workers import SearchPool, resolved, search_jobs
+    from moetrain.planner.layout_cost import Measured
+    from moetrain.planner.workers import SearchPool, resolved, search_jobs
 
     pooled = Measured()
     jobs = search_jobs(trials, 4, pooled)
@@ -362,9 +362,9 @@ def test_the_search_measures_each_sharding_and_trace_once_with_the_same_figures(
 def test_the_overlap_credit_follows_its_rule():
     """`a2a_cost.a2a_hidden` on hand-made figures (one pass: dispatch 4 s, combine 4 s),
     and the shared experts' FLOPs it reads, counted from configs/debug_deepseek_v3.toml."""
-    from trainer.config import load_config
-    from trainer.dry_run.a2a_cost import a2a_hidden
-    from trainer.dry_run.search import flops_per_token
+    from moetrain.config import load_config
+    from moetrain.planner.a2a_cost import a2a_hidden
+    from moetrain.planner.search import flops_per_token
 
     assert a2a_hidden("none", 8.0, 10.0, 10.0) == 0.0
     assert a2a_hidden("shared", 8.0, 10.0, 1.0) == 1.0  # the combine, up to the shared 1 s

@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-import train
-from tests.distributed import ROOT, run_train
-from trainer.config import DataSection
-from trainer.data.corpus import build_dataset, check_corpus
-from trainer.data.packing import pack_corpus
-from trainer.data.permutation import FeistelPermutation
-from trainer.data.sampler import GlobalBatchSampler
-from trainer.data.shards import (
+from moetrain import train
+from moetrain.config import DataSection
+from moetrain.data.corpus import check_corpus
+from moetrain.data.packing import pack_corpus
+from moetrain.data.permutation import FeistelPermutation
+from moetrain.data.sampler import GlobalBatchSampler
+from moetrain.data.shards import (
     MANIFEST,
     Manifest,
     ShardedTokens,
@@ -30,9 +29,11 @@ from trainer.data.shards import (
     file_sha256,
     read_manifest,
 )
-from trainer.data.tokenizers import ByteTokenizer
-from trainer.errors import DataError
-from trainer.prepare.cli import main as prepare
+from moetrain.data.tokenizers import ByteTokenizer
+from moetrain.errors import DataError
+from moetrain.prepare.cli import main as prepare
+from tests.corpus import build_dataset
+from tests.distributed import ROOT, run_train
 
 EOS = ByteTokenizer.eos_id
 DOCS = [f"document {i}: " + "lorem ipsum " * (i % 7) for i in range(60)]
@@ -50,7 +51,7 @@ BLOCK = 64  # a tiny block, so that a small corpus has many
 def write_shards_by_hand(
     out: Path, docs_per_shard: list[list[str]], edit=lambda flat: flat, command: str = ""
 ) -> Path:
-    """An independent writer of the format (no trainer.prepare): one shard per doc list,
+    """An independent writer of the format (no moetrain.prepare): one shard per doc list,
     each block's CRC-32 taken whole with zlib. `edit` may change the ids before writing."""
     out.mkdir(parents=True)
     shards = []
@@ -151,7 +152,7 @@ def _hf_tokenizer(path: Path) -> str:
 
 def test_another_tokenizer_than_the_prepared_one_is_refused(prepared, tmp_path):
     pytest.importorskip("tokenizers")
-    from trainer.data.tokenizers import HFTokenizer
+    from moetrain.data.tokenizers import HFTokenizer
 
     tok = _hf_tokenizer(tmp_path / "tok.json")
     cfg = DataSection(source="tokens", path=str(prepared), tokenizer=tok)
@@ -176,14 +177,14 @@ def test_truncated_and_corrupted_shards_are_refused_by_name(prepared):
 
 def test_a_directory_without_manifest_is_refused(tmp_path):
     (tmp_path / "half").mkdir()
-    with pytest.raises(DataError, match=r"has no manifest\.json.*trainer\.prepare"):
+    with pytest.raises(DataError, match=r"has no manifest\.json.*moetrain\.prepare"):
         check_corpus(DataSection(source="tokens", path=str(tmp_path / "half")), ByteTokenizer())
 
 
 def test_a_large_corpus_is_refused_in_memory_with_the_prepare_command(tmp_path):
     corpus = write_jsonl(tmp_path / "big.jsonl", ["x" * 4096] * 600)  # ~2.4 MB
     cfg = DataSection(source="jsonl", path=str(corpus), max_in_memory_mb=1)
-    with pytest.raises(DataError, match=r"above data\.max_in_memory_mb=1.*trainer\.prepare"):
+    with pytest.raises(DataError, match=r"above data\.max_in_memory_mb=1.*moetrain\.prepare"):
         check_corpus(cfg, ByteTokenizer())
     check_corpus(replace(cfg, max_tokens=10_000), ByteTokenizer())  # capped: fine
 

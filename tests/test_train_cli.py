@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import train
+from moetrain import train
 from tests.distributed import run_train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -181,8 +181,8 @@ def test_a_refusal_under_torchrun_is_shown_every_time():
 
 
 def test_a_corrupt_safetensors_file_is_refused_by_name(tmp_path, capsys):
-    from models import get_model_spec
-    from trainer.config import load_config
+    from moetrain.config import load_config
+    from moetrain.models import get_model_spec
 
     cfg = load_config([DEBUG])
     hf_dir = tmp_path / "hf"

@@ -10,11 +10,11 @@ import shlex
 import numpy as np
 import pytest
 
+from moetrain.data.shards import ShardedTokens, read_manifest
+from moetrain.errors import DataError
+from moetrain.prepare.cli import main as prepare
 from tests.distributed import finish, launch_train
 from tests.test_tokens_source import BLOCK, DOCS, write_jsonl, write_shards_by_hand
-from trainer.data.shards import ShardedTokens, read_manifest
-from trainer.errors import DataError
-from trainer.prepare.cli import main as prepare
 
 
 def _flip(path, offset: int) -> None:
@@ -70,7 +70,7 @@ def test_the_refusal_names_the_command_that_repairs_it(tmp_path, capsys):
     with pytest.raises(DataError) as err:
         ShardedTokens(str(out), manifest)[0:10]
     command = re.search(r"redoes only damaged shards: (.*)$", str(err.value)).group(1)
-    assert command.startswith("python -m trainer.prepare --source jsonl --path")
+    assert command.startswith("python -m moetrain.prepare --source jsonl --path")
     assert str(corpus.parent) in command and f"--out {out}" in command
     # That command, run again, repairs the shard (its done marker no longer matches it).
     assert prepare(shlex.split(command)[3:]) == 0

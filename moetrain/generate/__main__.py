@@ -1,0 +1,5 @@
+import sys
+
+from moetrain.generate.cli import main
+
+sys.exit(main())

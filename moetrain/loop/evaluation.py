@@ -1,0 +1,160 @@
+"""The held-out loss (`[eval]`): the same samples every round, on any layout.
+
+Invariant: evaluation changes nothing of the training state. It runs under `torch.no_grad`
+on the samples `moetrain.data.run_data` set aside (never the training sampler), draws no
+random numbers, and the routers count only grad-enabled forwards, so parameters, optimizer
+state, routing bias, data position and RNG are as before; the EP dispatchers' byte counts it
+adds are dropped. A run with `eval.interval=1` trains bit for bit like one without.
+
+The loss is the token-weighted next-token cross-entropy over every held-out token: the sum
+of the per-token losses over all ranks, divided by the global token count (one float64
+all-reduce per round, per source). No aux or MTP term: it is the number to compare between
+runs and checkpoints. Rank r of the data-parallel ranks takes the r-th contiguous share of
+each source's samples; shares are padded to the same number of micro-batches with samples
+whose labels count no token, so that every rank runs the same forwards (FSDP, EP and CP
+need them) and the result does not change.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.data.batch import IGNORE_INDEX, Batch
+from moetrain.data.run_data import HeldOut
+from moetrain.loop.losses import model_inputs, with_mtp_targets
+from moetrain.models.spec import LossTerms
+from moetrain.parallelisms.context_parallel import ContextParallelAttention, use_cp_table
+from moetrain.parallelisms.cp_schedule import balanced_table, split_for_cp
+
+
+def _share(samples: int, dp_rank: int, dp_size: int) -> range:
+    per_rank = -(-samples // dp_size)
+    return range(min(dp_rank * per_rank, samples), min((dp_rank + 1) * per_rank, samples))
+
+
+class Evaluator:
+    def __init__(
+        self,
+        held_out: list[HeldOut],
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        prepare: Callable[[Batch], Batch],
+        terms: LossTerms,
+        document_mask: bool,
+    ) -> None:
+        """`prepare`: a micro-batch as the model takes it on this rank (device, MTP inputs,
+        this rank's part of each sequence under CP): the same path as training's."""
+        self.names = [h.name for h in held_out]
+        self.prepare, self.terms, self.document_mask = prepare, terms, document_mask
+        self.batches: list[list[Batch]] = []  # per source: this rank's micro-batches (CPU)
+        for h in held_out:
+            per_rank = -(-h.samples // dp_size)
+            rounds = -(-per_rank // micro_batch_size)
+            mine = [h.dataset[i] for i in _share(h.samples, dp_rank, dp_size)]
+            pad = _no_tokens(h.dataset[0])
+            mine += [pad] * (rounds * micro_batch_size - len(mine))
+            self.batches.append(
+                [
+                    Batch.stack(mine[a : a + micro_batch_size])
+                    for a in range(0, len(mine), micro_batch_size)
+                ]
+            )
+
+    def __call__(
+        self, model: nn.Module, pipeline: Callable[[list[Batch]], torch.Tensor] | None = None
+    ) -> dict[str, float]:
+        """`pipeline`: under pipeline stages, what runs a source's micro-batches through them
+        and returns this rank's [cross-entropy sum, tokens] (float64; zeros but on the last
+        stage's ranks). In eval mode (no dropout: no random draws), then back as it was."""
+        modes = {m: m.training for m in model.modules()}
+        model.eval()
+        try:
+            return self._evaluate(model, pipeline)
+        finally:
+            for module, training in modes.items():
+                module.train(training)
+
+    @torch.no_grad()
+    def _evaluate(
+        self, model: nn.Module, pipeline: Callable[[list[Batch]], torch.Tensor] | None
+    ) -> dict[str, float]:
+        sums = []  # per source: [cross-entropy sum, tokens], float64
+        rings = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
+        for batches in self.batches:
+            if pipeline is not None:
+                sums.append(pipeline([self.prepare(mb) for mb in batches]))
+                continue
+            total = torch.zeros(2, dtype=torch.float64)
+            for mb in batches:
+                mb = self.prepare(mb)
+                if mb.cp_table is not None:
+                    use_cp_table(rings, mb.cp_table)
+                out = model(
+                    mb.input_ids,
+                    mb.position_ids,
+                    **model_inputs(mb, self.terms, self.document_mask),
+                )
+                total[0] += token_loss_sum64(out.logits, mb.labels).cpu()
+                total[1] += (mb.labels != IGNORE_INDEX).sum().cpu()
+            sums.append(total)
+        device = next(model.parameters()).device
+        sums = torch.stack(sums).to(device)  # [sources, 2]
+        dist.all_reduce(sums)  # every rank holds distinct tokens (data- and cp-parallel)
+        sums = sums.cpu()
+        loss = float(sums[:, 0].sum() / sums[:, 1].sum())
+        record = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0))}
+        record["eval_tokens"] = int(sums[:, 1].sum())
+        if len(self.names) > 1:
+            for name, (ce, tokens) in zip(self.names, sums.tolist(), strict=True):
+                record[f"eval_loss/{name}"] = ce / tokens
+        return record
+
+
+def token_loss_sum64(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of the per-token cross-entropies (fp32) of logits [B, S, V]."""
+    ce = F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    return ce.double().sum()
+
+
+def _no_tokens(sample: Batch) -> Batch:
+    """A sample that runs through the model like any other but counts no token."""
+    return Batch(
+        input_ids=sample.input_ids,
+        labels=torch.full_like(sample.labels, IGNORE_INDEX),
+        position_ids=sample.position_ids,
+        document_ids=sample.document_ids,
+    )
+
+
+def batch_preparer(
+    device: torch.device, mtp_depth: int, cp: int, cp_rank: int, layout: str
+) -> Callable[[Batch], Batch]:
+    """What the training loop does to a loaded micro-batch before the model sees it.
+    `layout`: `parallel.cp_layout`; a balanced one's table comes with the batch (the rings
+    read it: `moetrain.parallelisms.context_parallel.use_cp_table`)."""
+
+    def prepare(batch: Batch) -> Batch:
+        # NOTE: from the loader's host copy: the greedy fill reads the work on the host, and
+        # after the copy to a GPU that would wait for it on every micro-batch
+        balanced = cp > 1 and layout == "balanced"
+        table = balanced_table(batch.document_ids, cp) if balanced else None
+        batch = batch.to(device)
+        if mtp_depth:  # before the cp split: depth k reads tokens k ahead
+            batch = with_mtp_targets(batch, mtp_depth)
+        if cp > 1:  # this rank's part of each sequence, true positions kept
+            zigzag = layout == "zigzag"
+            batch = batch.map(lambda t: split_for_cp(t, cp_rank, cp, zigzag, table))
+            batch = replace(batch, cp_table=table)
+        return batch
+
+    return prepare

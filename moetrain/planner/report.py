@@ -1,0 +1,214 @@
+"""The planner's report (`python -m moetrain.planner`): what a measured layout holds and moves
+per rank (`report`, the JSON's figures), and its printed form (`format_report`)."""
+
+from __future__ import annotations
+
+from moetrain.planner.layout_cost import Layout, peak_bytes, step_bytes, update_bytes
+
+GIB = 2**30
+
+
+# --- the report --------------------------------------------------------------------------
+
+
+def _ranges(values: list[str]) -> list[tuple[str, str]]:
+    """Collapse equal consecutive per-rank values: [('0-6', v), ('7', w)]."""
+    out, start = [], 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[start]:
+            out.append((f"{start}" if i - start == 1 else f"{start}-{i - 1}", values[start]))
+            start = i
+    return out
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def _count(n: int) -> str:
+    """A parameter count, exact and, from a million on, in M or B: 671,026,522,112 (671.0B)."""
+    if n < 1e6:
+        return f"{n:,}"
+    return f"{n:,} ({n / 1e9:.1f}B)" if n >= 1e9 else f"{n:,} ({n / 1e6:.1f}M)"
+
+
+def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str, int]]) -> dict:
+    cfg, dims, s = layout.cfg, layout.dims, layout.state
+    world = dims.world_size
+    per_rank = [
+        {
+            "rank": r,
+            "params": s.params[r],
+            "grads": s.grads[r],
+            "optimizer": s.optimizer[r],
+            "frozen": s.frozen[r],
+        }
+        for r in range(world)
+    ]
+    pc = layout.pipeline
+    modes = {
+        m: {
+            "activation_peak": max(pc.activations[m]) if pc else t.activations,
+            "saved_after_forward": t.saved_after_forward,
+            "step_increase_rank0": step_bytes(layout, m),
+            "peak_rank0": peak_bytes(layout, m),
+        }
+        for m, t in layout.activations.items()
+    }
+    out = {
+        "model": cfg.model.name,
+        "world_size": world,
+        "layout": {
+            "dp_replicate": dims.dp_replicate,
+            "dp_shard": dims.dp_shard,
+            "cp": dims.cp,
+            "ep": dims.ep,
+        },
+        "micro_batch": [cfg.train.micro_batch_size, cfg.data.seq_len],
+        "activation_checkpoint": cfg.train.activation_checkpoint,
+        "per_rank": per_rank,
+        "fsdp_buffers": layout.fsdp_buffers,
+        # the update (norm, clip, optimizer step): gradients and the step's temporaries
+        "update_increase_rank0": update_bytes(layout),
+        "modes": modes,
+        "per_step": layout.comm,
+        "peak": peak_bytes(layout, cfg.train.activation_checkpoint),
+    }
+    if cfg.peft.method == "lora":
+        out["frozen_base_dtype"] = cfg.peft.base_dtype
+    if pc is not None:
+        out["layout"].update(pp=dims.pp, pp_schedule=pc.schedule)
+        out["pipeline"] = {
+            "schedule": pc.schedule,
+            "micro_batches": pc.micro_batches,
+            "stage_flops_share": pc.flops_share,
+            "hidden_bytes": pc.hidden_bytes,
+            "pp_ranks": [
+                {
+                    "stages": r.stages,
+                    "p2p_bytes": r.p2p,
+                    "step_buffers": r.step_buffers,
+                    "activations": {m: a[i] for m, a in pc.activations.items()},
+                }
+                for i, r in enumerate(pc.ranks)
+            ],
+        }
+    c, ac = layout.comm, cfg.train.activation_checkpoint
+    out["fsdp_gather"] = {
+        "configured": layout.dims.fsdp_gather(cfg.parallel.fsdp_gather),  # auto resolved
+        "micro_batch": {
+            "all_gather": c["fsdp_all_gather"],
+            "reduce_scatter": c["fsdp_reduce_scatter"],
+            "peak": peak_bytes(layout, ac, gather="micro_batch"),
+        },
+        "step": {
+            "all_gather": c["fsdp_all_gather_once"],
+            "reduce_scatter": c["fsdp_reduce_scatter_once"],
+            "peak": peak_bytes(layout, ac, gather="step"),
+        },
+    }
+    if gpu_memory is not None:
+        out["gpu_memory_gib"] = gpu_memory
+        out["fits"] = out["peak"] <= gpu_memory * GIB
+        out["suggestions"] = [{"flag": flag, "peak": peak} for flag, peak in suggestions]
+        out["fsdp_gather"]["pick"] = pick_fsdp_gather(out["fsdp_gather"], c, gpu_memory * GIB)
+    return out
+
+
+def pick_fsdp_gather(options: dict, comm: dict, budget: float) -> str:
+    """`step` where it moves fewer bytes (more than one micro-batch per step) and its peak
+    fits the budget; else `micro_batch`, which needs the least memory."""
+    step = options["step"]
+    fewer = step["all_gather"] + step["reduce_scatter"] < (
+        options["micro_batch"]["all_gather"] + options["micro_batch"]["reduce_scatter"]
+    )
+    return (
+        "step" if comm["micro_batches"] > 1 and fewer and step["peak"] <= budget else "micro_batch"
+    )
+
+
+def format_report(r: dict) -> str:
+    # GiB for real models, MiB for the debug ones
+    unit, name = (GIB, "GiB") if r["peak"] >= GIB else (2**20, "MiB")
+    g = lambda n: f"{n / unit:8.2f}"  # noqa: E731
+    lay = r["layout"]
+    pipe = r.get("pipeline")
+    staged = f"pp {lay['pp']} ({lay['pp_schedule']}), " if pipe else ""
+    lines = [
+        f"{r['model']} on {r['world_size']} ranks: {staged}dp_replicate {lay['dp_replicate']}, "
+        f"dp_shard {lay['dp_shard']}, cp {lay['cp']}, ep {lay['ep']}; micro-batch "
+        f"{r['micro_batch'][0]} x {r['micro_batch'][1]} tokens, "
+        f"{r['per_step']['micro_batches']} per step",
+    ]
+    if "parameters" in r:  # the model's own size: the first check of a new model's config
+        n = r["parameters"]
+        lines.append(
+            f"parameters: {_count(n['total'])} total, {_count(n['active'])} active per "
+            "token (each routed expert at top_k / experts)"
+        )
+    lines += ["", f"{name} per rank   params    grads  optimizer"]
+    rows = [f"{g(p['params'])} {g(p['grads'])} {g(p['optimizer'])}" for p in r["per_rank"]]
+    for ranks, row in _ranges(rows):  # ranks whose figures print alike share a line
+        lines.append(f"ranks {ranks:<8}{row}")
+    if "frozen_base_dtype" in r:  # LoRA: how much of params is the base (peft.base_dtype)
+        held = [f"{g(p['frozen']).strip()}" for p in r["per_rank"]]
+        where = ", ".join(f"ranks {ranks} {v}" for ranks, v in _ranges(held))
+        lines.append(
+            f"(of the params, the frozen base in {r['frozen_base_dtype']}: {where} {name})"
+        )
+    lines += [
+        "",
+        "activation_checkpoint  activations  rank peak (+ FSDP buffers "
+        f"{r['fsdp_buffers'] / unit:.2f} {name})",
+    ]
+    for mode, m in r["modes"].items():
+        mark = "  <- configured" if mode == r["activation_checkpoint"] else ""
+        lines.append(f"{mode:<22}{g(m['activation_peak'])}     {g(m['peak_rank0'])}{mark}")
+    lines.append(
+        f"(a rank peak is the higher of the forward/backward and the optimizer step, "
+        f"which adds {r['update_increase_rank0'] / unit:.2f} {name}: gradients and "
+        "its temporaries)"
+    )
+    if pipe:
+        lines.append("pp rank  stages     activations per mode (none/selective/full)   sends")
+        for i, q in enumerate(pipe["pp_ranks"]):
+            acts = "/".join(f"{a / unit:.2f}" for a in q["activations"].values())
+            lines.append(
+                f"{i:<8} {','.join(map(str, q['stages'])):<10} {acts:<44} "
+                f"{q['p2p_bytes'] / unit:.2f} {name}"
+            )
+        lines.append(
+            "(under pp, FSDP keeps a stage's units gathered and its gradients "
+            "unsharded through the step, and gathers and reduces once per step: "
+            "parallel.fsdp_gather does not apply)"
+        )
+    c = r["per_step"]
+    lines += [
+        "",
+        f"per step, per rank ({name}): FSDP all-gather {c['fsdp_all_gather'] / unit:.2f}, "
+        f"reduce-scatter {c['fsdp_reduce_scatter'] / unit:.2f}"
+        + (f", HSDP all-reduce {c['hsdp_all_reduce'] / unit:.2f}" if c["hsdp_all_reduce"] else "")
+        + f"; EP all-to-all {c['ep_all_to_all'] / unit:.2f} (balanced routing; "
+        f"{c['ep_all_to_all_full_ac'] / unit:.2f} with full checkpointing); CP ring "
+        f"{c['cp_ring'] / unit:.2f}",
+    ]
+    f = r["fsdp_gather"]
+    for mode, label in (
+        () if pipe else (("micro_batch", "per micro-batch"), ("step", "once per step"))
+    ):
+        o = f[mode]
+        mark = "  <- configured" if mode == f["configured"] else ""
+        mark += "  <- pick" if f.get("pick") == mode else ""
+        lines.append(
+            f"FSDP gathers {label:<16} all-gather {o['all_gather'] / unit:.2f}, reduce-scatter "
+            f"{o['reduce_scatter'] / unit:.2f}, peak {_size(o['peak'])}"
+            f" (--parallel.fsdp_gather={mode}){mark}"
+        )
+    if "fits" in r:
+        verdict = "fits" if r["fits"] else "does NOT fit"
+        lines.append(f"\n--gpu-memory {r['gpu_memory_gib']:g}: peak {_size(r['peak'])}: {verdict}")
+        for s in r["suggestions"]:
+            lines.append(f"  fits with {s['flag']} ({_size(s['peak'])})")
+        if not r["fits"] and not r["suggestions"]:
+            lines.append("  no single knob tried brings it in (see docs: Will it fit?)")
+    return "\n".join(lines)

@@ -1,0 +1,153 @@
+"""A step's time on a layout: the step-time model over the planner's measured bytes and
+FLOPs (`estimate`; `python -m moetrain.planner`, and `--search` ranks layouts by it:
+`moetrain.planner.search`; docs/planner.md, "Step-time model").
+
+The model, per rank and step (every figure it uses is printed with the estimate):
+
+- compute: training FLOPs of the rank's tokens (the model's own `flops_per_token`, as MFU
+  counts them; `full` checkpointing adds one forward: x4/3; `selective` adds the GEMM
+  FLOPs its recomputed regions run again, measured: `recompute_cost`, DeepSeek-V3's MLA
+  up-projections, dense GEMMs) / (peak x efficiency);
+  with measured rates (`--gemm-rates FILE`, the JSON of `benchmarks/gemm_rates.py`) the
+  sum over kinds of kernel (dense GEMMs, grouped expert GEMMs, attention: the split the
+  model's count carries, `moetrain.models.common.flops.FlopsPerToken`) of each kind's FLOPs /
+  (peak x that kind's measured efficiency), instead of one constant efficiency;
+- each collective's bytes on the wire (ring algorithms: (n-1)/n of an all-gather or
+  reduce-scatter, 2(n-1)/n of an all-reduce; the all-to-all's bytes already leave the
+  rank) / the bandwidth of the link it crosses: inside a node while its group fits in one
+  (groups are runs of consecutive ranks, `moetrain.parallelisms.mesh`), else across nodes; an
+  all-to-all over more ranks than a node splits its bytes between the two, and its
+  two-stage dispatch (`moetrain.parallelisms.node_dispatch`) sends one row per (token, remote node)
+  across instead of one per (token, remote expert): `node_share` of them under uniform
+  routing, the crossed rows fanning out again inside the node after they arrive (the
+  stages' times add up);
+- overlap as the trainer has it: FSDP's gathers and reductions are prefetched and run
+  under compute, and so do the ring's transfers (posted before each block is computed), so
+  only what exceeds the compute shows; of the expert all-to-all, what `parallel.ep_overlap`
+  leaves in flight hides under the compute between its issue and its wait
+  (`a2a_cost.a2a_hidden`, which states the rule): step = compute + all-to-all - hidden +
+  max(0, background - compute) + optimizer;
+- the optimizer step: the bytes it streams through the busiest rank's memory
+  (`layout_cost.optimizer_memory`) at the GPU's memory bandwidth (`--memory-gbps`).
+
+Not modelled: element-wise work (norms, activations, the routing's permutations), host
+synchronisations, routing imbalance (balanced routing, as the byte counts), latency of
+small messages; without `--gemm-rates`, kernel efficiency by shape.
+"""
+
+from __future__ import annotations
+
+from moetrain.planner.a2a_cost import a2a_hidden, a2a_seconds, overlap_shares
+from moetrain.planner.hardware import GB, Hardware, link
+from moetrain.planner.pipeline_cost import pipeline_step
+from moetrain.planner.recompute_cost import recomputed_per_token
+
+
+def estimate(
+    layout,
+    mode: str,
+    flops_per_token: float,
+    hw: Hardware,
+    by_kind: dict | None = None,
+    overlap: str | None = None,
+) -> dict:
+    """Step time of `layout` (a `layout_cost.Layout`) under checkpointing `mode`; with
+    `by_kind` (`rates_by_kind`), the compute from each kind's FLOPs and measured efficiency
+    instead of the whole count at `hw.efficiency`; `overlap`: parallel.ep_overlap (None:
+    the layout's)."""
+    cfg, dims, comm = layout.cfg, layout.dims, layout.comm
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len  # per step, all ranks
+    replay = 4 / 3 if mode == "full" else 1.0
+    flops = flops_per_token * tokens / dims.world_size * replay
+    # what `selective` runs again in backward, per token, by kind (measured)
+    again = recomputed_per_token(layout.activations) if mode == "selective" else {}
+    flops += sum(again.values()) * tokens / dims.world_size
+    by_kind_s = None
+    if by_kind is None:
+        compute_s = (
+            flops_per_token * tokens / dims.world_size * replay / (hw.tflops * 1e12 * hw.efficiency)
+        )
+        again_s = {
+            k: f * tokens / dims.world_size / (hw.tflops * 1e12 * hw.efficiency)
+            for k, f in again.items()
+        }
+    else:
+        by_kind_s = {
+            k: f * tokens / dims.world_size * replay / (hw.tflops * 1e12 * e)
+            for k, (f, e) in by_kind.items()
+        }
+        compute_s = sum(by_kind_s.values())
+        # a kind the model's split lacks runs at its dense GEMMs' efficiency
+        eff = lambda k: by_kind.get(k, by_kind.get("dense", (0.0, hw.efficiency)))[1]  # noqa: E731
+        again_s = {
+            k: f * tokens / dims.world_size / (hw.tflops * 1e12 * eff(k)) for k, f in again.items()
+        }
+    recompute_s = sum(again_s.values())
+    fsdp_n = dims.dp_shard * dims.cp
+    ring_f = (fsdp_n - 1) / fsdp_n
+    once = dims.fsdp_gather(cfg.parallel.fsdp_gather) == "step"
+    gather = comm["fsdp_all_gather_once" if once else "fsdp_all_gather"]
+    scatter = comm["fsdp_reduce_scatter_once" if once else "fsdp_reduce_scatter"]
+    seconds = {
+        "fsdp": (gather + scatter) * ring_f / (link(fsdp_n, hw) * GB),
+        # replicas are fsdp_n ranks apart: across nodes once a shard group fills a node
+        "hsdp": comm["hsdp_all_reduce"]
+        * 2
+        * (dims.dp_replicate - 1)
+        / dims.dp_replicate
+        / (link(fsdp_n * dims.dp_replicate, hw) * GB),
+        "cp_ring": comm["cp_ring_full_ac" if mode == "full" else "cp_ring"]
+        / (link(dims.cp, hw) * GB),
+    }
+    a2a = comm["ep_all_to_all_full_ac" if mode == "full" else "ep_all_to_all"]
+    seconds["ep_all_to_all"], share = a2a_seconds(a2a, layout, hw)
+    background = seconds["fsdp"] + seconds["hsdp"] + seconds["cp_ring"]
+    # the shares of the compute under which a MoE layer's all-to-all may run
+    hides, form = overlap_shares(flops_per_token, by_kind_s), overlap or cfg.parallel.ep_overlap
+    # the optimizer step streams the rank's state once per step, after the last backward
+    optimizer_s = comm["optimizer_memory"] / (hw.memory_gbps * GB)
+    if layout.pipeline is not None:
+        step_s, extra = pipeline_step(
+            layout, mode, compute_s, seconds, hw, hides, form, recompute_s
+        )
+        step_s += optimizer_s
+        return {
+            "flops_per_rank": flops,
+            "compute_s": extra.pop("compute_s"),
+            "comm_s": seconds,
+            "node_share": share,
+            "experts": layout.experts,
+            "top_k": layout.top_k,
+            "optimizer_s": optimizer_s,
+            "step_s": step_s,
+            "tokens_per_s": tokens / step_s,
+            "recompute_s": recompute_s,
+            "recomputed_flops_per_token": sum(again.values()),
+            **extra,
+        }
+    forwards = 2 if mode == "full" else 1  # the replay's forward moves its tokens again
+    pass_s = seconds["ep_all_to_all"] / (forwards + 1)
+    experts_s, shared_s = (compute_s / (forwards + 2) * h for h in hides)  # in one forward
+    hidden = forwards * a2a_hidden(form, pass_s, experts_s, shared_s)
+    hidden += a2a_hidden(form, pass_s, 2 * experts_s, 2 * shared_s)  # backward: twice
+    compute_s += recompute_s  # the rebuilds run in backward, under no all-to-all of theirs
+    step_s = compute_s + seconds["ep_all_to_all"] - hidden + max(0.0, background - compute_s)
+    step_s += optimizer_s
+    out = {
+        "flops_per_rank": flops,
+        "compute_s": compute_s,
+        "recompute_s": recompute_s,  # of compute_s, what `selective` runs again
+        "recomputed_flops_per_token": sum(again.values()),
+        "comm_s": seconds,
+        "ep_hidden_s": hidden,  # of comm_s["ep_all_to_all"], what runs under compute
+        "exposed_background_s": max(0.0, background - compute_s),
+        "optimizer_s": optimizer_s,  # the optimizer step, at the GPU's memory bandwidth
+        "node_share": share,  # of the remote all-to-all rows, what crosses nodes
+        "experts": layout.experts,
+        "top_k": layout.top_k,
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+    }
+    if by_kind_s is not None:
+        out["compute_by_kind_s"] = {k: v + again_s.get(k, 0.0) for k, v in by_kind_s.items()}
+    return out

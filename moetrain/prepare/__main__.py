@@ -1,0 +1,5 @@
+import sys
+
+from moetrain.prepare.cli import main
+
+sys.exit(main())

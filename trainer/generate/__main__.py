@@ -1,5 +1,0 @@
-import sys
-
-from trainer.generate.cli import main
-
-sys.exit(main())

@@ -1,5 +1,0 @@
-import sys
-
-from trainer.prepare.cli import main
-
-sys.exit(main())
