@@ -73,7 +73,8 @@ def check_prepared(corpus: PreparedCorpus, cfg: DataSection, tokenizer: Tokenize
             f"data.seq_len={cfg.seq_len}; prepare more text into it or lower data.seq_len"
         )
     if manifest.loss_mask:  # whole documents only: one that fits is needed, not many tokens
-        check_some_fit(document_lengths(corpus), cfg.seq_len, f"{key}: {path}")
+        pairs = manifest.preference
+        check_some_fit(document_lengths(corpus), cfg.seq_len, f"{key}: {path}", pairs)
 
 
 def check_corpus(cfg: DataSection, tokenizer: Tokenizer, corpora: Corpora | None = None) -> None:

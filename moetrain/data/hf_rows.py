@@ -41,14 +41,19 @@ def load_hf_dataset(path: str, split: str, field: str | None, opts: Options) -> 
 
 def chat_columns(columns: list[str], where: str) -> list[str]:
     """The columns that hold a conversation: `messages` or ShareGPT's `conversations`, and
-    `tools` if there is one (moetrain/prepare/chat_messages.py reads them)."""
+    `tools` if there is one (moetrain/prepare/chat_messages.py reads them); or a preference
+    pair's: `chosen`, `rejected` and `prompt` if there is one (moetrain/prepare/preference.py)."""
+    tools = ["tools"] if "tools" in columns else []
     for name in ("messages", "conversations"):
         if name in columns:
-            return [name] + (["tools"] if "tools" in columns else [])
+            return [name, *tools]
+    if "chosen" in columns and "rejected" in columns:
+        return [c for c in ("prompt", "chosen", "rejected") if c in columns] + tools
     raise DataError(
         f"{where} has the columns {columns}, none of which holds conversations: --format chat "
         "reads a 'messages' column (a list of {role, content}) or ShareGPT's 'conversations' "
-        "(a list of {from, value}), with an optional 'tools' column"
+        "(a list of {from, value}), --format preference 'chosen' and 'rejected' (and "
+        "'prompt'), each with an optional 'tools' column"
     )
 
 

@@ -102,6 +102,9 @@ class Manifest:
     format: str = FORMAT
     block_bytes: int = BLOCK_BYTES  # the .crc files' block size
     loss_mask: bool = False  # shards carry .mask files (`prepare --format chat|prompt_completion`)
+    # `prepare --format preference`: documents 2k and 2k + 1 are pair k's chosen and rejected
+    # sides (a shard holds whole pairs)
+    preference: bool = False
     # `python -m moetrain.prepare ...` that writes these bytes, less `--out` (a re-run resumes)
     command: str = ""
 
@@ -126,6 +129,7 @@ class Manifest:
             format=d.get("format", "?"),
             block_bytes=d.get("block_bytes", BLOCK_BYTES),
             loss_mask=d.get("loss_mask", False),
+            preference=d.get("preference", False),
             command=d.get("command", ""),
         )
 

@@ -38,11 +38,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=None, help="processes (default: cores)")
     parser.add_argument(
         "--format",
-        choices=("text", "chat", "prompt_completion"),
+        choices=("text", "chat", "prompt_completion", "preference"),
         default="text",
         help="jsonl lines: text (--text-field), chat ({messages: [{role, content}]}: the loss "
         "covers the assistant turns; --tokenizer names the model directory with its chat "
-        "template) or prompt_completion ({prompt, completion}: the loss covers the completion)",
+        "template), prompt_completion ({prompt, completion}: the loss covers the completion) "
+        "or preference (TRL's conversational pairs {prompt, chosen, rejected}, or {chosen, "
+        "rejected} sharing a prompt: two adjacent documents, each side's answer trained as "
+        "chat trains a last answer; for train.objective=dpo)",
     )
     parser.add_argument(
         "--chat-template",
@@ -117,18 +120,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--source and --path are required (unless --verify or --show)")
     if args.format == "prompt_completion" and args.source != "jsonl":
         parser.error("--format prompt_completion reads JSON lines: use --source jsonl")
-    if args.format == "chat" and args.source == "text":
+    if args.format in ("chat", "preference") and args.source == "text":
         parser.error(
-            "--format chat reads JSON lines or dataset rows: use --source jsonl or hf_datasets"
+            f"--format {args.format} reads JSON lines or dataset rows: use --source jsonl or "
+            "hf_datasets"
         )
     chat_only = (
-        ("--chat-template", args.chat_template, None),
-        ("--chat-turns", args.chat_turns, "auto"),
-        ("--chat-template-kwargs", args.chat_template_kwargs, None),
-        ("--tool-arguments", args.tool_arguments, "auto"),
+        ("--chat-template", args.chat_template, None, ("chat", "preference")),
+        ("--chat-turns", args.chat_turns, "auto", ("chat",)),
+        ("--chat-template-kwargs", args.chat_template_kwargs, None, ("chat", "preference")),
+        ("--tool-arguments", args.tool_arguments, "auto", ("chat", "preference")),
     )
-    for flag, value, default in chat_only:
-        if value != default and args.format != "chat":
+    for flag, value, default, formats in chat_only:
+        if value != default and args.format not in formats:
+            if formats == ("chat",) and args.format == "preference":
+                parser.error(
+                    f"{flag} picks a conversation's renderings; --format preference renders "
+                    "each side's one answer as its last: remove it"
+                )
             parser.error(f"{flag} renders conversations: it needs --format chat")
     if args.chat_template_kwargs is not None:
         try:

@@ -1,4 +1,4 @@
-"""One work unit of `prepare --format chat|prompt_completion`: lines of JSON (or rows of a
+"""One work unit of `prepare --format chat|prompt_completion|preference`: lines of JSON (or rows of a
 Hugging Face dataset) to documents with a loss mask (`moetrain.prepare.instructions`),
 written as one shard with them.
 
@@ -21,7 +21,7 @@ from moetrain.data import hf_rows, reader
 from moetrain.data.utf8 import OnReplaced, Replaced, decode_lines
 from moetrain.errors import DataError
 from moetrain.fileio import write_atomic
-from moetrain.prepare import instructions, truncate
+from moetrain.prepare import instructions, preference, truncate
 from moetrain.prepare.encode import BATCH_CHARS
 from moetrain.prepare.unit_files import (
     Job,
@@ -121,7 +121,10 @@ def run_instruction_unit(job: Job, index: int, report: Report, alive: Callable[[
                     modes["documents"] += len(rendered)
                     modes["tokens"] += sum(len(ids) + 1 for ids, *_ in rendered)
                     modes["one_rendering"] += len(rendered[-1][0]) + 1
-                new = truncate.fit_instruction(rendered, job["truncate"], cuts)
+                if job["format"] == "preference":  # a pair fits whole or is left out
+                    new = preference.fit_pair(rendered, job["truncate"], cuts)
+                else:
+                    new = truncate.fit_instruction(rendered, job["truncate"], cuts)
                 docs += new
                 pending += sum(len(ids) for ids, _, _ in new)
             if pending >= BATCH_CHARS // 4:  # ~1 MB of text's tokens at a time

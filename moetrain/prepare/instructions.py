@@ -1,4 +1,5 @@
-"""`--format chat|prompt_completion`: instruction data rendered to tokens and a loss mask.
+"""`--format chat|prompt_completion|preference`: instruction data rendered to tokens and a
+loss mask.
 
 - chat: a record (a JSON line or a dataset row; `chat_messages.py`: `messages` or ShareGPT's
   `conversations`, tool calls and a `tools` list) is rendered with the tokenizer's own chat
@@ -10,6 +11,8 @@
   `chat_tools.py`; each answer's trained text checked: `chat_trained.py`.
 - prompt_completion: `{"prompt": ..., "completion": ...}` tokenized separately (so the
   boundary never merges) and concatenated; the loss covers the completion and the EOS.
+- preference: a pair (TRL's conversational layout) as two adjacent documents, chosen then
+  rejected, each rendered as chat renders a conversation's last answer (`preference.py`).
 
 Every document ends with EOS, a target after a completion, and after a conversation's last
 answer when its template writes no end-of-turn text. Bad lines are refused by file:line with
@@ -29,13 +32,15 @@ from typing import Any
 import numpy as np
 
 from moetrain.errors import DataError
-from moetrain.prepare import chat_turns
+from moetrain.prepare import chat_turns, preference
 from moetrain.prepare.chat_messages import conversation_of
 from moetrain.prepare.chat_template import check_syntax, read_template, rendering, template_origin
 from moetrain.prepare.chat_tokens import Tokens
 from moetrain.prepare.truncate import Rendered
 
-FORMATS = ("text", "chat", "prompt_completion")
+FORMATS = ("text", "chat", "prompt_completion", "preference")
+# The formats rendered with a chat template (`preference`: each side as chat's last answer).
+RENDERED = ("chat", "preference")
 
 # A longer line (one conversation, or prompt/completion pair) is refused before it is read
 # whole: a worker holds a few copies of one (the line, its text, the renderings) and its
@@ -47,7 +52,9 @@ MAX_LINE_BYTES = 32 << 20
 
 def too_long(fmt: str, where: str) -> DataError:
     """The refusal of a `--format chat|prompt_completion` line over MAX_LINE_BYTES."""
-    what = "conversation" if fmt == "chat" else "prompt/completion pair"
+    what = {"chat": "conversation", "preference": "preference pair"}.get(
+        fmt, "prompt/completion pair"
+    )
     return DataError(
         f"{where}: this {what} is longer than {MAX_LINE_BYTES / 2**20:g} MiB, the most one line "
         "of instruction data may hold (a prepare worker's memory stays within 1 GiB); at "
@@ -147,7 +154,7 @@ def _tokenizer(job: dict) -> Any:
     arguments = job.get("tool_arguments", "auto")
     key = (job["format"], job["tokenizer_arg"], str(job.get("chat_template")), options, arguments)
     if key not in _TOKENIZERS:
-        if job["format"] == "chat":
+        if job["format"] in RENDERED:
             tok = chat_tokenizer(job["tokenizer_arg"], job.get("chat_template"))
             origin = template_origin(job["tokenizer_arg"], job.get("chat_template"))
             _TOKENIZERS[key] = chat_turns.Renderer(
@@ -167,6 +174,8 @@ Documents = list[Rendered]
 def documents(job: dict, record: Any, where: Where) -> tuple[Documents, str | None]:
     """The documents of one record (a parsed JSON line or a dataset row), EOS not included,
     and for a conversation the `--chat-turns` mode that rendered it."""
+    if job["format"] == "preference":
+        return _pair_documents(job, record, where), None
     if job["format"] == "chat":
         conversation = conversation_of(record, where)
         origin = template_origin(job["tokenizer_arg"], job.get("chat_template"))
@@ -184,6 +193,20 @@ def documents(job: dict, record: Any, where: Where) -> tuple[Documents, str | No
     mask = np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(c), np.uint8)])
     ids = np.concatenate([p, c]).astype(np.int64)
     return [(ids, mask, 1, (len(ids),))], None  # the EOS: a target, the completion's end
+
+
+def _pair_documents(job: dict, record: Any, where: Where) -> Documents:
+    """A preference pair's two documents, chosen then rejected (`preference.py`): each side
+    rendered as `--chat-turns last` renders a conversation's last answer."""
+    sides = preference.pair_messages(record, where)
+    origin = template_origin(job["tokenizer_arg"], job.get("chat_template"))
+    docs = []
+    with rendering(origin, where):
+        for side in sides:
+            (doc,), _ = chat_turns.render_conversation(_tokenizer(job), side, "last", where)
+            docs.append((doc.ids, doc.mask, int(doc.eos_target), doc.answer_ends))
+    preference.check_same_prompt(docs, where)
+    return docs
 
 
 def parse(line: str, where: Callable[[], str]) -> Any:

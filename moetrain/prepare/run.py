@@ -277,13 +277,15 @@ def prepare(args: PrepareArgs) -> Summary:
             source=source,
             command=repeat_command(args),
             loss_mask=args.format != "text",
+            preference=args.format == "preference",
         )
         if manifest.num_documents == 0:
             dropped = sum(r.get("dropped_documents", 0) for r in results)
             if dropped:
+                what = "pairs" if args.format == "preference" else "documents"
                 raise DataError(
                     f"--truncate {args.truncate} left out every one of the {dropped:,} "
-                    "documents: not one has a trained answer that fits whole in that many "
+                    f"{what}: not one has a trained answer that fits whole in that many "
                     "tokens; raise --truncate (and data.seq_len with it), with --overwrite"
                 )
             raise DataError(

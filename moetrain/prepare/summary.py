@@ -39,8 +39,9 @@ class Summary:
     def line(self) -> str:
         rate = self.bytes_read / self.seconds if self.seconds > 0 else 0.0
         reused = f", {self.units_reused} shards reused" if self.units_reused else ""
+        pairs = f" ({self.documents // 2:,} pairs)" if self.format == "preference" else ""
         return (
-            f"prepared {self.documents:,} documents, {self.tokens:,} tokens, {self.shards} "
+            f"prepared {self.documents:,} documents{pairs}, {self.tokens:,} tokens, {self.shards} "
             f"shards: read {decimal_size(self.bytes_read)} of {self.input_kind} in "
             f"{self.seconds:.1f} s ({decimal_size(rate)}/s), wrote "
             f"{decimal_size(self.bytes_written)} of shards{reused}"
@@ -53,6 +54,11 @@ class Summary:
             return None
         if self.format == "text":
             return f"truncate {n}: {self.truncated:,} documents cut at {n} tokens (and EOS)"
+        if self.format == "preference":
+            return (
+                f"truncate {n}: {self.dropped:,} pairs left out (their two sides, each with "
+                f"its EOS, do not fit one sample of {n} tokens; a side's answer is never cut)"
+            )
         return (
             f"truncate {n}: {self.truncated:,} documents longer than {n} tokens (and EOS) cut "
             f"after their last whole answer that fits, {self.dropped:,} left out (no answer "

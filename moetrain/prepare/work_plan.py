@@ -39,7 +39,7 @@ class PrepareArgs:
     shard_mb: float = 256.0  # target input MiB per work unit (= per shard)
     overwrite: bool = False
     progress: bool = False
-    format: str = "text"  # text | chat | prompt_completion (moetrain/prepare/instructions.py)
+    format: str = "text"  # text | chat | prompt_completion | preference (instructions.py)
     chat_template: str | None = None  # --format chat: a Jinja file instead of the tokenizer's
     chat_turns: str = "auto"  # --format chat: which renderings train the answers (chat_turns.py)
     chat_template_kwargs: str | None = None  # --format chat: the template's options, JSON
@@ -67,7 +67,9 @@ def repeat_command(args: PrepareArgs) -> str:
     if args.chat_template is not None:
         words += ["--chat-template", absolute(args.chat_template)]
     if args.format == "chat":
-        words += ["--chat-turns", args.chat_turns, "--tool-arguments", args.tool_arguments]
+        words += ["--chat-turns", args.chat_turns]
+    if args.format in instructions.RENDERED:
+        words += ["--tool-arguments", args.tool_arguments]
     if args.chat_template_kwargs is not None:  # compact and ordered: one text per meaning
         options = json.dumps(args.template_options(), sort_keys=True, separators=(",", ":"))
         words += ["--chat-template-kwargs", options]
@@ -156,16 +158,16 @@ def _chat_source(args: PrepareArgs) -> dict[str, Any]:
     """What decides a chat corpus' tokens besides its files: the template (a changed one is
     new data), its options (refused when the template cannot take them), which renderings
     train the answers, and the form of tool-call arguments (with what `auto` resolved to)."""
-    if args.format != "chat":
+    if args.format not in instructions.RENDERED:
         return {}
     tok = instructions.chat_tokenizer(args.tokenizer, args.chat_template)
     origin = template_origin(args.tokenizer, args.chat_template)
     check_options(tok, args.template_options(), origin)
     renderer = Renderer(tok, args.template_options(), args.tool_arguments, origin)
     return {
-        "format": "chat",
+        "format": args.format,
         "chat_template_sha256": hashlib.sha256(str(tok.chat_template).encode()).hexdigest(),
-        "chat_turns": args.chat_turns,
+        **({"chat_turns": args.chat_turns} if args.format == "chat" else {}),
         "chat_template_kwargs": args.template_options(),
         "tool_arguments": args.tool_arguments,
         "tool_arguments_rendered": renderer.tool_arguments,
@@ -199,7 +201,7 @@ def plan_source(args: PrepareArgs, target: int) -> tuple[dict, list[str], list[d
         sizes = [s.st_size for s in stats]
         return source, files, plan_file_units(files, sizes, target, args.source == "jsonl")
     if args.source == "hf_datasets":
-        chat = args.format == "chat"  # the conversation's columns, not one text column
+        chat = args.format in instructions.RENDERED  # a record's columns, not one text column
         ds = worker.load_hf(args.path, args.split, None if chat else args.text_field)
         cache = sorted({c["filename"] for c in ds.cache_files})
         local = os.path.expanduser(args.path)
