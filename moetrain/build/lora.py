@@ -14,7 +14,9 @@ Which modules: `peft.targets` names kinds the model's plan locates (moetrain/mod
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -148,3 +150,19 @@ def hold_frozen_base(model: nn.Module, plan: ParallelPlan, peft: PeftSection) ->
         if not param.requires_grad and id(param) not in keep:
             # NOTE: in place, as Module.to does: tied weights stay one Parameter
             param.data = param.data.to(torch.bfloat16)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run `model` as its frozen base inside: every LoRA module's adapters off, back as they
+    were on leaving (DPO's reference, moetrain/loop/preference.py). A model without adapters
+    runs as it is."""
+    modules = [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAGroupedExperts))]
+    before = [m.adapters_enabled for m in modules]
+    for module in modules:
+        module.adapters_enabled = False
+    try:
+        yield
+    finally:
+        for module, enabled in zip(modules, before, strict=True):
+            module.adapters_enabled = enabled

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import fields, is_dataclass
 from importlib.metadata import version
 
+from moetrain.config.objective_checks import objective_problems
 from moetrain.config.schema import JobConfig
 from moetrain.models.common.args import field_problems
 from moetrain.parallelisms.dims import (
@@ -156,6 +157,7 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
         f"debug.inject_nonfinite_count={t.steps - inject + 1} or less, or raise train.steps",
     )
     problems += _pipeline_problems(cfg)
+    problems += objective_problems(cfg)
     need(
         p.ep_overlap != "chunks" or p.ep > 1,
         "parallel.ep_overlap=chunks splits each MoE layer's tokens to overlap the expert "

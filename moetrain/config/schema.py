@@ -15,6 +15,7 @@ from functools import cache
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from moetrain.config.moe_peft import MoESection, PeftSection  # noqa: F401  (sections of JobConfig)
+from moetrain.config.objective import OBJECTIVES, DpoSection
 from moetrain.config.parallel_section import ParallelSection  # noqa: F401  (a section of JobConfig)
 from moetrain.models.common.args import arg
 
@@ -113,6 +114,12 @@ MIN_SPIKE_HISTORY = 10
 
 @dataclass
 class TrainSection:
+    objective: str = arg(
+        "sft",
+        "sft (next-token cross-entropy over the trained tokens) | dpo (preference pairs of "
+        "`prepare --format preference`: the [dpo] section)",
+        choices=OBJECTIVES,
+    )
     steps: int = arg(100, "optimizer steps to run", ge=1)
     seed: int = arg(0, "seed of weight init and data order (same seed -> same run on any layout)")
     global_batch_size: int = arg(
@@ -319,6 +326,7 @@ class JobConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     moe: MoESection = field(default_factory=MoESection)
     peft: PeftSection = field(default_factory=PeftSection)
+    dpo: DpoSection = field(default_factory=DpoSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     eval: EvalSection = field(default_factory=EvalSection)

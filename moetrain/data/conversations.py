@@ -129,6 +129,7 @@ class PackedConversations(Dataset):
             truncated=max_tokens is not None and len(kept_units) < int((chosen & fits).sum()),
             fingerprint=fingerprint,
             left_out=self.left_out,
+            pairs=self.pairs,
         )
 
     def __len__(self) -> int:

@@ -98,6 +98,27 @@ def check_corpus(cfg: DataSection, tokenizer: Tokenizer, corpora: Corpora | None
         raise DataError(f"data.source={cfg.source!r} data.path={cfg.path!r}: the corpus is empty")
 
 
+def check_objective(objective: str, corpora: Corpora) -> None:
+    """`train.objective=dpo` reads preference corpora alone, and an SFT run none: it would
+    train the rejected answers as well as the chosen ones."""
+    for corpus in corpora.by_path.values():
+        if corpus.manifest.preference == (objective == "dpo"):
+            continue
+        if objective == "dpo":
+            made = "--format " + str(corpus.manifest.source.get("format", "text"))
+            raise DataError(
+                f"{corpus.key}: {corpus.path} holds no preference pairs (prepared with "
+                f"{made}), and train.objective=dpo trains on pairs; prepare it with "
+                "`python -m moetrain.prepare --format preference`"
+            )
+        raise DataError(
+            f"{corpus.key}: {corpus.path} holds preference pairs (--format preference), and "
+            f"train.objective={objective} would train the rejected answers as well as the "
+            "chosen ones; set train.objective=dpo, or prepare the chosen conversations with "
+            "--format chat"
+        )
+
+
 def resolve_document_flags(cfg: DataSection, corpora: Corpora) -> None:
     """`data.document_mask` and `data.reset_positions` left at none: on for prepared shards
     with a loss mask (each conversation its own document), off for every other source."""

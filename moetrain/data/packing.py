@@ -56,16 +56,24 @@ class CorpusSummary:
     fingerprint: str = ""
     # Documents longer than a sample, left out (instruction data never cuts one).
     left_out: int = 0
+    pairs: bool = False  # preference pairs: `left_out` counts pairs, two documents each
 
     def describe(self, seq_len: int, samples: int) -> str:
+        pairs = f" ({self.documents // 2:,} preference pairs)" if self.pairs else ""
         line = (
-            f"data: {self.source}: {self.documents:,} documents, {self.tokens:,} tokens, "
+            f"data: {self.source}: {self.documents:,} documents{pairs}, {self.tokens:,} tokens, "
             f"{samples:,} samples of {seq_len} tokens per epoch"
         )
         if self.truncated:
             whole = f" of {self.corpus_tokens:,}" if self.corpus_tokens else ""
             line += f"; data.max_tokens cut the corpus (training on {self.tokens:,}{whole} tokens)"
-        if self.left_out:
+        if self.left_out and self.pairs:
+            line += (
+                f"; {self.left_out:,} pairs longer than data.seq_len + 1 = {seq_len + 1} "
+                "tokens (both sides, each with its EOS) were left out, never cut (raise "
+                "data.seq_len to keep them)"
+            )
+        elif self.left_out:
             line += (
                 f"; {self.left_out:,} documents longer than data.seq_len + 1 = {seq_len + 1} "
                 "tokens were left out, never cut here (raise data.seq_len to keep them, or "

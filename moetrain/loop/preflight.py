@@ -19,7 +19,7 @@ from moetrain.checkpoint.markers import check_checkpoint
 from moetrain.checkpoint.resume import check_resume, resume_candidate
 from moetrain.checkpoint.tokenizer_record import tokenizer_record
 from moetrain.config import ConfigError, JobConfig, validate
-from moetrain.data.corpus import check_corpus, resolve_document_flags
+from moetrain.data.corpus import check_corpus, check_objective, resolve_document_flags
 from moetrain.data.prepared import Corpora
 from moetrain.data.run_data import check_held_out
 from moetrain.data.tokenizers import build_tokenizer
@@ -138,6 +138,13 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> Corpora:
     corpora = Corpora(cfg.data, cfg.eval)
     check_corpus(cfg.data, tokenizer, corpora)
     check_held_out(cfg.data, cfg.eval, tokenizer, corpora)
+    check_objective(cfg.train.objective, corpora)
+    if cfg.train.objective == "dpo" and spec.loss_terms(cfg.model.args).mtp_depth:
+        raise ConfigError(
+            f"train.objective=dpo with model {cfg.model.name!r}'s multi-token prediction: its "
+            "loss would train the rejected answers' tokens too; set its depth to 0 for "
+            "preference training (model.num_nextn_predict_layers=0)"
+        )
     # A chat template changed since the data was rendered is refused here, on every rank:
     # the checkpoints record it for the export (moetrain.checkpoint.tokenizer_record).
     tokenizer_record(cfg, corpora)

@@ -34,8 +34,9 @@ from moetrain.data.prepared import Corpora
 from moetrain.loop.balance import attach_bias_update
 from moetrain.loop.batches import Batches
 from moetrain.loop.guard import StepGuard, likely_cause, loss_weights
-from moetrain.loop.losses import BalanceTerms, LossScope, StepLoss, model_inputs
+from moetrain.loop.losses import BalanceTerms, LossScope, model_inputs
 from moetrain.loop.pipelined import build_pipelined, moe_layers, pipeline_evaluation
+from moetrain.loop.preference import Reference, step_loss
 from moetrain.loop.profiling import StepProfiler
 from moetrain.loop.run_report import startup_lines, step_figures
 from moetrain.loop.step import (
@@ -151,7 +152,11 @@ class Trainer:
             batch_group,
             moe_layers(self.parallel.whole, self.spec.plan) if self.meshes.pp is not None else 0,
         )
-        self.step_loss = StepLoss(self.terms, BalanceTerms.of(cfg.moe), scope)
+        reference = Reference(self.model, self.terms, cfg.data.document_mask)
+        objective = cfg.train.objective
+        self.step_loss = step_loss(
+            objective, cfg.dpo, self.terms, BalanceTerms.of(cfg.moe), scope, reference
+        )
         self._build_pipeline()
 
     def _build_pipeline(self) -> None:

@@ -9,6 +9,10 @@ with fresh adapters computes exactly what its base does. Two forms:
   `down_lora_A` [E, r, hidden], `down_lora_B` [E, dim, r]): expert parallelism shards them
   on dim 0 with their base, and the dispatcher's tokens meet their own expert's adapters.
 
+Each LoRA module computes its base alone while its `adapters_enabled` is False: the frozen
+base, without a second copy (DPO's reference; switched from outside by
+`moetrain.build.lora.adapters_disabled`).
+
 The base weights keep their names (`q_proj.weight`, `experts.gate_up_proj`): Hugging Face
 import and export, the plans and the initialisation see the model they know; `is_adapter`
 tells the adapters apart. Which modules get adapters, and freezing the rest, is the
@@ -50,6 +54,7 @@ class LoRALinear(nn.Linear):
         self.lora_A = nn.Parameter(torch.empty(rank, in_features))
         self.lora_B = nn.Parameter(torch.empty(out_features, rank))
         self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.adapters_enabled = True  # False: the base alone (see the module)
 
     @classmethod
     def around(cls, linear: nn.Linear, rank: int, alpha: float, dropout: float) -> LoRALinear:
@@ -68,8 +73,11 @@ class LoRALinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = F.linear(x, self.weight, self.bias)
+        if not self.adapters_enabled:
+            return base
         low_rank = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
-        return F.linear(x, self.weight, self.bias) + self.scale * low_rank
+        return base + self.scale * low_rank
 
 
 class LoRAGroupedExperts(GroupedExperts):
@@ -92,6 +100,7 @@ class LoRAGroupedExperts(GroupedExperts):
         self.down_lora_A = nn.Parameter(torch.empty(num_experts, rank, hidden_dim))
         self.down_lora_B = nn.Parameter(torch.empty(num_experts, dim, rank))
         self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.adapters_enabled = True  # False: the base alone (see the module)
 
     @classmethod
     def around(
@@ -105,6 +114,8 @@ class LoRAGroupedExperts(GroupedExperts):
 
     def project(self, x: torch.Tensor, name: str, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         base = super().project(x, name, tokens_per_expert)
+        if not self.adapters_enabled:
+            return base
         a, b = (_local(getattr(self, f"{name}_lora_{s}")) for s in "AB")
         t = grouped_mm(self.lora_dropout(x), a.transpose(-2, -1), tokens_per_expert, self.gemm)
         return base + self.scale * grouped_mm(t, b.transpose(-2, -1), tokens_per_expert, self.gemm)

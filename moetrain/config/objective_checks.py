@@ -1,0 +1,71 @@
+"""What `train.objective=dpo` does not combine with (yet), refused by key, and `[dpo]` keys
+set while the objective does not read them."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from moetrain.config.objective import DpoSection
+from moetrain.config.schema import JobConfig
+
+
+def objective_problems(cfg: JobConfig) -> list[str]:
+    """What `train.objective` does not combine with, each naming the key and the fix."""
+    d, p = cfg.dpo, cfg.parallel
+    if cfg.train.objective != "dpo":
+        changed = [f.name for f in fields(d) if getattr(d, f.name) != getattr(DpoSection(), f.name)]
+        return [
+            f"dpo.{name} is set, but train.objective={cfg.train.objective} does not read it; "
+            "set train.objective=dpo or remove the key"
+            for name in changed
+        ]
+    problems = []
+    if d.label_smoothing and d.loss != "sigmoid":
+        problems.append(
+            f"dpo.label_smoothing={d.label_smoothing} smooths the sigmoid loss, but "
+            f"dpo.loss={d.loss}; set dpo.loss=sigmoid or dpo.label_smoothing=0"
+        )
+    not_yet = (
+        ("parallel.cp", p.cp > 1, "per-document sums over the ring's ranks"),
+        ("parallel.pp", p.pp > 1, "the pair loss on the last stage"),
+    )
+    for key, value, what in not_yet:
+        if value:
+            problems.append(
+                f"{key}={getattr(p, key.split('.')[1])} with train.objective=dpo is not done "
+                f"yet ({what}); set {key}=1"
+            )
+    if cfg.peft.method != "lora":
+        problems.append(
+            "train.objective=dpo without LoRA needs the reference model's log-probabilities, "
+            "and only the frozen base of peft.method=lora serves as the reference yet; set "
+            "peft.method=lora"
+        )
+    if cfg.peft.init_from:
+        problems.append(
+            "peft.init_from with train.objective=dpo: the reference is the frozen base with "
+            "its adapters off, not the base with the adapters it starts from; merge those "
+            "adapters into the weights first (python -m moetrain.export), then start from the "
+            "merged model (model.init_from_hf)"
+        )
+    data = cfg.data
+    if data.source != "tokens":
+        problems.append(
+            f"train.objective=dpo trains on preference pairs, but data.source={data.source}; "
+            "prepare them with `python -m moetrain.prepare --format preference` and set "
+            "data.source=tokens"
+        )
+    if data.document_mask is False or data.reset_positions is False:
+        key = "data.document_mask" if data.document_mask is False else "data.reset_positions"
+        problems.append(
+            f"{key}=false with train.objective=dpo: each side's log-probability must not "
+            "depend on the documents packed beside it (it would see the other side of its "
+            f"pair); set {key}=true or leave it unset"
+        )
+    if data.mix or cfg.eval.mix:
+        key = "data.mix" if data.mix else "eval.mix"
+        problems.append(
+            f"[[{key}]] with train.objective=dpo is not done yet (a blend of preference "
+            f"corpora); give one prepared preference corpus as {key.split('.')[0]}.path"
+        )
+    return problems

@@ -1,0 +1,122 @@
+"""`train.objective=dpo` as a user runs it: what it does not combine with is refused by key
+before any work; the reference is the LoRA model with its adapters off (the base, computed
+by the same modules); a run on prepared pairs starts at the loss of a policy equal to its
+reference and moves the rewards; the refusals that need the data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moetrain.build.lora import adapters_disabled, apply_lora, init_adapters
+from moetrain.config import ConfigError, load_config
+from moetrain.errors import DataError
+from moetrain.models import get_model_spec
+from moetrain.models.common.lora import is_adapter
+from moetrain.prepare.cli import main as prepare
+from tests.chat_model import save_chat_model
+from tests.test_preference_prepare import preference_pairs
+
+BASE = ["--config=configs/debug_qwen3_moe.toml"]
+DPO = [*BASE, "--train.objective=dpo", "--peft.method=lora", "--data.source=tokens",
+       "--data.path=prepared"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        ([*BASE, "--dpo.beta=0.2"], "dpo.beta is set, but train.objective=sft does not read it"),
+        ([*DPO, "--dpo.loss=ipo", "--dpo.label_smoothing=0.1"], "dpo.label_smoothing=0.1 smooths"),
+        ([*DPO, "--parallel.cp=2"], "parallel.cp=2 with train.objective=dpo is not done yet"),
+        ([*DPO, "--parallel.pp=2"], "parallel.pp=2 with train.objective=dpo is not done yet"),
+        ([*DPO, "--peft.method=none"], "set peft.method=lora"),
+        ([*DPO, "--peft.init_from=adapters"], "peft.init_from with train.objective=dpo"),
+        ([*DPO, "--data.document_mask=false"], "data.document_mask=false with train.objective"),
+        ([*DPO, "--data.reset_positions=false"], "data.reset_positions=false with train."),
+        ([*DPO, "--data.source=stdlib", "--data.path=none"], "data.source=stdlib"),
+        ([*DPO, "--data.path=none", "--data.mix=[{path='a'}]"], "[[data.mix]] with train."),
+        ([*DPO, "--dpo.label_smoothing=0.5"], "dpo.label_smoothing"),
+    ],
+)  # fmt: skip
+def test_what_dpo_does_not_take_is_refused_by_key(argv, problem):
+    with pytest.raises(ConfigError) as info:
+        load_config(argv)
+    assert problem in str(info.value)
+
+
+def test_adapters_off_is_the_base_and_back_on_after():
+    cfg = load_config([*BASE, "--peft.method=lora", "--peft.rank=4",
+                       '--peft.targets=["attention", "experts"]'])  # fmt: skip
+    spec = get_model_spec(cfg.model.name)
+    base = spec.build(cfg.model.args)
+    base.init_weights(cfg.train.seed)
+    model = spec.build(cfg.model.args)
+    apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
+    model.init_weights(cfg.train.seed)
+    init_adapters(model, cfg.train.seed)
+    with torch.no_grad():  # adapters that change the output (B starts at zero)
+        for name, param in model.named_parameters():
+            if is_adapter(name) and name.endswith("lora_B"):
+                param.normal_(0, 0.5)
+    ids = torch.randint(0, cfg.model.args.vocab_size, (2, 16))
+    positions = torch.arange(16).expand(2, 16)
+    adapted = model(ids, positions).logits
+    with adapters_disabled(model):
+        off = model(ids, positions).logits
+    assert torch.equal(off, base(ids, positions).logits)
+    assert (adapted - off).abs().max() > 1e-2
+    assert torch.equal(model(ids, positions).logits, adapted)  # on again
+
+
+@pytest.fixture(scope="module")
+def pairs_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo")
+    save_chat_model(root / "model")
+    (root / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preference_pairs(40)))
+    argv = ["--source", "jsonl", "--format", "preference", "--path", str(root / "p.jsonl"),
+            "--tokenizer", str(root / "model"), "--workers", "1"]  # fmt: skip
+    assert prepare([*argv, "--out", str(root / "pairs")]) == 0
+    chosen = [{"messages": p["prompt"] + p["chosen"]} for p in preference_pairs(40)]
+    (root / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chosen))
+    argv = ["--source", "jsonl", "--format", "chat", "--path", str(root / "c.jsonl"),
+            "--tokenizer", str(root / "model"), "--workers", "1"]  # fmt: skip
+    assert prepare([*argv, "--out", str(root / "chat")]) == 0
+    return root
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (["--train.objective=sft", "--peft.method=none"], "holds preference pairs"),
+        (["--data.path={chat}"], "holds no preference pairs (prepared with --format chat)"),
+        (["--eval.path={chat}"], "eval.path: "),
+    ],
+)
+def test_data_of_the_other_objective_is_refused_before_training(pairs_run, change, problem):
+    from moetrain.loop.preflight import preflight
+    from moetrain.parallelisms.dims import ParallelDims
+
+    argv = _dpo_args(pairs_run) + [c.format(chat=pairs_run / "chat") for c in change]
+    cfg = load_config(argv)
+    with pytest.raises(DataError) as info:
+        preflight(cfg, ParallelDims.of(cfg.parallel, 1))
+    assert problem in str(info.value)
+
+
+def _dpo_args(root) -> list[str]:
+    return [
+        "--config=configs/finetune_chat.toml",
+        f"--model.init_from_hf={root / 'model'}",
+        f"--data.tokenizer={root / 'model'}",
+        f"--data.path={root / 'pairs'}",
+        "--data.seq_len=256",
+        "--train.objective=dpo",
+        "--peft.method=lora",
+        "--train.steps=4",
+        "--train.global_batch_size=4",
+        "--train.lr=1e-3",
+        "--train.warmup_steps=1",
+        "--checkpoint.interval=0",
+    ]
