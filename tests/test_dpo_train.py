@@ -120,3 +120,59 @@ def _dpo_args(root) -> list[str]:
         "--train.warmup_steps=1",
         "--checkpoint.interval=0",
     ]
+
+
+@pytest.mark.slow
+def test_fsdp_and_ep_layouts_train_dpo_as_one_process(pairs_run, tmp_path):
+    """FSDP over 4 ranks and EP 2 x FSDP, each 3 steps in one launch (accumulation 2), against
+    a plain process whose reference model is a separately built base (tests/dpo_parity.py):
+    losses, rewards, norms, every gradient and updated parameter within 1e-5."""
+    from tests.distributed import run_distributed
+    from tests.dpo_parity import FIGURES, dpo_reference_run, layouts_worker
+    from tests.parity import TINY, assert_tensors_close
+
+    tiny = [a for a in TINY if not a.startswith(("--data.seq_len", "--data.max_tokens"))]
+    argv = [
+        *tiny,
+        "--data.source=tokens",
+        f"--data.path={pairs_run / 'pairs'}",
+        f"--data.tokenizer={pairs_run / 'model'}",
+        "--data.seq_len=320",
+        "--train.global_batch_size=8",
+        "--train.micro_batch_size=1",
+        "--train.objective=dpo",
+        "--dpo.beta=0.5",
+        "--moe.z_loss_coef=0.05",
+        "--peft.method=lora",
+        "--peft.rank=4",
+        "--train.lr=3e-3",
+    ]
+    runs = [[*argv, "--parallel.dp_shard=4"], [*argv, "--parallel.ep=2"]]
+    run_distributed(layouts_worker, 4, runs, 3, str(tmp_path / "out.pt"))
+    ref = dpo_reference_run(argv, 3)
+    assert ref[0]["loss"] == pytest.approx(0.6931471805599453)  # the policy is its reference
+    assert ref[-1]["rewards/accuracy"] > 0 and ref[-1]["pairs"] >= 8
+    for name, records in zip(("fsdp4", "ep2"), torch.load(tmp_path / "out.pt"), strict=True):
+        for step, (ours, theirs) in enumerate(zip(records, ref, strict=True), start=1):
+            for key in FIGURES:
+                # A reward is beta times a difference of two sums of hundreds of fp32
+                # log-probabilities: within 1e-5 of their size, not of the difference.
+                tol = 3e-5 if key.startswith("rewards/") else 1e-7
+                where = f"{name} step {step} {key}"
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=tol), where
+            assert_tensors_close(ours["grads"], theirs["grads"], f"{name} step {step} grad", 1e-5)
+            assert_tensors_close(ours["params"], theirs["params"], f"{name} step {step}", 1e-5)
+
+
+def test_a_resume_keeps_its_objective_and_a_dpo_stage_starts_from_no_adapters():
+    from moetrain.checkpoint.continuation import Continuation, check_stage_objective
+    from moetrain.checkpoint.resume import accept_objective
+
+    cfg = load_config(DPO)
+    with pytest.raises(DataError, match="was trained with train.objective=sft"):
+        accept_objective("run/step-4", {"config": {"train": {"objective": "sft"}}}, cfg)
+    accept_objective("run/step-4", {"config": {"train": {"objective": "dpo"}}}, cfg)
+    lora_stage = Continuation("sft/step-9", {"config": {"peft": {"method": "lora"}}}, [])
+    with pytest.raises(ConfigError, match="sft/step-9 holds LoRA adapters"):
+        check_stage_objective(lora_stage, cfg)
+    check_stage_objective(Continuation("sft/step-9", {"config": {"peft": {}}}, []), cfg)

@@ -152,3 +152,17 @@ def check_continuation(continuation: Continuation, cfg: JobConfig, model: nn.Mod
                 f"{lacking[0]} ({len(lacking)} trained tensors in all: its run did not train "
                 "them); leave checkpoint.init_optimizer off"
             )
+
+
+def check_stage_objective(continuation: Continuation, cfg: JobConfig) -> None:
+    """A DPO stage takes its reference from the frozen base with the adapters off: from a
+    checkpoint that holds trained LoRA adapters that would be the model before them, not the
+    one the stage starts from."""
+    peft = continuation.state.get("config", {}).get("peft", {}).get("method")
+    if cfg.train.objective == "dpo" and peft == "lora":
+        raise ConfigError(
+            f"checkpoint.init_from={continuation.path} holds LoRA adapters, and "
+            "train.objective=dpo takes its reference from the frozen base with the adapters "
+            "off, which would not be the model this stage starts from; export that checkpoint "
+            "merged (python -m moetrain.export) and start from the export (model.init_from_hf)"
+        )

@@ -94,6 +94,20 @@ def accept_seq_len(path: str, state: dict, cfg: JobConfig) -> None:
         )
 
 
+def accept_objective(path: str, state: dict, cfg: JobConfig) -> None:
+    """A resume keeps the checkpoint's `train.objective`: its adapters were trained to it,
+    and DPO's reference (the base with the adapters off) is the base the checkpoint records
+    only for a run that was DPO from its start."""
+    saved = state.get("config", {}).get("train", {}).get("objective", "sft")
+    if saved != cfg.train.objective:
+        raise DataError(
+            f"{path} was trained with train.objective={saved}, but this run has "
+            f"train.objective={cfg.train.objective}: a resume continues the same training. "
+            f"Start a new stage in a new job.output_dir (checkpoint.init_from={path}; for DPO "
+            "after a LoRA stage, its merged export as model.init_from_hf)"
+        )
+
+
 def resume_candidate(cfg: JobConfig) -> str | None:
     """The checkpoint a launch would resume from, as far as the files say before any
     process group exists (the trainer resolves it again, refusing a damaged newest one)."""
@@ -109,6 +123,7 @@ def check_resume(path: str, cfg: JobConfig, spec: ModelSpec) -> None:
     state = read_trainer_state(path)
     accept_model(path, state, cfg, spec)
     accept_seq_len(path, state, cfg)
+    accept_objective(path, state, cfg)
     old_holdout(path, state, cfg)  # a checkpoint of the old hold-out hash: refused here
     if not state.get("frozen_saved", True):  # adapters alone: their base must be as it was
         check_base(path, recorded_base(path, state), cfg)

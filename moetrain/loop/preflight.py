@@ -13,6 +13,7 @@ from moetrain.build.model import meta_model, pipeline_cut
 from moetrain.checkpoint.continuation import (
     check_continuation,
     check_continuation_keys,
+    check_stage_objective,
     resolve_continuation,
 )
 from moetrain.checkpoint.markers import check_checkpoint
@@ -120,6 +121,7 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> Corpora:
         check_resume(resume_from, cfg, spec)
     if continuation is not None:
         check_continuation(continuation, cfg, model)
+        check_stage_objective(continuation, cfg)
     dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
     tokenizer = build_tokenizer(cfg.data)
     vocab = cfg.model.args.vocab_size  # part of the contract (moetrain/models/spec.py)
