@@ -29,8 +29,17 @@ from moetrain.models.common.balance_losses import load_balancing_loss
 from moetrain.models.common.moe import MoEOptions
 from tests.parity import build_trainer, num_experts_of, stepped_records
 
-FIGURES = ("loss", "aux_loss", "z_loss", "grad_norm", "rewards/chosen", "rewards/rejected",
-           "rewards/accuracy", "nll", "pairs")  # fmt: skip
+FIGURES = (
+    "loss",
+    "aux_loss",
+    "z_loss",
+    "grad_norm",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracy",
+    "nll",
+    "pairs",
+)
 
 
 def layouts_worker(rank: int, world: int, runs: list[list[str]], steps: int, out_path: str):
@@ -55,7 +64,8 @@ def _side_sums(logps: torch.Tensor, batch: Batch) -> list[tuple[list, list]]:
         trained = batch.labels[b] != IGNORE_INDEX
         docs = batch.document_ids[b]
         sums, counts = [], []
-        for d in range(int(docs.max()) + 1):
+        last = int(docs[trained].max()) if trained.any() else -1  # padding after it
+        for d in range(last + 1):
             where = (docs == d) & trained
             sums.append(logps[b][where].double().sum())
             counts.append(int(where.sum()))

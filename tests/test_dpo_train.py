@@ -20,8 +20,13 @@ from tests.chat_model import save_chat_model
 from tests.test_preference_prepare import preference_pairs
 
 BASE = ["--config=configs/debug_qwen3_moe.toml"]
-DPO = [*BASE, "--train.objective=dpo", "--peft.method=lora", "--data.source=tokens",
-       "--data.path=prepared"]  # fmt: skip
+DPO = [
+    *BASE,
+    "--train.objective=dpo",
+    "--peft.method=lora",
+    "--data.source=tokens",
+    "--data.path=prepared",
+]
 
 
 @pytest.mark.parametrize(
@@ -39,7 +44,7 @@ DPO = [*BASE, "--train.objective=dpo", "--peft.method=lora", "--data.source=toke
         ([*DPO, "--data.path=none", "--data.mix=[{path='a'}]"], "[[data.mix]] with train."),
         ([*DPO, "--dpo.label_smoothing=0.5"], "dpo.label_smoothing"),
     ],
-)  # fmt: skip
+)
 def test_what_dpo_does_not_take_is_refused_by_key(argv, problem):
     with pytest.raises(ConfigError) as info:
         load_config(argv)
@@ -47,8 +52,9 @@ def test_what_dpo_does_not_take_is_refused_by_key(argv, problem):
 
 
 def test_adapters_off_is_the_base_and_back_on_after():
-    cfg = load_config([*BASE, "--peft.method=lora", "--peft.rank=4",
-                       '--peft.targets=["attention", "experts"]'])  # fmt: skip
+    cfg = load_config(
+        [*BASE, "--peft.method=lora", "--peft.rank=4", '--peft.targets=["attention", "experts"]']
+    )
     spec = get_model_spec(cfg.model.name)
     base = spec.build(cfg.model.args)
     base.init_weights(cfg.train.seed)
@@ -75,13 +81,33 @@ def pairs_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
     save_chat_model(root / "model")
     (root / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preference_pairs(40)))
-    argv = ["--source", "jsonl", "--format", "preference", "--path", str(root / "p.jsonl"),
-            "--tokenizer", str(root / "model"), "--workers", "1"]  # fmt: skip
+    argv = [
+        "--source",
+        "jsonl",
+        "--format",
+        "preference",
+        "--path",
+        str(root / "p.jsonl"),
+        "--tokenizer",
+        str(root / "model"),
+        "--workers",
+        "1",
+    ]
     assert prepare([*argv, "--out", str(root / "pairs")]) == 0
     chosen = [{"messages": p["prompt"] + p["chosen"]} for p in preference_pairs(40)]
     (root / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chosen))
-    argv = ["--source", "jsonl", "--format", "chat", "--path", str(root / "c.jsonl"),
-            "--tokenizer", str(root / "model"), "--workers", "1"]  # fmt: skip
+    argv = [
+        "--source",
+        "jsonl",
+        "--format",
+        "chat",
+        "--path",
+        str(root / "c.jsonl"),
+        "--tokenizer",
+        str(root / "model"),
+        "--workers",
+        "1",
+    ]
     assert prepare([*argv, "--out", str(root / "chat")]) == 0
     return root
 
@@ -176,3 +202,68 @@ def test_a_resume_keeps_its_objective_and_a_dpo_stage_starts_from_no_adapters():
     with pytest.raises(ConfigError, match="sft/step-9 holds LoRA adapters"):
         check_stage_objective(lora_stage, cfg)
     check_stage_objective(Continuation("sft/step-9", {"config": {"peft": {}}}, []), cfg)
+
+
+def test_held_out_pairs_report_the_training_figures(pairs_run):
+    """The evaluation of held-out pairs (eval.fraction of a preference corpus) against the
+    independent sums of tests/dpo_parity.py, with a base model as the reference."""
+    import torch.distributed as dist
+
+    from moetrain.data.conversations import PackedConversations
+    from moetrain.data.prepared import PreparedCorpus
+    from moetrain.data.run_data import HeldOut
+    from moetrain.data.tokenizers import build_tokenizer
+    from moetrain.loop.evaluation import Evaluator
+    from tests.dpo_parity import _logps, _pairs, _side_sums
+
+    argv = [
+        *BASE,
+        "--peft.method=lora",
+        "--peft.rank=4",
+        "--train.objective=dpo",
+        "--data.source=tokens",
+        f"--data.path={pairs_run / 'pairs'}",
+        f"--data.tokenizer={pairs_run / 'model'}",
+        "--data.seq_len=320",
+        "--dpo.beta=0.3",
+        "--dpo.nll_weight=0.5",
+    ]
+    cfg = load_config(argv)
+    spec = get_model_spec(cfg.model.name)
+    base = spec.build(cfg.model.args)
+    base.init_weights(0)
+    model = spec.build(cfg.model.args)
+    apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
+    model.init_weights(0)
+    init_adapters(model, 0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B"):
+                param.normal_(0, 0.2)
+    corpus = PreparedCorpus.open(cfg.data.path)
+    eos = build_tokenizer(cfg.data).eos_id
+    held = PackedConversations(corpus, 320, eos, True, holdout=0.3, evaluation=True)
+    terms = spec.loss_terms(cfg.model.args)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        evaluator = Evaluator(
+            [HeldOut("held_out", held, 3)], 2, 0, 1, lambda b: b, terms, True, cfg.dpo
+        )
+        record = evaluator(model)
+    finally:
+        dist.destroy_process_group()
+    pairs, loss, chosen, tokens, nll = 0, 0.0, 0.0, 0, 0.0
+    with torch.no_grad():
+        for i in range(3):  # the first eval.samples of the held-out samples
+            sample = held[i].map(lambda t: t[None])
+            policy = _side_sums(_logps(model, sample)[0], sample)
+            reference = _side_sums(_logps(base, sample)[0], sample)
+            for pc, pr, rc, rr, n in _pairs(policy, reference):
+                margin = float((pc - rc) - (pr - rr))
+                loss -= float(torch.nn.functional.logsigmoid(torch.tensor(0.3 * margin)))
+                chosen += 0.3 * float(pc - rc)
+                nll, tokens, pairs = nll - float(pc), tokens + n, pairs + 1
+    assert record["eval_pairs"] == pairs > 0
+    assert record["eval_loss"] == pytest.approx(loss / pairs + 0.5 * nll / tokens, rel=1e-5)
+    assert record["eval_rewards/chosen"] == pytest.approx(chosen / pairs, rel=1e-5, abs=3e-5)
+    assert record["eval_nll"] == pytest.approx(nll / tokens, rel=1e-5)

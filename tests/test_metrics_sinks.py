@@ -85,3 +85,23 @@ def test_wandb_without_the_package_is_refused_before_any_work(monkeypatch, capsy
     assert train.main(RUN + ["--metrics.wandb=true"]) == 2
     err = capsys.readouterr().err
     assert "metrics.wandb=true needs the `wandb` package: pip install wandb" in err
+
+
+def test_plot_draws_dpo_rewards_when_the_run_logged_them(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    import json
+
+    fields = {"loss": 0.69, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0}
+    rewards = {
+        "rewards/chosen": 0.1,
+        "rewards/rejected": -0.1,
+        "rewards/margins": 0.2,
+        "rewards/accuracy": 0.75,
+    }
+    for name, extra in (("sft", {}), ("dpo", rewards)):
+        (tmp_path / name).mkdir()
+        lines = [json.dumps({"step": s, **fields, **extra}) for s in (1, 2, 3)]
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        assert plot([str(tmp_path / name)]) == 0
+        names = {p.rsplit("/", 1)[-1] for p in capsys.readouterr().out.split()}
+        assert ("rewards.png" in names) == (name == "dpo")

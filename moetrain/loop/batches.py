@@ -60,6 +60,7 @@ class Batches:
                 self.prepare_batch,
                 terms,
                 cfg.data.document_mask,
+                cfg.dpo if cfg.train.objective == "dpo" else None,
             )
 
     def next_micro_batches(self) -> list[Batch]:

@@ -6,7 +6,12 @@ random numbers, and the routers count only grad-enabled forwards, so parameters,
 state, routing bias, data position and RNG are as before; the EP dispatchers' byte counts it
 adds are dropped. A run with `eval.interval=1` trains bit for bit like one without.
 
-The loss is the token-weighted next-token cross-entropy over every held-out token: the sum
+Under `train.objective=dpo` the held-out data are pairs, and the figures those of training
+(moetrain/loop/preference.py): eval_loss the DPO loss over the held-out pairs, with
+eval_rewards/chosen, /rejected, /margins, /accuracy and eval_nll, the reference the model
+with its adapters off, as in training.
+
+Otherwise the loss is the token-weighted next-token cross-entropy over every held-out token: the sum
 of the per-token losses over all ranks, divided by the global token count (one float64
 all-reduce per round, per source). No aux or MTP term: it is the number to compare between
 runs and checkpoints. Rank r of the data-parallel ranks takes the r-th contiguous share of
@@ -26,9 +31,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moetrain.config.objective import DpoSection
 from moetrain.data.batch import IGNORE_INDEX, Batch
 from moetrain.data.run_data import HeldOut
 from moetrain.loop.losses import model_inputs, with_mtp_targets
+from moetrain.loop.preference import Reference, held_out_figures, held_out_record
 from moetrain.models.spec import LossTerms
 from moetrain.parallelisms.context_parallel import ContextParallelAttention, use_cp_table
 from moetrain.parallelisms.cp_schedule import balanced_table, split_for_cp
@@ -49,11 +56,14 @@ class Evaluator:
         prepare: Callable[[Batch], Batch],
         terms: LossTerms,
         document_mask: bool,
+        dpo: DpoSection | None = None,
     ) -> None:
         """`prepare`: a micro-batch as the model takes it on this rank (device, MTP inputs,
-        this rank's part of each sequence under CP): the same path as training's."""
+        this rank's part of each sequence under CP): the same path as training's. `dpo`:
+        train.objective=dpo's section (held-out pairs)."""
         self.names = [h.name for h in held_out]
         self.prepare, self.terms, self.document_mask = prepare, terms, document_mask
+        self.dpo = dpo
         self.batches: list[list[Batch]] = []  # per source: this rank's micro-batches (CPU)
         for h in held_out:
             per_rank = -(-h.samples // dp_size)
@@ -86,6 +96,8 @@ class Evaluator:
     def _evaluate(
         self, model: nn.Module, pipeline: Callable[[list[Batch]], torch.Tensor] | None
     ) -> dict[str, float]:
+        if self.dpo is not None:
+            return self._evaluate_pairs(model)
         sums = []  # per source: [cross-entropy sum, tokens], float64
         rings = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
         for batches in self.batches:
@@ -116,6 +128,21 @@ class Evaluator:
             for name, (ce, tokens) in zip(self.names, sums.tolist(), strict=True):
                 record[f"eval_loss/{name}"] = ce / tokens
         return record
+
+    def _evaluate_pairs(self, model: nn.Module) -> dict[str, float]:
+        """The held-out pairs' DPO figures (one source: blends are refused with DPO)."""
+        reference = Reference(model, self.terms, self.document_mask)
+        total = torch.zeros(7, dtype=torch.float64)
+        for mb in self.batches[0]:
+            mb = self.prepare(mb)
+            reference_logps = reference(mb)
+            inputs = model_inputs(mb, self.terms, self.document_mask)
+            out = model(mb.input_ids, mb.position_ids, **inputs)
+            total += held_out_figures(out, mb, reference_logps, self.dpo).cpu()
+        device = next(model.parameters()).device
+        total = total.to(device)
+        dist.all_reduce(total)  # every rank holds distinct pairs
+        return held_out_record(total.cpu(), self.dpo)
 
 
 def token_loss_sum64(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

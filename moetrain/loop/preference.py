@@ -143,6 +143,22 @@ def pair_record(sums: torch.Tensor, counts: torch.Tensor, dpo: DpoSection) -> di
     }
 
 
+def held_out_figures(
+    out: CausalLMOutput, batch: Batch, reference_logps: torch.Tensor, dpo: DpoSection
+) -> torch.Tensor:
+    """PAIR_FIGURES summed over a held-out micro-batch's pairs, then [pairs, chosen tokens]:
+    [7] float64 (moetrain/loop/evaluation.py adds them over the ranks)."""
+    stats = PairStats.of(token_logps(out.logits, batch.labels), reference_logps, batch)
+    return torch.cat([pair_sums(stats, dpo).detach(), pair_counts(batch).double()])
+
+
+def held_out_record(total: torch.Tensor, dpo: DpoSection) -> dict:
+    """The held-out pairs' figures (`held_out_figures` summed over all micro-batches), named
+    as the evaluation logs them: eval_loss (the DPO loss), eval_rewards/..., eval_nll."""
+    record = pair_record(total[:5], total[5:].long(), dpo)
+    return {f"eval_{k}": float(v) if k != "pairs" else int(v) for k, v in record.items()}
+
+
 class Reference:
     """The reference's log-probabilities of a micro-batch: the model with its LoRA adapters
     off (the frozen base: no second copy), without gradient."""

@@ -128,6 +128,8 @@ class MetricsLogger:
         parts.append(f"loss {r['loss']:.4f}")
         if r.get("mtp_loss") is not None:
             parts.append(f"mtp {r['mtp_loss']:.4f}")
+        if r.get("rewards/margins") is not None:  # train.objective=dpo
+            parts.append(f"margin {r['rewards/margins']:.4f} acc {r['rewards/accuracy']:.2f}")
         if r.get("aux_loss") is not None:
             parts.append(f"aux {r['aux_loss']:.4f}")
         if r.get("expert_load_max_over_mean"):  # the worst layer's balance
@@ -144,6 +146,8 @@ class MetricsLogger:
             parts.append(f"mfu {100 * r['mfu']:.1f}%")
         if r.get("eval_loss") is not None:
             parts.append(f"eval {r['eval_loss']:.4f}")
+        if r.get("eval_rewards/accuracy") is not None:
+            parts.append(f"eval acc {r['eval_rewards/accuracy']:.2f}")
         if r.get("skipped"):
             parts.append("SKIPPED")
         return " | ".join(parts)

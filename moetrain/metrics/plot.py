@@ -1,7 +1,7 @@
 """`python -m moetrain.metrics.plot OUTPUT_DIR [--out DIR]`: pictures of a run from its metrics.jsonl.
 
 Writes PNGs next to it (or in --out): loss (with the held-out loss, per source for a blend,
-aux, z and MTP losses when logged), learning
+aux, z and MTP losses when logged), DPO's rewards and accuracy (rewards.png), learning
 rate, grad norm, tokens/s, the balance of each MoE layer (max/mean load, starved experts),
 and one heatmap per MoE layer of its expert load over the steps
 (each step's row relative to its mean: 1 is balanced). Needs matplotlib.
@@ -129,7 +129,19 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
         ),
         *_balance(plt, records, figure(out_dir, "balance.png")),
         *_expert_load(plt, records, out_dir),
+        *_rewards(plt, records, figure(out_dir, "rewards.png")),
     ]
+
+
+# train.objective=dpo: the implicit rewards of the pairs, trained and held out.
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy")
+
+
+def _rewards(plt, records: list[dict], out: str) -> list[str]:
+    keys = [k for name in REWARDS for k in (name, f"eval_{name}")]
+    if not any(k in r for r in records for k in keys):
+        return []
+    return [_curves(plt, records, keys, "DPO rewards (beta * log-ratio) and accuracy", out, False)]
 
 
 def main(argv: list[str] | None = None) -> int:
