@@ -79,9 +79,14 @@ class PairStats:
         counts = per_document((batch.labels != IGNORE_INDEX).double(), ids)
         policy = per_document(policy_logps.double(), ids)
         reference = per_document(reference_logps.double(), ids)
-        split = lambda t: (t[:, 0::2], t[:, 1::2])  # noqa: E731  (chosen 2j, rejected 2j + 1)
-        tokens = split(counts)
-        return PairStats(split(policy), split(reference), tokens, tokens[0] > 0)
+        tokens = _sides(counts)
+        return PairStats(_sides(policy), _sides(reference), tokens, tokens[0] > 0)
+
+
+def _sides(per_doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sample's per-document values [B, W] as (chosen, rejected) [B, W / 2]: documents 2j
+    and 2j + 1 are pair j's sides."""
+    return per_doc[:, 0::2], per_doc[:, 1::2]
 
 
 def pair_losses(stats: PairStats, dpo: DpoSection) -> torch.Tensor:
@@ -122,7 +127,7 @@ def pair_sums(stats: PairStats, dpo: DpoSection) -> torch.Tensor:
 def pair_counts(batch: Batch) -> torch.Tensor:
     """[pairs, chosen tokens] of one micro-batch, int64."""
     counts = per_document((batch.labels != IGNORE_INDEX).long(), batch.document_ids)
-    chosen = counts[:, 0::2]
+    chosen, _ = _sides(counts)
     return torch.stack([(chosen > 0).sum(), chosen.sum()])
 
 
