@@ -163,6 +163,12 @@ class TrainSection:
     device: str = arg(
         "auto", "auto (cuda if available) | cuda | cpu", choices=("auto", "cuda", "cpu")
     )
+    fp8: str = arg(
+        "none",
+        "FP8 GEMMs for attention projections, dense MLPs and experts: none, rowwise or "
+        "tensorwise scaling",
+        choices=("none", "rowwise", "tensorwise"),
+    )
     activation_checkpoint: str = arg(
         "none",
         "recompute blocks in backward to save memory: none | full (keep block inputs only) | "
