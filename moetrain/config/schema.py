@@ -149,7 +149,8 @@ class TrainSection:
         "fp32",
         "the dtype AdamW stores its moments (exp_avg, exp_avg_sq) in: fp32 | bf16 (half the "
         "optimizer state; each step widens them to fp32, one parameter at a time, and rounds "
-        "back; not the fused kernel); a resume casts the checkpoint's moments to this dtype",
+        "back; not the fused kernel); a resume casts the checkpoint's moments to this dtype "
+        "(noted at start-up)",
         choices=("fp32", "bf16"),
     )
     max_grad_norm: float = arg(
