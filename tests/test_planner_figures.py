@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from tests.test_dry_run import CONFIG
 
 
@@ -74,6 +76,28 @@ def test_the_interleaved_refusal_names_counts_that_run():
     assert "(7 rounds for 120, which they do not divide): e.g. 112 or 128" in need
     assert pipeline_micro_batches_needed("Interleaved1F1B", 16, 112) is None
     assert pipeline_micro_batches_needed("Interleaved1F1B", 16, 128) is None
+
+
+def test_the_interleaved_refusal_at_deepseeks_scale_suggests_batches_that_run(capsys):
+    """DeepSeek-V3 on 2,048 ranks, pp 16 x 128 data-parallel ranks, global batch 15,360: 120
+    micro-batches a rank. The refusal names the global batches of the nearest counts that
+    run, 112 x 128 = 14,336 and 128 x 128 = 16,384 (it named 2,048 = 16 x 128 before, an
+    eighth of the batch); the check passes each of them."""
+    from moetrain.parallelisms.dims import LayoutError, check_pipeline
+    from moetrain.planner.cli import main
+
+    config = os.path.join(os.path.dirname(CONFIG), "deepseek_v3_671b.toml")
+    pp = ["--parallel.pp=16", "--parallel.ep=64", "--parallel.pp_schedule=Interleaved1F1B"]
+    argv = ["--world-size=2048", "--config", config, *pp]
+    assert main([*argv, "--train.global_batch_size=15360"]) == 2
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith(
+        "e.g. use train.global_batch_size=14336 (112 micro-batches) or 16384 (128 micro-batches)"
+    )
+    for batch in (14336, 16384):
+        check_pipeline(16, "Interleaved1F1B", 2, batch // 128, batch)  # runs: no refusal
+    with pytest.raises(LayoutError, match=r"at least 32 .* runs 8 .*size=4096 \(32 micro-"):
+        check_pipeline(16, "DualPipeV", 2, 8, 1024)  # below the least: the least alone
 
 
 def test_a_group_limited_router_reaches_fewer_nodes():
