@@ -25,10 +25,13 @@ def flops_per_token(cfg) -> float:
     return spec.flops_per_token(meta_model(spec, cfg.model.args), cfg.data.seq_len)
 
 
-def parameter_counts(cfg) -> dict[str, int]:
+def parameter_counts(cfg) -> dict:
     """{"total": every parameter of the config's model, "active": those one token uses, the
     routed experts at top_k / num_experts of their size (`moetrain.models.common.flops.active_params`,
-    the input embedding counted: a token reads its row)}; LoRA's adapters are not counted."""
+    the input embedding counted: a token reads its row)}; LoRA's adapters are not counted.
+    A model with MTP depths (head modules that hold blocks of their own) also gets "main"
+    (the model without them, what published counts give: DeepSeek-V3's 671B / 37B) and
+    "mtp" (the depths), each {"total", "active"}."""
     from moetrain.build.model import meta_model
     from moetrain.models import get_model_spec
     from moetrain.models.common.flops import active_params
@@ -36,4 +39,22 @@ def parameter_counts(cfg) -> dict[str, int]:
     spec = get_model_spec(cfg.model.name)
     model = meta_model(spec, cfg.model.args)
     total = sum(p.numel() for p in model.parameters())
-    return {"total": total, "active": round(active_params(model, None))}
+    counts = {"total": total, "active": round(active_params(model, None))}
+    mtp = _mtp_modules(model, spec.plan)
+    if mtp:
+        part = {
+            "total": sum(p.numel() for m in mtp for p in m.parameters()),
+            "active": round(sum(active_params(m, None) for m in mtp)),
+        }
+        counts["main"] = {k: counts[k] - part[k] for k in part}
+        counts["mtp"] = part
+    return counts
+
+
+def _mtp_modules(model, plan) -> list:
+    """The head's modules that hold blocks of their own: the MTP depths (docs/models.md)."""
+    from moetrain.parallelisms.plan import match_modules
+
+    heads = match_modules(model, plan.head, "head", required=False)
+    blocks = [f for f, _ in match_modules(model, plan.blocks, "blocks")]
+    return [m for f, m in heads if any(b.startswith(f + ".") for b in blocks)]

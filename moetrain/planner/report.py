@@ -142,10 +142,19 @@ def format_report(r: dict) -> str:
     ]
     if "parameters" in r:  # the model's own size: the first check of a new model's config
         n = r["parameters"]
-        lines.append(
-            f"parameters: {_count(n['total'])} total, {_count(n['active'])} active per "
-            "token (each routed expert at top_k / experts)"
-        )
+        if "mtp" in n:  # published counts are the main model's
+            main, mtp = n["main"], n["mtp"]
+            lines.append(
+                f"parameters: main model {_count(main['total'])} total, "
+                f"{_count(main['active'])} active per token (each routed expert at top_k / "
+                f"experts); MTP module {_count(mtp['total'])} total, {_count(mtp['active'])} "
+                f"active; together {_count(n['total'])}, {_count(n['active'])} active"
+            )
+        else:
+            lines.append(
+                f"parameters: {_count(n['total'])} total, {_count(n['active'])} active per "
+                "token (each routed expert at top_k / experts)"
+            )
     lines += ["", f"{name} per rank   params    grads  optimizer"]
     rows = [f"{g(p['params'])} {g(p['grads'])} {g(p['optimizer'])}" for p in r["per_rank"]]
     for ranks, row in _ranges(rows):  # ranks whose figures print alike share a line
