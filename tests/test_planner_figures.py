@@ -37,15 +37,16 @@ def test_the_planner_prints_total_and_active_parameters(capsys, tmp_path):
 DSV3 = os.path.join(os.path.dirname(CONFIG), "debug_deepseek_v3.toml")
 
 
-def test_the_mtp_module_is_counted_apart_from_the_main_model(capsys, tmp_path):
+def test_the_mtp_module_is_counted_apart_from_the_main_model():
     """DeepSeek-V3 debug's MTP depth, counted by hand (hidden 128, 4 heads, q rank 64, kv
     rank 32, nope 32, rope 16, v 24; 8 experts of 64, top 2, one shared expert of 64): its
     own norms (enorm, hnorm, norm, the block's two) and eh_proj [2h -> h], the block's MLA
     and MoE. The main model is the rest (published counts are the main model's: the full
-    config gives 671.0B total, 37.6B active; DeepSeek states 671B and 37B)."""
+    config gives 671.0B total, 37.6B active, benchmarks/deepseek_v3_published.py; DeepSeek
+    states 671B and 37B)."""
     from moetrain.config import load_config
-    from moetrain.planner.cli import main
     from moetrain.planner.model_counts import parameter_counts
+    from moetrain.planner.report import parameters_line
 
     h, heads = 128, 4
     norms = 5 * h + 64 + 32  # and the q and kv latents' norms
@@ -55,21 +56,16 @@ def test_the_mtp_module_is_counted_apart_from_the_main_model(capsys, tmp_path):
     experts, shared, router = 8 * (h * 2 * 64 + 64 * h), 3 * 64 * h, 8 * h
     mtp = norms + 2 * h * h + attention + router + experts + shared
     mtp_active = mtp - experts * 6 // 8
-    out = tmp_path / "plan.json"
-    assert main(["--world-size=1", "--config", DSV3, f"--json={out}"]) == 0
-    counts = json.loads(out.read_text())["parameters"]
+    counts = parameter_counts(load_config(["--config", DSV3]))
     assert (mtp, mtp_active) == (301_792, 154_336)
     assert counts["mtp"] == {"total": mtp, "active": mtp_active}
-    assert counts["main"] == {
-        "total": counts["total"] - mtp,
-        "active": counts["active"] - mtp_active,
-    }
-    printed = capsys.readouterr().out
-    assert f"MTP module {mtp:,} total, {mtp_active:,} active" in printed
-    full = parameter_counts(
-        load_config(["--config", DSV3.replace("debug_deepseek_v3", "deepseek_v3_671b")])
+    main = {"total": counts["total"] - mtp, "active": counts["active"] - mtp_active}
+    assert counts["main"] == main
+    assert parameters_line(counts).startswith(
+        f"parameters: main model {main['total']:,} (1.0M) total, {main['active']:,} active per "
+        f"token (each routed expert at top_k / experts); MTP module {mtp:,} total, "
+        f"{mtp_active:,} active"
     )
-    assert f"{full['main']['total'] / 1e9:.1f} {full['main']['active'] / 1e9:.1f}" == "671.0 37.6"
     assert "mtp" not in parameter_counts(load_config(["--config", CONFIG]))  # Qwen3-MoE: none
 
 

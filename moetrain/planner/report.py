@@ -32,6 +32,23 @@ def _count(n: int) -> str:
     return f"{n:,} ({n / 1e9:.1f}B)" if n >= 1e9 else f"{n:,} ({n / 1e6:.1f}M)"
 
 
+def parameters_line(n: dict) -> str:
+    """`model_counts.parameter_counts`, printed: the main model apart from its MTP module,
+    where it has one (published counts are the main model's)."""
+    if "mtp" not in n:
+        return (
+            f"parameters: {_count(n['total'])} total, {_count(n['active'])} active per "
+            "token (each routed expert at top_k / experts)"
+        )
+    main, mtp = n["main"], n["mtp"]
+    return (
+        f"parameters: main model {_count(main['total'])} total, {_count(main['active'])} "
+        f"active per token (each routed expert at top_k / experts); MTP module "
+        f"{_count(mtp['total'])} total, {_count(mtp['active'])} active; together "
+        f"{_count(n['total'])}, {_count(n['active'])} active"
+    )
+
+
 def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str, int]]) -> dict:
     cfg, dims, s = layout.cfg, layout.dims, layout.state
     world = dims.world_size
@@ -141,20 +158,7 @@ def format_report(r: dict) -> str:
         f"{r['per_step']['micro_batches']} per step",
     ]
     if "parameters" in r:  # the model's own size: the first check of a new model's config
-        n = r["parameters"]
-        if "mtp" in n:  # published counts are the main model's
-            main, mtp = n["main"], n["mtp"]
-            lines.append(
-                f"parameters: main model {_count(main['total'])} total, "
-                f"{_count(main['active'])} active per token (each routed expert at top_k / "
-                f"experts); MTP module {_count(mtp['total'])} total, {_count(mtp['active'])} "
-                f"active; together {_count(n['total'])}, {_count(n['active'])} active"
-            )
-        else:
-            lines.append(
-                f"parameters: {_count(n['total'])} total, {_count(n['active'])} active per "
-                "token (each routed expert at top_k / experts)"
-            )
+        lines.append(parameters_line(r["parameters"]))
     lines += ["", f"{name} per rank   params    grads  optimizer"]
     rows = [f"{g(p['params'])} {g(p['grads'])} {g(p['optimizer'])}" for p in r["per_rank"]]
     for ranks, row in _ranges(rows):  # ranks whose figures print alike share a line
