@@ -118,7 +118,7 @@ def block_activation_bytes(argv: list[str], mode: str) -> dict[str, int]:
     fp32, read from the allocator's events inside the block's forward window. The attention
     cores run the fused CPU kernel (`use_fused_attention`).
 
-    NOTE: the planner's activation model (`moetrain.planner.footprint.trace_step`) measures
+    NOTE: the planner's activation model (`moetrain.planner.activation_trace.trace_step`) measures
     the same quantity on the meta device (`StepTrace.saved_by_structure`);
     tests/test_activation_checkpoint.py holds the two within 5% of each other."""
     import torch

@@ -230,7 +230,7 @@ def test_planner_block_bytes_match_the_allocator(config):
     keeps less than `none` (the debug configs, one micro-batch of 4 x 128, fp32)."""
     from benchmarks.memory import block_activation_bytes
     from moetrain.models.common.moe import MoEOptions
-    from moetrain.planner.footprint import block_structure, trace_step
+    from moetrain.planner.activation_trace import block_structure, trace_step
     from moetrain.planner.meta_trace import use_fused_attention
 
     argv = [f"--config=configs/{config}.toml", "--train.device=cpu"]
@@ -295,7 +295,7 @@ def test_selective_keeps_no_expert_output_for_the_routing_weights():
     from moetrain.models.common.mlp import swiglu
     from moetrain.models.common.moe import GroupedExperts, MoEOptions
     from moetrain.models.common.recompute import recomputed
-    from moetrain.planner.footprint import block_structure, trace_step
+    from moetrain.planner.activation_trace import block_structure, trace_step
     from moetrain.planner.meta_trace import use_fused_attention
 
     class KeptDown(GroupedExperts):  # the former arithmetic: only SwiGLU's product rebuilt

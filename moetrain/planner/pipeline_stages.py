@@ -59,6 +59,9 @@ class PipelineCost:
     order: dict  # pp rank -> its actions
     # stage -> its part of what `selective` computes again (recompute_cost; none measured: 0)
     recompute_share: list[float] = None
+    # mode -> pp rank -> of `activations`, what the routing imbalance adds
+    imbalance_bytes: dict = None
+    in_flight: list[int] = None  # pp rank -> the most micro-batch stages it holds at once
 
 
 @dataclass
@@ -79,7 +82,7 @@ def _cut_of(cfg, spec, reuse) -> _Cut:
     from moetrain.build.model import meta_model, pipeline_cut
     from moetrain.parallelisms.pipeline_split import stage_costs, trunk_blocks
     from moetrain.parallelisms.plan import match_modules
-    from moetrain.planner.footprint import block_structure
+    from moetrain.planner.activation_trace import block_structure
 
     p, plan = cfg.parallel, spec.plan
     key = _cut_key(p)
@@ -123,9 +126,13 @@ def _cut_key(p) -> tuple:
     return (p.pp, p.pp_schedule, p.pp_virtual_stages, tuple(p.pp_layers or ()))
 
 
-def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
+def measure_pipeline(
+    cfg, spec, dims, traces: dict, reuse, routing_imbalance: float = 1.0
+) -> PipelineCost:
     """The pipeline part of `layout_cost.measure_layout`; `traces`: mode -> the whole
-    model's StepTrace at this layout's local shapes; `reuse`: shards.Measured."""
+    model's StepTrace at this layout's local shapes; `reuse`: shards.Measured;
+    `routing_imbalance`: the busiest rank's routed rows over the mean (its saved rows
+    grow by as much)."""
     from moetrain.parallelisms.dims import stage_rank
     from moetrain.parallelisms.pipeline_build import example_inputs
 
@@ -134,18 +141,18 @@ def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
     cut, S, n = c.cut, c.cut.num_stages, order_key[-1]
     order = reuse.orders[order_key]
     rank_of = [stage_rank(s, p.pp, p.pp_schedule) for s in range(S)]
-    saved, transient, activations = {}, {}, {}
-    for mode, trace in traces.items():
-        per = [sum(trace.saved_by_structure.get(k, 0.0) for k in ks) for ks in c.structures]
-        per[-1] += max(0.0, trace.saved_after_forward - sum(per))  # the head, MTP, loss
-        saved[mode] = per
-        transient[mode] = max(0, trace.activations - trace.saved_after_forward)
-        activations[mode] = [
-            int(_held(reuse, order_key, r, per, cut)) + transient[mode] for r in range(p.pp)
-        ]
     seq = cfg.data.seq_len // dims.cp
     _, h, _ = example_inputs(c.model, cfg.train.micro_batch_size, seq, param_dtype(cfg))
     hidden = h.numel() * h.element_size()
+    saved, transient, activations, margin = {}, {}, {}, {}
+    for mode, trace in traces.items():
+        per = stage_saved(trace, c.structures, hidden, routing_imbalance)
+        even = stage_saved(trace, c.structures, hidden)
+        saved[mode] = per
+        transient[mode] = max(0, trace.activations - trace.saved_after_forward)
+        held = [int(_held(reuse, order_key, r, per, cut)) for r in range(p.pp)]
+        activations[mode] = [h + transient[mode] for h in held]
+        margin[mode] = [h - int(_held(reuse, order_key, r, even, cut)) for r, h in enumerate(held)]
     ranks = []
     for r in range(p.pp):
         local = cut.local(r)
@@ -176,7 +183,29 @@ def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
         ranks,
         order,
         _recompute_share(traces, c.structures),
+        margin,
+        [int(held_peak(order[r], [1.0] * S)) for r in range(p.pp)],
     )
+
+
+def stage_saved(trace, structures: list, hidden: int, imbalance: float = 1.0) -> list[float]:
+    """stage -> the bytes one micro-batch leaves on it for the backward: its blocks' (by
+    structure, from the whole model's `trace`), its input, and on the last stage the rest
+    (the head, MTP, the loss). `hidden`: one micro-batch's hidden states at a boundary;
+    `imbalance`: the factor on the blocks' routed rows (the busiest expert-parallel rank).
+
+    NOTE: a stage holds its input for every micro-batch in flight until that micro-batch's
+    backward (torch's PipelineStage keeps the received activations for their gradient):
+    the blocks' bytes count what they create, and in the whole model's trace a block's input
+    is its predecessor's output, or the embedding's, which the rest would put on the last
+    stage. So every stage gets one `hidden` a micro-batch (the first stage's is the
+    embedding's output, taken off the rest): DeepSeek-V3's published layout, 33 micro-batch
+    chunks of 4096 x 7168 bf16 in flight on a pp rank, 1.8 GiB."""
+    blocks = [sum(trace.saved_by_structure.get(k, 0.0) for k in ks) for ks in structures]
+    rows = [sum(trace.rows_by_structure.get(k, 0.0) for k in ks) for ks in structures]
+    per = [b + (imbalance - 1) * r + hidden for b, r in zip(blocks, rows, strict=True)]
+    per[-1] += max(0.0, trace.saved_after_forward - sum(blocks) - hidden)
+    return per
 
 
 def _recompute_share(traces: dict, structures: list) -> list[float]:

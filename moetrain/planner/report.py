@@ -3,7 +3,8 @@ per rank (`report`, the JSON's figures), and its printed form (`format_report`).
 
 from __future__ import annotations
 
-from moetrain.planner.layout_cost import Layout, peak_bytes, step_bytes, update_bytes
+from moetrain.planner.hardware import RESERVE_TEXT
+from moetrain.planner.layout_cost import Layout, peak_bytes, rows_margin, step_bytes, update_bytes
 
 GIB = 2**30
 
@@ -49,7 +50,14 @@ def parameters_line(n: dict) -> str:
     )
 
 
-def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str, int]]) -> dict:
+def report(
+    layout: Layout,
+    gpu_memory: float | None,
+    suggestions: list[tuple[str, int]],
+    reserve_gib: float = 0.0,
+) -> dict:
+    """The figures of `layout`; `gpu_memory`: GiB the GPU exposes (--gpu-memory), of which
+    `reserve_gib` is kept back for the CUDA context and NCCL buffers."""
     cfg, dims, s = layout.cfg, layout.dims, layout.state
     world = dims.world_size
     per_rank = [
@@ -90,6 +98,8 @@ def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str
         "modes": modes,
         "per_step": layout.comm,
         "peak": peak_bytes(layout, cfg.train.activation_checkpoint),
+        "routing_imbalance": layout.routing_imbalance,
+        "routing_imbalance_bytes": rows_margin(layout, cfg.train.activation_checkpoint),
     }
     if cfg.peft.method == "lora":
         out["frozen_base_dtype"] = cfg.peft.base_dtype
@@ -106,6 +116,8 @@ def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str
                     "p2p_bytes": r.p2p,
                     "step_buffers": r.step_buffers,
                     "activations": {m: a[i] for m, a in pc.activations.items()},
+                    "inputs_in_flight": pc.in_flight[i],
+                    "inputs_bytes": pc.in_flight[i] * pc.hidden_bytes,
                 }
                 for i, r in enumerate(pc.ranks)
             ],
@@ -126,9 +138,13 @@ def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str
     }
     if gpu_memory is not None:
         out["gpu_memory_gib"] = gpu_memory
-        out["fits"] = out["peak"] <= gpu_memory * GIB
+        out["reserve_gib"] = reserve_gib
+        out["usable_gib"] = gpu_memory - reserve_gib
+        out["fits"] = out["peak"] <= out["usable_gib"] * GIB
         out["suggestions"] = [{"flag": flag, "peak": peak} for flag, peak in suggestions]
-        out["fsdp_gather"]["pick"] = pick_fsdp_gather(out["fsdp_gather"], c, gpu_memory * GIB)
+        out["fsdp_gather"]["pick"] = pick_fsdp_gather(
+            out["fsdp_gather"], c, out["usable_gib"] * GIB
+        )
     return out
 
 
@@ -182,6 +198,13 @@ def format_report(r: dict) -> str:
         f"which adds {r['update_increase_rank0'] / unit:.2f} {name}: gradients and "
         "its temporaries)"
     )
+    if r["routing_imbalance"] > 1:
+        lines.append(
+            f"(routing imbalance {r['routing_imbalance']:g}, --routing-imbalance: the busiest "
+            f"expert-parallel rank takes {r['routing_imbalance'] - 1:.0%} more routed rows "
+            f"than balanced routing; its saved rows add {_size(r['routing_imbalance_bytes'])} "
+            "to the configured mode's peak)"
+        )
     if pipe:
         lines.append("pp rank  stages     activations per mode (none/selective/full)   sends")
         for i, q in enumerate(pipe["pp_ranks"]):
@@ -194,6 +217,12 @@ def format_report(r: dict) -> str:
             "(under pp, FSDP keeps a stage's units gathered and its gradients "
             "unsharded through the step, and gathers and reduces once per step: "
             "parallel.fsdp_gather does not apply)"
+        )
+        held = max(pipe["pp_ranks"], key=lambda q: q["inputs_bytes"])
+        lines.append(
+            f"(the activations include each stage's input for every micro-batch in flight: "
+            f"up to {held['inputs_in_flight']} x {_size(pipe['hidden_bytes'])} = "
+            f"{_size(held['inputs_bytes'])} on a pp rank)"
         )
     c = r["per_step"]
     lines += [
@@ -219,7 +248,11 @@ def format_report(r: dict) -> str:
         )
     if "fits" in r:
         verdict = "fits" if r["fits"] else "does NOT fit"
-        lines.append(f"\n--gpu-memory {r['gpu_memory_gib']:g}: peak {_size(r['peak'])}: {verdict}")
+        lines.append(
+            f"\n--gpu-memory {r['gpu_memory_gib']:g} GiB as the GPU exposes it, less "
+            f"{r['reserve_gib']:g} GiB kept back (--memory-reserve: {RESERVE_TEXT}): "
+            f"{r['usable_gib']:.1f} GiB usable; peak {_size(r['peak'])}: {verdict}"
+        )
         for s in r["suggestions"]:
             lines.append(f"  fits with {s['flag']} ({_size(s['peak'])})")
         if not r["fits"] and not r["suggestions"]:
