@@ -47,7 +47,9 @@ def test_each_stage_keeps_its_input_for_every_micro_batch_in_flight(fake_world):
     assert pc.in_flight == [2, 1]  # 1F1B: the first stage holds pp micro-batches
     transient = pc.transient["selective"]
     assert pc.activations["selective"] == [int(2 * saved[0]) + transient, int(saved[1]) + transient]
-    blocks = [sum(trace.saved_by_structure[k] for k in stage) for stage in _stage_structures(layout)]
+    blocks = [
+        sum(trace.saved_by_structure[k] for k in stage) for stage in _stage_structures(layout)
+    ]
     assert saved[0] == pytest.approx(blocks[0] + hidden)  # its blocks and its input
 
 
