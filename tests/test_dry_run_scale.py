@@ -111,3 +111,63 @@ def test_usable_memory_is_what_the_gpu_exposes_less_the_reserve(fake_world, caps
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+
+
+def test_causal_attention_is_counted_as_the_kernels_execute_it():
+    """A causal kernel skips the 128 x 128 tiles above the diagonal and computes the diagonal
+    ones whole: at 4096, 32 tiles a side, 33 / 64 of the product; one tile: all of it. The
+    debug Qwen3-MoE at 4096 (4 layers, 4 heads of 32 for q/k and v): 6 x 4 x 4 x 64 x 4096
+    attention FLOPs a token counted (MFU's), 33 / 64 of them executed."""
+    from moetrain.planner.model_counts import causal_fraction, flops_per_token
+
+    assert causal_fraction(4096) == 33 / 64 and causal_fraction(128) == 1.0
+    assert causal_fraction(4097) == 34 / 66  # a partial last tile is a tile
+    executed = flops_per_token(load_config(["--config", CONFIG, "--data.seq_len=4096"]))
+    full = 6 * 4 * 4 * (32 + 32) * 4096
+    assert executed.by_kind["attention"] == full * 33 / 64 == 12_976_128
+    assert sum(executed.by_kind.values()) == pytest.approx(float(executed))
+
+
+def test_fp8_runs_the_blocks_gemms_at_the_fp8_rate_and_pays_their_quantisation(fake_world):
+    """The debug Qwen3-MoE by hand: FP8 takes every linear of the blocks but the routers (q
+    and o 128 x 128, k and v 128 x 64 in 4 blocks; the dense block's MLP 3 x 128 x 256) and
+    the routed experts (3 layers of 8 x (128 x 128 + 64 x 128), a token using 2 of 8); the
+    head stays bf16. Each GEMM input is quantised twice (x and dy: forward and a gradient
+    each; w: forward and input gradient, once per micro-batch) at 5 bytes an element (amax
+    read, cast read, fp8 write). One rank, 2,048 tokens in 4 micro-batches, at 100 / 200
+    TFLOP/s (bf16 / FP8) and 1 GB/s of memory: the step's compute loses the FP8 FLOPs' half
+    and gains the quantisation's bytes."""
+    from dataclasses import replace
+
+    from moetrain.planner.hardware import PRESETS
+    from moetrain.planner.layout_cost import measure_layout
+    from moetrain.planner.model_counts import flops_per_token
+    from moetrain.planner.step_cost import estimate
+
+    assert {hw.fp8_tflops for hw in PRESETS.values()} == {1979}  # H100/H200/H800 SXM, dense
+    assert all(hw.fp8_tflops == pytest.approx(2 * hw.tflops, rel=1e-3) for hw in PRESETS.values())
+    dense = 4 * (2 * 128 * 128 + 2 * 128 * 64) + 3 * 128 * 256
+    routed = 3 * 8 * (128 * 128 + 64 * 128)
+    fp8_flops = 6 * (dense + routed * 2 / 8)
+    x_dy = 4 * (2 * (128 + 128) + 2 * (128 + 64)) + 3 * (128 + 256)  # in + out, dense linears
+    x_dy += 3 * 2 * ((128 + 128) + (64 + 128))  # routed: top-2 rows a token
+    cfg = load_config(["--config", CONFIG])
+    flops = flops_per_token(cfg)
+    assert (flops.gemms.dense_weights, flops.gemms.routed_weights) == (dense, routed)
+    assert flops.gemms.fp8_flops == fp8_flops == 2_654_208
+    assert flops.gemms.quantise_bytes == 2 * 5 * x_dy == 74_240
+    hw = replace(PRESETS["h100"], tflops=100, fp8_tflops=200, efficiency=1.0, memory_gbps=1.0)
+    dist.destroy_process_group()
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    layout = measure_layout(cfg, 1, ("none",))
+    bf16 = estimate(layout, "none", flops, hw)
+    layout.cfg.train.fp8 = "rowwise"
+    fp8 = estimate(layout, "none", flops, hw)
+    tokens, micro_batches = 16 * 128, 4
+    quantise = x_dy * 2 * 5 * tokens + micro_batches * (dense + routed) * 2 * 5
+    assert fp8["precision"]["quantise_bytes"] == quantise
+    saved = fp8_flops * tokens * (1 / 100e12 - 1 / 200e12)
+    assert fp8["compute_s"] == pytest.approx(bf16["compute_s"] - saved + quantise / 1e9)
+    assert bf16["precision"] == {"fp8": "none"}

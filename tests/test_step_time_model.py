@@ -216,7 +216,7 @@ def _layout(r: dict, tokens: int) -> SimpleNamespace:
     """What `estimate` reads of a measured layout, from a printed entry."""
     world = r["dp_replicate"] * r["dp_shard"] * r["cp"]
     dims = ParallelDims.resolve(*(r[k] for k in ("dp_replicate", "dp_shard", "cp", "ep")), world)
-    train = SimpleNamespace(global_batch_size=tokens // 128)
+    train = SimpleNamespace(global_batch_size=tokens // 128, fp8="none")
     cfg = SimpleNamespace(train=train, data=SimpleNamespace(seq_len=128),
                           parallel=SimpleNamespace(fsdp_gather="micro_batch",
                                                    ep_overlap=r["ep_overlap"]))  # fmt: skip

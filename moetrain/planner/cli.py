@@ -50,7 +50,7 @@ from moetrain.planner.layout_cost import (
     peak_bytes,
 )
 from moetrain.planner.model_counts import flops_per_token, parameter_counts
-from moetrain.planner.report import GIB, format_report, report
+from moetrain.planner.report import GIB, estimate_notes, format_report, report
 from moetrain.planner.search import format_ranked, run_search
 from moetrain.planner.step_cost import estimate
 
@@ -241,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             f"under compute, {configured['exposed_background_s']:.3f} s exposed; optimizer step "
             f"{configured['optimizer_s']:.3f} s at {hw.memory_gbps:g} GB/s)"
         ),
+        *estimate_notes(configured, cfg, flops),
     ]
     if search_flag:
         result["search"] = ranked

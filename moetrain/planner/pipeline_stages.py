@@ -49,6 +49,9 @@ class PipelineCost:
     micro_batches: int
     rank_of: list[int]  # stage -> pp rank
     flops_share: list[float]  # stage -> its part of the model's training FLOPs
+    # stage -> its part of the FP8 GEMMs' FLOPs (train.fp8), and of the others'
+    fp8_share: list[float]
+    rest_share: list[float]
     moe_share: list[float]  # stage -> its part of the MoE layers (the all-to-all)
     core_share: list[float]  # stage -> its part of the attention cores (the ring)
     saved: dict  # mode -> stage -> bytes one micro-batch leaves for the backward
@@ -71,7 +74,8 @@ class _Cut:
     model: object  # the whole meta model
     cut: object  # moetrain.parallelisms.pipeline_build.PipelineCut
     structures: list  # stage -> its trunk blocks' structures
-    flops: list  # stage -> its training FLOPs per token
+    flops: list  # stage -> its training FLOPs per token (as executed)
+    fp8_flops: list  # stage -> of them, the GEMMs train.fp8 runs in FP8
     moe: list  # stage -> its MoE layers
     cores: list  # stage -> its attention cores
 
@@ -83,6 +87,7 @@ def _cut_of(cfg, spec, reuse) -> _Cut:
     from moetrain.parallelisms.pipeline_split import stage_costs, trunk_blocks
     from moetrain.parallelisms.plan import match_modules
     from moetrain.planner.activation_trace import block_structure
+    from moetrain.planner.model_counts import executed, fp8_flops_of, fp32_modules
 
     p, plan = cfg.parallel, spec.plan
     key = _cut_key(p)
@@ -105,16 +110,20 @@ def _cut_of(cfg, spec, reuse) -> _Cut:
         within = lambda f, ins: any(f == i or f.startswith(i + ".") for i in ins)  # noqa: E731
         return [sum(within(f, ins) for f in found) for ins in inside]
 
-    total = spec.flops_per_token(model, cfg.data.seq_len)
+    total = executed(spec.flops_per_token(model, cfg.data.seq_len), model, plan, cfg.data.seq_len)
     costs = stage_costs(model, plan, total.by_kind["attention"], total)
     block_flops = dict(zip(trunk, costs.blocks, strict=True))
     flops = [sum(block_flops[f] for f in cut.blocks[s]) for s in range(S)]
     flops[-1] += costs.last
+    routers = fp32_modules(model, plan)
+    fp8 = [sum(fp8_flops_of(trunk[f], routers) for f in cut.blocks[s]) for s in range(S)]
+    fp8[-1] += total.gemms.fp8_flops - sum(fp8)  # the MTP depths' blocks
     reuse.cuts[key] = _Cut(
         model,
         cut,
         [[block_structure(trunk[f]) for f in cut.blocks[s]] for s in range(S)],
         flops,
+        fp8,
         counts(plan.routed_experts, "routed_experts"),
         counts(plan.attention_core, "attention_core"),
     )
@@ -174,6 +183,11 @@ def measure_pipeline(
         n,
         rank_of,
         [f / total(c.flops) for f in c.flops],
+        [f / total(c.fp8_flops) for f in c.fp8_flops],
+        [
+            (f - g) / total([a - b for a, b in zip(c.flops, c.fp8_flops, strict=True)])
+            for f, g in zip(c.flops, c.fp8_flops, strict=True)
+        ],
         [m / total(c.moe) for m in c.moe],
         [x / total(c.cores) for x in c.cores],
         saved,

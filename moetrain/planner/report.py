@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from moetrain.planner.hardware import RESERVE_TEXT
 from moetrain.planner.layout_cost import Layout, peak_bytes, rows_margin, step_bytes, update_bytes
+from moetrain.planner.model_counts import CAUSAL_TILE
 
 GIB = 2**30
 
@@ -258,3 +259,47 @@ def format_report(r: dict) -> str:
         if not r["fits"] and not r["suggestions"]:
             lines.append("  no single knob tried brings it in (see docs: Will it fit?)")
     return "\n".join(lines)
+
+
+# --- the estimate's notes ------------------------------------------------------------------
+
+
+def estimate_notes(estimate: dict, cfg, flops_per_token) -> list[str]:
+    """What the printed estimate adds below its line: what the kernels execute of causal
+    attention, what `train.fp8` runs in FP8 and what its quantisation costs, and under
+    pipeline stages the busiest rank's load and which schedule was modelled."""
+    lines = []
+    causal = getattr(flops_per_token, "causal", 1.0)
+    if causal < 1:
+        lines.append(
+            f"(attention at {causal:.3f} of the full S x S product: the causal kernels skip "
+            f"the {CAUSAL_TILE} x {CAUSAL_TILE} tiles above the diagonal and compute the "
+            "diagonal ones whole; MFU's count takes the full product)"
+        )
+    p = estimate["precision"]
+    if p["fp8"] != "none":
+        lines.append(
+            f"(train.fp8={p['fp8']}: the blocks' GEMMs but the routers, "
+            f"{p['fp8_flops_per_token'] / 1e9:,.1f} GFLOP a token of "
+            f"{float(flops_per_token) / 1e9:,.1f}, at {p['fp8_tflops']:g} TFLOP/s and the "
+            f"same efficiency, {p['fp8_s']:.3f} s of the compute with their inputs' "
+            f"quantisation, {p['quantise_bytes'] / 1e12:,.2f} TB through memory: "
+            f"{p['quantise_s']:.3f} s; the head, routers and attention in bf16)"
+        )
+    if "busiest_load" in estimate:
+        schedule = cfg.parallel.pp_schedule
+        line = (
+            f"(pipeline {schedule}: span {estimate['pipeline_span_s']:.3f} s, bubble "
+            f"{estimate['bubble_s']:.3f} s; the busiest pp rank computes "
+            f"{estimate['busiest_load']:.2f}x the mean rank"
+        )
+        if schedule == "DualPipeV":
+            line += (
+                "; modelled as torch's DualPipeV, one V: rank 0 holds the first stage and the "
+                "last, with the head and MTP. DeepSeek-V3 ran DualPipe, two pipelines in "
+                "opposite directions over the same ranks, which spreads the ends over rank 0 "
+                "and the last rank; it is not modelled, so a comparison with DeepSeek's "
+                "1,543 tokens/s per GPU is against DualPipeV"
+            )
+        lines.append(line + ")")
+    return lines
