@@ -2,8 +2,9 @@
 
     python -m moetrain.planner --world-size N --config X.toml [--section.key=value ...]
         [--json FILE] [--gpu-memory GiB] [--search] [--hardware h100|h200|h800]
-        [--gpu-tflops F] [--efficiency E] [--intra-gbps B] [--inter-gbps B] [--ranks-per-node R]
-        [--gemm-rates FILE] [--workers N]
+        [--gpu-tflops F] [--gpu-fp8-tflops F] [--efficiency E] [--intra-gbps B]
+        [--inter-gbps B] [--ranks-per-node R] [--memory-gbps B] [--memory-reserve GiB]
+        [--routing-imbalance F] [--gemm-rates FILE] [--workers N]
 
 The real mesh is built over PyTorch's fake process group (one process plays rank 0 of N;
 collectives do nothing), the model on the meta device, the real plan applied. What it
@@ -11,8 +12,10 @@ prints, per rank: parameter, gradient and optimizer bytes (from the local shard 
 the activation peak of one micro-batch for each `train.activation_checkpoint` mode and the
 rank's peak estimate; per step: FSDP all-gather and reduce-scatter bytes, the EP
 all-to-all bytes under balanced routing and the CP ring bytes. Every refusal of a real
-launch applies (`moetrain.loop.preflight.preflight`, exit 2). With --gpu-memory it says whether the
-layout fits and, if not, which knob brings it in; last, the estimated step time on the
+launch applies (`moetrain.loop.preflight.preflight`, exit 2). With --gpu-memory (GiB the GPU
+exposes; --memory-reserve of it, 2 by default, kept for the CUDA context and NCCL's
+buffers) it says whether the layout fits and, if not, which knob brings it in; the busiest
+expert-parallel rank saves --routing-imbalance (1.1) times the balanced routed rows; last, the estimated step time on the
 `--hardware` (and with --search the layouts that fit, fastest first:
 `moetrain.planner.search`; the model: `moetrain.planner.step_cost`), its compute at the efficiency --gemm-rates FILE measured per
 kind of kernel (`benchmarks/gemm_rates.py`'s JSON) where given, else at --efficiency;
