@@ -1,7 +1,8 @@
-"""The planner on DeepSeek-V3 671B at DeepSeek's own degrees (pp 16 x ep 64 on 2,048 H800 of
-80 GiB), beside the throughput DeepSeek's report gives for that layout: the table of issue
-57, again, and the published layout itself (DualPipeV, global batch 15,360 x 4096,
-`selective` recomputation, Adam's moments in bf16).
+"""The planner on DeepSeek-V3 671B at DeepSeek's own degrees (pp 16 x ep 64 on 2,048 H800,
+"80 GB": 79.6 GiB exposed, 2 GiB of it kept back), beside the throughput DeepSeek's report
+gives for that layout: the table of issue 57, again, and the published layout itself
+(DualPipeV, global batch 15,360 x 4096, `selective` recomputation, Adam's moments in bf16),
+in bf16 and with FP8 GEMMs (`train.fp8=rowwise`, as DeepSeek trained: issue 66).
 
     python benchmarks/deepseek_v3_published.py [--out FILE.json]
 
@@ -22,7 +23,7 @@ import dry_run  # noqa: E402  (benchmarks/dry_run.py)
 # DeepSeek-V3's report: about 1,543 tokens/s per H800 (its 180K GPU hours per trillion tokens)
 DEEPSEEK_TOKENS_PER_S_PER_GPU = 1e12 / (180e3 * 3600)
 BASE = ["--world-size=2048", "--config", "configs/deepseek_v3_671b.toml", "--hardware=h800",
-        "--gpu-memory=80", "--parallel.pp=16", "--parallel.ep=64"]  # fmt: skip
+        "--gpu-memory=79.6", "--parallel.pp=16", "--parallel.ep=64"]  # fmt: skip
 ROWS = {
     "1f1b_full_none": ["--train.global_batch_size=16384", "--parallel.pp_schedule=1F1B",
                        "--train.activation_checkpoint=full", "--parallel.ep_overlap=none"],
@@ -33,6 +34,9 @@ ROWS = {
     "published": ["--train.global_batch_size=15360", "--parallel.pp_schedule=DualPipeV",
                   "--train.activation_checkpoint=selective", "--parallel.ep_overlap=chunks",
                   "--train.optimizer_state_dtype=bf16"],
+    "published_fp8": ["--train.global_batch_size=15360", "--parallel.pp_schedule=DualPipeV",
+                      "--train.activation_checkpoint=selective", "--parallel.ep_overlap=chunks",
+                      "--train.optimizer_state_dtype=bf16", "--train.fp8=rowwise"],
 }  # fmt: skip
 
 
@@ -53,9 +57,18 @@ def main() -> None:
             "node_share": est["node_share"],
             "bubble_s": est.get("bubble_s"),
             "optimizer_s": est["optimizer_s"],
+            "busiest_load": est.get("busiest_load"),
+            "precision": est["precision"],
             "peak_gib": plan["peak"] / 2**30,
+            "usable_gib": plan["usable_gib"],
             "fits": plan["fits"],
+            "routing_imbalance": plan["routing_imbalance"],
+            "routing_imbalance_gib": plan["routing_imbalance_bytes"] / 2**30,
+            "stage_inputs_gib": max(q["inputs_bytes"] for q in plan["pipeline"]["pp_ranks"])
+            / 2**30,
+            "pp_rank_activations_gib": [q["activations"] for q in plan["pipeline"]["pp_ranks"]],
             "parameters": plan["parameters"],
+            "printed": case["printed"],
         }
     dry_run.report({"deepseek_tokens_per_s_per_gpu": DEEPSEEK_TOKENS_PER_S_PER_GPU,
                     "rows": rows}, out_path)  # fmt: skip

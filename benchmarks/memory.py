@@ -47,20 +47,69 @@ def peak_bytes(fn, before=None) -> int:
             before()
         with record_function("measured"):
             fn()
-    events = prof.profiler.kineto_results.events()
-    (window,) = [e for e in events if e.name() == "measured"]
+    (window,) = named_ranges(prof, "measured").values()
     live, level, peak = 0, 0, 0
-    for start, nbytes in sorted(
-        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"
-    ):
-        if start > window.end_ns():
+    for start, nbytes in session_allocations(prof):
+        if start > window[1]:
             break
         live += nbytes
-        if start < window.start_ns():
+        if start < window[0]:
             level = live
         else:
             peak = max(peak, live - level)
     return peak
+
+
+def _profiled_events(prof):
+    """Every event of a finished profile (its ops and allocations), depth first."""
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        yield event
+        stack.extend(event.children)
+
+
+def session_allocations(prof) -> list[tuple[int, int]]:
+    """(time ns, bytes: + allocated, - freed) of every CPU allocation and free of the
+    profile `prof`, in time order, leaving out the frees of blocks it did not see allocated.
+
+    NOTE: the CPU allocator's reporter keeps the size of every block allocated while any
+    profiler recorded memory, in one table for the whole process, and reports a free of a
+    block it knows with that size. So a block an earlier profiled measurement allocated (or
+    a stale entry whose address the allocator gave out again unrecorded) freed during this
+    profile came in as a free of this window: the figures then depended on what ran before
+    in the process (DeepSeek-V3's MTP block gave 2.58 and 1.92 MB instead of 3.11 MB, a
+    block under `full` -18.8 MB after a Trainer had run). A free counts only if this
+    profile saw the block allocated."""
+    from torch._C._profiler import _EventType
+
+    records = sorted(
+        (e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size)
+        for e in _profiled_events(prof)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu"
+    )
+    born: set[int] = set()
+    out = []
+    for start, ptr, nbytes in records:
+        if nbytes > 0:
+            born.add(ptr)
+        elif ptr in born:
+            born.discard(ptr)
+        else:
+            continue  # a block allocated before this profile: not its memory
+        out.append((start, nbytes))
+    return out
+
+
+def named_ranges(prof, prefix: str) -> dict[str, tuple[int, int]]:
+    """name -> (start, end) ns of the profile's `record_function` ranges named `prefix`..."""
+    from torch._C._profiler import _EventType
+
+    return {
+        e.name: (e.start_time_ns, e.end_time_ns)
+        for e in _profiled_events(prof)
+        if e.tag == _EventType.TorchOp and e.name.startswith(prefix)
+    }
 
 
 def block_activation_bytes(argv: list[str], mode: str) -> dict[str, int]:
@@ -69,7 +118,7 @@ def block_activation_bytes(argv: list[str], mode: str) -> dict[str, int]:
     fp32, read from the allocator's events inside the block's forward window. The attention
     cores run the fused CPU kernel (`use_fused_attention`).
 
-    NOTE: the planner's activation model (`moetrain.planner.footprint.trace_step`) measures
+    NOTE: the planner's activation model (`moetrain.planner.activation_trace.trace_step`) measures
     the same quantity on the meta device (`StepTrace.saved_by_structure`);
     tests/test_activation_checkpoint.py holds the two within 5% of each other."""
     import torch
@@ -118,14 +167,10 @@ def block_activation_bytes(argv: list[str], mode: str) -> dict[str, int]:
     del out
     for h in hooks:
         h.remove()
-    events = prof.profiler.kineto_results.events()
-    memory = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"]
+    memory = session_allocations(prof)
     return {
-        e.name().removeprefix("block:"): sum(
-            n for t, n in memory if e.start_ns() <= t <= e.end_ns()
-        )
-        for e in events
-        if e.name().startswith("block:")
+        name.removeprefix("block:"): sum(n for t, n in memory if start <= t <= end)
+        for name, (start, end) in named_ranges(prof, "block:").items()
     }
 
 

@@ -230,7 +230,7 @@ def test_planner_block_bytes_match_the_allocator(config):
     keeps less than `none` (the debug configs, one micro-batch of 4 x 128, fp32)."""
     from benchmarks.memory import block_activation_bytes
     from moetrain.models.common.moe import MoEOptions
-    from moetrain.planner.footprint import block_structure, trace_step
+    from moetrain.planner.activation_trace import block_structure, trace_step
     from moetrain.planner.meta_trace import use_fused_attention
 
     argv = [f"--config=configs/{config}.toml", "--train.device=cpu"]
@@ -261,6 +261,33 @@ def test_planner_block_bytes_match_the_allocator(config):
     assert all(measured["selective"][f] < 0.8 * measured["none"][f] for f in measured["none"])
 
 
+def test_block_bytes_ignore_what_an_earlier_measurement_frees_during_this_one():
+    """`block_activation_bytes` gives the same figures whatever ran before it in the process:
+    a tensor an earlier profiled measurement allocated, freed inside a block's forward
+    window, is not this block's memory (the allocator's reporter remembers its size for the
+    whole process; before, the block's figure dropped by its 16 MiB)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.memory import block_activation_bytes
+
+    argv = ["--config=configs/debug_qwen3_moe.toml", "--train.device=cpu"]
+    fresh = block_activation_bytes(argv, "full")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+        leftover = [torch.empty(2**22)]  # an earlier measurement's tensor, still alive
+
+    def free_in_the_first_block(module, args, output) -> None:
+        if isinstance(module, nn.Linear) and leftover:  # the first block's first projection
+            leftover.clear()
+
+    hook = nn.modules.module.register_module_forward_hook(free_in_the_first_block)
+    try:
+        again = block_activation_bytes(argv, "full")
+    finally:
+        hook.remove()
+    assert not leftover  # it was freed while the blocks ran
+    assert again == fresh and min(fresh.values()) > 0
+
+
 def test_selective_keeps_no_expert_output_for_the_routing_weights():
     """Qwen3-MoE debug on the meta trace (the planner's, held to the allocator above): under
     `selective` a MoE block keeps less, by its experts' output rows (top-k x dim a token,
@@ -268,7 +295,7 @@ def test_selective_keeps_no_expert_output_for_the_routing_weights():
     from moetrain.models.common.mlp import swiglu
     from moetrain.models.common.moe import GroupedExperts, MoEOptions
     from moetrain.models.common.recompute import recomputed
-    from moetrain.planner.footprint import block_structure, trace_step
+    from moetrain.planner.activation_trace import block_structure, trace_step
     from moetrain.planner.meta_trace import use_fused_attention
 
     class KeptDown(GroupedExperts):  # the former arithmetic: only SwiGLU's product rebuilt

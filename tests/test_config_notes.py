@@ -67,3 +67,60 @@ def test_save_frozen_without_lora_is_noted():
     assert [n for n in notes if n.startswith("checkpoint.save_frozen=true has no effect")]
     cfg = load_config(["--checkpoint.save_frozen=true", "--peft.method=lora"])
     assert not [n for n in startup_notes(cfg) if "save_frozen" in n]
+
+
+def test_bf16_moments_with_a_slow_second_moment_are_noted_with_what_the_optimizer_keeps():
+    """bf16 keeps 8 significant bits: beta2 x v rounds back to v once 1 - beta2 is under
+    half of the spacing below v (2^-9 of v at a power of two, up to 2^-8). The note's
+    figures are the real optimizer's: v = 1, then 200 steps of zero gradient leave it at 1.0
+    in bf16 against 0.819 in fp32 (beta2 = 0.999)."""
+    from dataclasses import replace
+
+    import torch
+    from torch import nn
+
+    from moetrain.build.optimizer import build_optimizer
+
+    def kept(beta2: float, dtype: str) -> float:  # v after 200 zero-gradient steps
+        cfg = load_config([f"--train.beta2={beta2}", f"--train.optimizer_state_dtype={dtype}"])
+        p = nn.Parameter(torch.ones(1))
+        opt = build_optimizer(nn.ParameterList([p]), replace(cfg.train, weight_decay=0.0))
+        p.grad = torch.ones(1)
+        opt.step()
+        opt.state[p]["exp_avg_sq"].fill_(1.0)
+        for _ in range(200):
+            p.grad = torch.zeros(1)
+            opt.step()
+        return opt.state[p]["exp_avg_sq"].item()
+
+    for beta2, stored, exact in ((0.999, "1", "0.819"), (0.998, "0.977", "0.670")):
+        assert f"{kept(beta2, 'bf16'):.3g}" == stored
+        assert f"{kept(beta2, 'fp32'):.3f}" == exact
+        bf16 = ["--train.optimizer_state_dtype=bf16", f"--train.beta2={beta2}"]
+        (note,) = [n for n in startup_notes(load_config(bf16)) if n.startswith("train.beta2")]
+        assert f"v = 1 is {stored} in bf16 against {exact} in fp32" in note
+    assert kept(0.99, "bf16") < 0.2  # 1 - beta2 above 2^-8: it decays, and nothing is said
+    for dtype, beta2 in (("bf16", 0.99), ("bf16", 0.996), ("fp32", 0.999)):
+        argv = [f"--train.optimizer_state_dtype={dtype}", f"--train.beta2={beta2}"]
+        assert not [n for n in startup_notes(load_config(argv)) if n.startswith("train.beta2")]
+
+
+def test_a_resume_that_changes_the_moments_dtype_says_how_they_are_cast():
+    """Noted, not refused: bf16 -> fp32 widens exactly, fp32 -> bf16 rounds once (what every
+    bf16 step rounds); the same dtype, or a checkpoint from before the key (fp32), is quiet."""
+    from moetrain.config import moment_dtype_notes
+
+    def saved(dtype: str) -> dict:
+        return {"train": {"optimizer_state_dtype": dtype}}
+
+    bf16 = load_config(["--train.optimizer_state_dtype=bf16"])
+    (note,) = moment_dtype_notes(bf16, saved("fp32"), "ck/step-2")
+    assert note.startswith(
+        "train.optimizer_state_dtype=bf16, but ck/step-2 holds Adam's moments in fp32: they "
+        "are rounded to bf16 once"
+    )
+    (note,) = moment_dtype_notes(load_config([]), saved("bf16"), "ck/step-2")
+    assert "they are widened to fp32 exactly" in note
+    assert moment_dtype_notes(bf16, saved("bf16"), "ck") == []
+    assert moment_dtype_notes(load_config([]), {"train": {}}, "ck") == []
+    assert moment_dtype_notes(bf16, {}, "ck")  # an old checkpoint's moments were fp32

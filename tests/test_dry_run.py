@@ -199,7 +199,9 @@ def test_knob_suggestion_brings_the_layout_in():
     plan = _dry_run(2, "--train.global_batch_size=8")
     none, full = plan["modes"]["none"]["peak_rank0"], plan["modes"]["full"]["peak_rank0"]
     budget = (none + full) / 2 / 2**30
-    plan = _dry_run(2, "--train.global_batch_size=8", f"--gpu-memory={budget}")
+    plan = _dry_run(
+        2, "--train.global_batch_size=8", f"--gpu-memory={budget}", "--memory-reserve=0"
+    )
     assert plan["fits"] is False
     (ac,) = [s for s in plan["suggestions"] if "activation_checkpoint" in s["flag"]]
     mode = ac["flag"].split("=")[1]
@@ -214,7 +216,8 @@ def test_a_suggestion_is_never_a_flag_the_launch_would_refuse():
     plan = _plan_in_process(2, CONFIG, *v)
     full, selective = (plan["modes"][m]["peak_rank0"] for m in ("full", "selective"))
     assert full < selective
-    plan = _plan_in_process(2, CONFIG, *v, f"--gpu-memory={(selective + full) / 2 / 2**30}")
+    budget = f"--gpu-memory={(selective + full) / 2 / 2**30}"
+    plan = _plan_in_process(2, CONFIG, *v, budget, "--memory-reserve=0")
     assert plan["fits"] is False
     assert not any("activation_checkpoint=full" in s["flag"] for s in plan["suggestions"])
 

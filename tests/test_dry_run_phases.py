@@ -99,7 +99,7 @@ def _traces(_rank: int, _world_size: int, args: list[str], out: str) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from moetrain.config import load_config
-    from moetrain.planner import footprint, meta_trace
+    from moetrain.planner import activation_trace, meta_trace
     from moetrain.planner.layout_cost import measure_layout
 
     cfg = load_config(args)
@@ -121,16 +121,16 @@ def _traces(_rank: int, _world_size: int, args: list[str], out: str) -> None:
         return func(*args, **kwargs) if func in meta_trace.ELEMENTWISE else shortcut(func, args, kwargs)  # fmt: skip
 
     figures = {}
-    sample = footprint.sample_blocks
+    sample = activation_trace.sample_blocks
     for kept, keep, op in (("sampled", 2, checking), ("every", 1000, shortcut), ("kernels", 2, kernels)):  # fmt: skip
-        footprint.sample_blocks = functools.partial(sample, keep=keep)
+        activation_trace.sample_blocks = functools.partial(sample, keep=keep)
         meta_trace.meta_op = op
         layout = measure_layout(cfg, 1)
         figures[kept] = {
             mode: [t.peak, t.activations, t.saved_after_forward]
             for mode, t in layout.activations.items()
         }
-    footprint.sample_blocks, meta_trace.meta_op = sample, shortcut
+    activation_trace.sample_blocks, meta_trace.meta_op = sample, shortcut
     with open(out, "w") as f:
         json.dump({**figures, "checked": checked, "wrong": wrong}, f)
 

@@ -50,6 +50,7 @@ PLANNER_LAYERS = {
     "measurement": [
         "meta_trace",
         "footprint",
+        "activation_trace",
         "model_counts",
         "shards",
         "traces",

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from tests.test_dry_run import CONFIG
 
 
@@ -33,6 +35,38 @@ def test_the_planner_prints_total_and_active_parameters(capsys, tmp_path):
 
 
 DSV3 = os.path.join(os.path.dirname(CONFIG), "debug_deepseek_v3.toml")
+
+
+def test_the_mtp_module_is_counted_apart_from_the_main_model():
+    """DeepSeek-V3 debug's MTP depth, counted by hand (hidden 128, 4 heads, q rank 64, kv
+    rank 32, nope 32, rope 16, v 24; 8 experts of 64, top 2, one shared expert of 64): its
+    own norms (enorm, hnorm, norm, the block's two) and eh_proj [2h -> h], the block's MLA
+    and MoE. The main model is the rest (published counts are the main model's: the full
+    config gives 671.0B total, 37.6B active, benchmarks/deepseek_v3_published.py; DeepSeek
+    states 671B and 37B)."""
+    from moetrain.config import load_config
+    from moetrain.planner.model_counts import parameter_counts
+    from moetrain.planner.report import parameters_line
+
+    h, heads = 128, 4
+    norms = 5 * h + 64 + 32  # and the q and kv latents' norms
+    attention = (
+        64 * h + heads * (32 + 16) * 64 + (32 + 16) * h + heads * (32 + 24) * 32 + h * heads * 24
+    )
+    experts, shared, router = 8 * (h * 2 * 64 + 64 * h), 3 * 64 * h, 8 * h
+    mtp = norms + 2 * h * h + attention + router + experts + shared
+    mtp_active = mtp - experts * 6 // 8
+    counts = parameter_counts(load_config(["--config", DSV3]))
+    assert (mtp, mtp_active) == (301_792, 154_336)
+    assert counts["mtp"] == {"total": mtp, "active": mtp_active}
+    main = {"total": counts["total"] - mtp, "active": counts["active"] - mtp_active}
+    assert counts["main"] == main
+    assert parameters_line(counts).startswith(
+        f"parameters: main model {main['total']:,} (1.0M) total, {main['active']:,} active per "
+        f"token (each routed expert at top_k / experts); MTP module {mtp:,} total, "
+        f"{mtp_active:,} active"
+    )
+    assert "mtp" not in parameter_counts(load_config(["--config", CONFIG]))  # Qwen3-MoE: none
 
 
 def test_mtp_depths_pass_through_the_shared_head_again():
@@ -74,6 +108,28 @@ def test_the_interleaved_refusal_names_counts_that_run():
     assert "(7 rounds for 120, which they do not divide): e.g. 112 or 128" in need
     assert pipeline_micro_batches_needed("Interleaved1F1B", 16, 112) is None
     assert pipeline_micro_batches_needed("Interleaved1F1B", 16, 128) is None
+
+
+def test_the_interleaved_refusal_at_deepseeks_scale_suggests_batches_that_run(capsys):
+    """DeepSeek-V3 on 2,048 ranks, pp 16 x 128 data-parallel ranks, global batch 15,360: 120
+    micro-batches a rank. The refusal names the global batches of the nearest counts that
+    run, 112 x 128 = 14,336 and 128 x 128 = 16,384 (it named 2,048 = 16 x 128 before, an
+    eighth of the batch); the check passes each of them."""
+    from moetrain.parallelisms.dims import LayoutError, check_pipeline
+    from moetrain.planner.cli import main
+
+    config = os.path.join(os.path.dirname(CONFIG), "deepseek_v3_671b.toml")
+    pp = ["--parallel.pp=16", "--parallel.ep=64", "--parallel.pp_schedule=Interleaved1F1B"]
+    argv = ["--world-size=2048", "--config", config, *pp]
+    assert main([*argv, "--train.global_batch_size=15360"]) == 2
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith(
+        "e.g. use train.global_batch_size=14336 (112 micro-batches) or 16384 (128 micro-batches)"
+    )
+    for batch in (14336, 16384):
+        check_pipeline(16, "Interleaved1F1B", 2, batch // 128, batch)  # runs: no refusal
+    with pytest.raises(LayoutError, match=r"at least 32 .* runs 8 .*size=4096 \(32 micro-"):
+        check_pipeline(16, "DualPipeV", 2, 8, 1024)  # below the least: the least alone
 
 
 def test_a_group_limited_router_reaches_fewer_nodes():

@@ -23,7 +23,8 @@ from tests.distributed import ROOT
 
 GB = 1e9
 SEARCH = ["--world-size=4", "--config=configs/debug_qwen3_moe.toml",
-          "--train.global_batch_size=4", "--train.micro_batch_size=1", "--search", "--ranks-per-node=2", "--gpu-memory=1"]  # fmt: skip
+          "--train.global_batch_size=4", "--train.micro_batch_size=1", "--search", "--ranks-per-node=2", "--gpu-memory=1",
+          "--memory-reserve=0"]  # fmt: skip
 # A rates file as benchmarks/gemm_rates.py writes it, written by hand; its efficiencies are
 # fractions of half the H100 preset's peak, which the planner converts to its own.
 RATES = {"model": "qwen3_moe", "peak_tflops": 989 / 2,
@@ -215,7 +216,7 @@ def _layout(r: dict, tokens: int) -> SimpleNamespace:
     """What `estimate` reads of a measured layout, from a printed entry."""
     world = r["dp_replicate"] * r["dp_shard"] * r["cp"]
     dims = ParallelDims.resolve(*(r[k] for k in ("dp_replicate", "dp_shard", "cp", "ep")), world)
-    train = SimpleNamespace(global_batch_size=tokens // 128)
+    train = SimpleNamespace(global_batch_size=tokens // 128, fp8="none")
     cfg = SimpleNamespace(train=train, data=SimpleNamespace(seq_len=128),
                           parallel=SimpleNamespace(fsdp_gather="micro_batch",
                                                    ep_overlap=r["ep_overlap"]))  # fmt: skip

@@ -23,7 +23,7 @@ from moetrain.checkpoint.initial_adapters import load_peft_adapters
 from moetrain.checkpoint.resume import accept_checkpoint
 from moetrain.checkpoint.run_state import RunState
 from moetrain.checkpoint.tokenizer_record import tokenizer_record
-from moetrain.config import JobConfig, resume_notes
+from moetrain.config import JobConfig, moment_dtype_notes, resume_notes
 from moetrain.data.prepared import Corpora
 from moetrain.models.spec import ModelSpec
 
@@ -122,6 +122,7 @@ class RunCheckpoints:
             self._init_weights()
         self.checkpointer.load_weights(path, self.model, self.optimizer, frozen)
         self.state.load_state_dict(saved, other_data)
+        notes += moment_dtype_notes(cfg, saved.get("config"), path)
         return notes + resume_notes(cfg, self.state.step)  # steps it asks for, already past
 
     def _start_continuation(self, continuation: Continuation) -> list[str]:
@@ -138,4 +139,7 @@ class RunCheckpoints:
             init_adapters(self.model, cfg.train.seed)
         optimizer = self.optimizer if cfg.checkpoint.init_optimizer else None
         self.checkpointer.load_continuation(continuation.path, self.model, optimizer)
+        if optimizer is not None:
+            saved = continuation.state.get("config")
+            return continuation.notes + moment_dtype_notes(cfg, saved, continuation.path)
         return continuation.notes

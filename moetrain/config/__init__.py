@@ -9,7 +9,7 @@
 
 from moetrain.config.help import config_to_dict, format_help
 from moetrain.config.load import ConfigError, load_config, validate
-from moetrain.config.notes import resume_notes, startup_notes
+from moetrain.config.notes import moment_dtype_notes, resume_notes, startup_notes
 from moetrain.config.schema import (
     CheckpointSection,
     DataSection,
@@ -44,6 +44,7 @@ __all__ = [
     "config_to_dict",
     "format_help",
     "load_config",
+    "moment_dtype_notes",
     "resume_notes",
     "startup_notes",
     "validate",

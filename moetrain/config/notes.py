@@ -10,6 +10,7 @@ step a resumed run starts after, which only the trainer knows once it read the c
 
 from __future__ import annotations
 
+import struct
 from dataclasses import fields
 
 from moetrain.config.schema import JobConfig, ParallelSection
@@ -42,6 +43,42 @@ def _global_aux_note(cfg: JobConfig, dims: ParallelDims) -> list[str]:
     ]
 
 
+# 1 - beta2 below which a bf16 second moment can stop decaying: bf16 keeps 8 significant
+# bits, so a value v = m x 2^e (1 <= m < 2) is 2^(e-7) from its lower neighbour, 2^(e-8)
+# for m = 1; `beta2 * v` rounds back to v (round to nearest) once (1 - beta2) m < 2^-8.
+_BF16_STUCK_DECAY = 2.0**-8
+
+
+def _to_bf16(x: float) -> float:
+    """`x` rounded to bf16 (through fp32, to nearest even), as torch's `.bfloat16()`."""
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def _bf16_moment_decay_note(t) -> list[str]:
+    """`train.optimizer_state_dtype=bf16` with beta2 close to 1: a step widens exp_avg_sq,
+    multiplies it by beta2 and rounds it back to bf16, which gives the same value whenever
+    the decay is under half of bf16's spacing there. Then v stops decaying where gradients
+    shrink (after a spike, for rarely used rows) and the update stays damped."""
+    decay = 1 - t.beta2
+    if t.optimizer_state_dtype != "bf16" or decay >= _BF16_STUCK_DECAY:
+        return []
+    stored = exact = 1.0  # v after a gradient of 1, then 200 steps of zero gradient
+    for _ in range(200):
+        stored, exact = _to_bf16(stored * t.beta2), exact * t.beta2
+    every = decay < _BF16_STUCK_DECAY / 2  # below 2^-9: every value sticks
+    which = "every v" if every else f"v of mantissa below {_BF16_STUCK_DECAY / decay:.2f}"
+    return [
+        f"train.beta2={t.beta2:g} with train.optimizer_state_dtype=bf16: Adam's second moment "
+        f"stops decaying where the gradients shrink, since beta2 x v rounds back to v in bf16 "
+        f"for {which} (1 - beta2 = {decay:.3g} is under half of bf16's spacing, 2^-9 to 2^-8 "
+        f"of v): after 200 steps of zero gradient v = 1 is {stored:.3g} in bf16 against "
+        f"{exact:.3f} in fp32, so those updates stay damped; train.optimizer_state_dtype=fp32 "
+        f"or train.beta2 <= {1 - _BF16_STUCK_DECAY:.4f} lets it decay"
+    ]
+
+
 def startup_notes(cfg: JobConfig, dims: ParallelDims | None = None) -> list[str]:
     """What in `cfg` has no effect in this run, whatever it resumes from, or (with the
     layout, `dims`) acts other than its name says."""
@@ -67,6 +104,7 @@ def startup_notes(cfg: JobConfig, dims: ParallelDims | None = None) -> list[str]
             "at a time, widening its moments to fp32 (moetrain/build/adamw_bf16.py), and the host "
             "reads the step's verdict before the update"
         )
+    notes += _bf16_moment_decay_note(t)
     if cfg.checkpoint.save_frozen and cfg.peft.method == "none":
         notes.append(
             "checkpoint.save_frozen=true has no effect with peft.method=none: nothing is "
@@ -100,6 +138,28 @@ def startup_notes(cfg: JobConfig, dims: ParallelDims | None = None) -> list[str]
                 "remove the table"
             )
     return notes
+
+
+def moment_dtype_notes(cfg: JobConfig, saved_config: dict | None, path: str) -> list[str]:
+    """A run that loads Adam's moments saved in another `train.optimizer_state_dtype`
+    (`saved_config`: the checkpoint's config as its trainer state records it). Noted, not
+    refused: the load casts (moetrain/build/adamw_bf16.py), bf16 -> fp32 exactly and fp32 ->
+    bf16 by rounding each moment once, a relative 2^-9 at most, the rounding every bf16
+    step applies to them anyway."""
+    train = (saved_config or {}).get("train", {})
+    saved = train.get("optimizer_state_dtype", "fp32")  # checkpoints from before the key
+    ours = cfg.train.optimizer_state_dtype
+    if saved == ours:
+        return []
+    how = (
+        "widened to fp32 exactly"
+        if ours == "fp32"
+        else "rounded to bf16 once (a relative 2^-9 at most, what each bf16 step rounds)"
+    )
+    return [
+        f"train.optimizer_state_dtype={ours}, but {path} holds Adam's moments in {saved}: "
+        f"they are {how}; train.optimizer_state_dtype={saved} keeps them as saved"
+    ]
 
 
 def resume_notes(cfg: JobConfig, resume_step: int) -> list[str]:

@@ -156,7 +156,8 @@ class TrainSection:
         "fp32",
         "the dtype AdamW stores its moments (exp_avg, exp_avg_sq) in: fp32 | bf16 (half the "
         "optimizer state; each step widens them to fp32, one parameter at a time, and rounds "
-        "back; not the fused kernel); a resume casts the checkpoint's moments to this dtype",
+        "back; not the fused kernel); a resume casts the checkpoint's moments to this dtype "
+        "(noted at start-up)",
         choices=("fp32", "bf16"),
     )
     max_grad_norm: float = arg(
@@ -169,6 +170,12 @@ class TrainSection:
     )
     device: str = arg(
         "auto", "auto (cuda if available) | cuda | cpu", choices=("auto", "cuda", "cpu")
+    )
+    fp8: str = arg(
+        "none",
+        "FP8 GEMMs for attention projections, dense MLPs and experts: none, rowwise or "
+        "tensorwise scaling",
+        choices=("none", "rowwise", "tensorwise"),
     )
     activation_checkpoint: str = arg(
         "none",

@@ -116,6 +116,7 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> Corpora:
             cfg.parallel.pp_virtual_stages,
             dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size),
             cfg.train.global_batch_size,
+            cfg.train.micro_batch_size,
         )
     if resume_from is not None:
         check_resume(resume_from, cfg, spec)

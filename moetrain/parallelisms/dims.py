@@ -234,18 +234,35 @@ def pipeline_micro_batches_needed(schedule: str, pp: int, micro_batches: int) ->
 
 
 def check_pipeline(
-    pp: int, schedule: str, virtual_stages: int, micro_batches: int, global_batch_size: int
+    pp: int,
+    schedule: str,
+    virtual_stages: int,
+    micro_batches: int,
+    global_batch_size: int,
+    micro_batch_size: int = 1,
 ) -> None:
-    """Refuse a pipeline schedule the step's micro-batches cannot feed."""
+    """Refuse a pipeline schedule the step's micro-batches cannot feed, naming the global
+    batch sizes nearest the configured one whose micro-batches it runs."""
     if pp == 1:
         return
     need = pipeline_micro_batches_needed(schedule, pp, micro_batches)
     if need is not None:
         per_micro = global_batch_size // micro_batches  # micro_batch_size x dp ranks
-        least = _least_micro_batches(schedule, pp)
+        nearest = _nearest_runnable(schedule, pp, micro_batches)
+        sizes = " or ".join(f"{n * per_micro} ({n} micro-batches)" for n in nearest)
+        smaller = ", or a smaller train.micro_batch_size" if micro_batch_size > 1 else ""
         raise LayoutError(
             f"parallel.pp_schedule={schedule} with parallel.pp={pp} needs {need}, but each rank "
             f"runs {micro_batches} (train.global_batch_size / (train.micro_batch_size x "
-            f"data-parallel ranks)); e.g. use train.global_batch_size={least * per_micro}, or "
-            "a smaller train.micro_batch_size"
+            f"data-parallel ranks)); e.g. use train.global_batch_size={sizes}{smaller}"
         )
+
+
+def _nearest_runnable(schedule: str, pp: int, micro_batches: int) -> list[int]:
+    """The multiples of pp nearest `micro_batches` that `schedule` runs (every schedule runs
+    any multiple of pp from its least on): the largest below it, if any, and the smallest
+    above."""
+    least = _least_micro_batches(schedule, pp)
+    below = micro_batches // pp * pp
+    above = max(least, below + pp)
+    return ([below] if least <= below < micro_batches else []) + [above]

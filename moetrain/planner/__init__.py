@@ -9,8 +9,8 @@ In layers, bottom to top; a file imports only its own layer or those below it
   `selective` computes again, from the traces' FLOPs), `step_cost` (a step's time:
   compute, FSDP, HSDP, the ring, the all-to-all, stages);
 - measurement: `meta_trace` (the instruments: the storage timeline, meta forms of the real
-  kernels), `footprint` (state bytes, the update's temporaries, a storage-lifetime trace of
-  one micro-batch), `model_counts` (the model's FLOPs per token and parameters), `shards`
+  kernels), `footprint` (state bytes, the update's temporaries), `activation_trace` (a
+  storage-lifetime trace of one micro-batch, its routed rows apart), `model_counts` (the model's FLOPs per token and parameters), `shards`
   (the sharded state and FSDP units of a layout, and the cache a search shares), `traces`
   (a layout's trace and the FLOPs counted in it), `pipeline_stages` (each pp rank's
   stages), `workers` (measurements spread over processes);

@@ -2,8 +2,9 @@
 
     python -m moetrain.planner --world-size N --config X.toml [--section.key=value ...]
         [--json FILE] [--gpu-memory GiB] [--search] [--hardware h100|h200|h800]
-        [--gpu-tflops F] [--efficiency E] [--intra-gbps B] [--inter-gbps B] [--ranks-per-node R]
-        [--gemm-rates FILE] [--workers N]
+        [--gpu-tflops F] [--gpu-fp8-tflops F] [--efficiency E] [--intra-gbps B]
+        [--inter-gbps B] [--ranks-per-node R] [--memory-gbps B] [--memory-reserve GiB]
+        [--routing-imbalance F] [--gemm-rates FILE] [--workers N]
 
 The real mesh is built over PyTorch's fake process group (one process plays rank 0 of N;
 collectives do nothing), the model on the meta device, the real plan applied. What it
@@ -11,8 +12,10 @@ prints, per rank: parameter, gradient and optimizer bytes (from the local shard 
 the activation peak of one micro-batch for each `train.activation_checkpoint` mode and the
 rank's peak estimate; per step: FSDP all-gather and reduce-scatter bytes, the EP
 all-to-all bytes under balanced routing and the CP ring bytes. Every refusal of a real
-launch applies (`moetrain.loop.preflight.preflight`, exit 2). With --gpu-memory it says whether the
-layout fits and, if not, which knob brings it in; last, the estimated step time on the
+launch applies (`moetrain.loop.preflight.preflight`, exit 2). With --gpu-memory (GiB the GPU
+exposes; --memory-reserve of it, 2 by default, kept for the CUDA context and NCCL's
+buffers) it says whether the layout fits and, if not, which knob brings it in; the busiest
+expert-parallel rank saves --routing-imbalance (1.1) times the balanced routed rows; last, the estimated step time on the
 `--hardware` (and with --search the layouts that fit, fastest first:
 `moetrain.planner.search`; the model: `moetrain.planner.step_cost`), its compute at the efficiency --gemm-rates FILE measured per
 kind of kernel (`benchmarks/gemm_rates.py`'s JSON) where given, else at --efficiency;
@@ -39,21 +42,35 @@ from moetrain.planner.hardware import (
     hardware,
     rates_by_kind,
     read_rates,
+    usable_gib,
 )
-from moetrain.planner.layout_cost import MODES, Layout, Measured, measure_layout, peak_bytes
+from moetrain.planner.layout_cost import (
+    MODES,
+    ROUTING_IMBALANCE,
+    Layout,
+    Measured,
+    measure_layout,
+    peak_bytes,
+)
 from moetrain.planner.model_counts import flops_per_token, parameter_counts
-from moetrain.planner.report import GIB, format_report, report
+from moetrain.planner.report import GIB, estimate_notes, format_report, report
 from moetrain.planner.search import format_ranked, run_search
 from moetrain.planner.step_cost import estimate
 
 
 def suggest(
-    layout: Layout, world_size: int, budget: float, reuse: Measured | None = None
+    layout: Layout,
+    world_size: int,
+    budget: float,
+    reuse: Measured | None = None,
+    imbalance: float = ROUTING_IMBALANCE,
 ) -> list[tuple[str, int]]:
     """Single knobs that bring the rank's peak under `budget` bytes, cheapest first:
     checkpointing, then a smaller micro-batch, then more expert parallelism, then more
-    FSDP sharding (fewer replicas). `reuse`: what earlier measurements of this model hold."""
+    FSDP sharding (fewer replicas). `reuse`: what earlier measurements of this model hold;
+    `imbalance`: --routing-imbalance, which each is measured at."""
     cfg = layout.cfg
+    configured = (cfg.train.activation_checkpoint,)
     if peak_bytes(layout, cfg.train.activation_checkpoint) <= budget:
         return []
     found = []
@@ -69,7 +86,7 @@ def suggest(
         trial = _variant(cfg, train={"micro_batch_size": mb})
         if _refused(trial, cfg):
             break
-        measured = measure_layout(trial, world_size, (cfg.train.activation_checkpoint,), reuse)
+        measured = measure_layout(trial, world_size, configured, reuse, imbalance)
         peak = peak_bytes(measured, cfg.train.activation_checkpoint)
         if peak <= budget:
             found.append((f"--train.micro_batch_size={mb}", peak))
@@ -79,7 +96,7 @@ def suggest(
         if _refused(trial, cfg):
             continue
         try:
-            measured = measure_layout(trial, world_size, (cfg.train.activation_checkpoint,), reuse)
+            measured = measure_layout(trial, world_size, configured, reuse, imbalance)
         except ValueError:  # a layout this model or batch cannot take
             continue
         peak = peak_bytes(measured, cfg.train.activation_checkpoint)
@@ -121,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "--hardware": "h100",
         "--gemm-rates": None,
         "--workers": None,
+        "--routing-imbalance": None,
         **dict.fromkeys(HW_FLAGS),
     }
     search_flag = "--search" in argv
@@ -154,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"--hardware {flags['--hardware']!r}: use one of {', '.join(PRESETS)}"
             )
         hw = hardware(flags["--hardware"], **hardware_overrides(flags))
+        imbalance = flags["--routing-imbalance"]
+        imbalance = figure("--routing-imbalance", imbalance) if imbalance else ROUTING_IMBALANCE
         if not any(a == "--config" or a.startswith("--config=") for a in rest):
             raise ConfigError("no --config given: pass --config FILE.toml")
         cfg = load_config(rest)
@@ -187,17 +207,19 @@ def main(argv: list[str] | None = None) -> int:
         # processes trace while this one shards, and the others are mostly among its
         # candidates.
         reuse = Measured()
+        budget = usable_gib(hw, gpu_memory) * GIB
         if search_flag:
-            budget = (gpu_memory or hw.memory_gib) * GIB
             log = lambda m: print(m, file=sys.stderr)  # noqa: E731
-            ranked = run_search(cfg, world_size, hw, budget, log, by_kind, reuse, workers)
-        layout = measure_layout(cfg, world_size, reuse=reuse)
-        suggestions = suggest(layout, world_size, gpu_memory * GIB, reuse) if gpu_memory else []
+            ranked = run_search(
+                cfg, world_size, hw, budget, log, by_kind, reuse, workers, imbalance
+            )
+        layout = measure_layout(cfg, world_size, reuse=reuse, routing_imbalance=imbalance)
+        suggestions = suggest(layout, world_size, budget, reuse, imbalance) if gpu_memory else []
         mode = cfg.train.activation_checkpoint
         configured = estimate(layout, mode, flops, hw, by_kind)
     finally:
         dist.destroy_process_group()
-    result = report(layout, gpu_memory, suggestions)
+    result = report(layout, gpu_memory, suggestions, hw.reserve_gib)
     result["hardware"] = describe(hw)
     result["flops_per_token"] = flops
     result["parameters"] = parameters
@@ -222,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             f"under compute, {configured['exposed_background_s']:.3f} s exposed; optimizer step "
             f"{configured['optimizer_s']:.3f} s at {hw.memory_gbps:g} GB/s)"
         ),
+        *estimate_notes(configured, cfg, flops),
     ]
     if search_flag:
         result["search"] = ranked

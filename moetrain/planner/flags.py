@@ -17,6 +17,8 @@ HW_FLAGS = {
     "--inter-gbps": "inter_gbps",
     "--ranks-per-node": "ranks_per_node",
     "--memory-gbps": "memory_gbps",
+    "--gpu-fp8-tflops": "fp8_tflops",
+    "--memory-reserve": "reserve_gib",
 }
 
 # What each figure means, for the refusal: the fix is a value in its range.
@@ -27,7 +29,15 @@ _MEANS = {
     "--intra-gbps": "GB/s per GPU inside a node, e.g. 450",
     "--inter-gbps": "GB/s per GPU across nodes, e.g. 50",
     "--memory-gbps": "GB/s of the GPU's memory, e.g. 3350",
+    "--gpu-fp8-tflops": "the dense FP8 peak per GPU in TFLOP/s, e.g. 1979",
+    "--memory-reserve": "GiB of the GPU's memory kept back for the CUDA context and NCCL "
+    "buffers, 0 or more, e.g. 2",
+    "--routing-imbalance": "the busiest expert-parallel rank's routed rows over the mean, "
+    "1 or more, e.g. 1.1",
 }
+
+# figures that may be 0 (the others divide the estimate), and those with a floor above 0
+_LEAST = {"--memory-reserve": 0.0, "--routing-imbalance": 1.0}
 
 
 def count(flag: str, value: str | None, least: int) -> int:
@@ -38,13 +48,16 @@ def count(flag: str, value: str | None, least: int) -> int:
 
 
 def figure(flag: str, value: str) -> float:
-    """A finite number > 0 (and <= 1 for --efficiency): every figure the estimate divides by."""
+    """A finite number > 0 (and <= 1 for --efficiency): every figure the estimate divides
+    by; >= 0 for --memory-reserve, >= 1 for --routing-imbalance."""
     try:
         number = float(value)
     except ValueError:
         number = math.nan
     top = 1.0 if flag == "--efficiency" else math.inf
-    if not (math.isfinite(number) and 0 < number <= top):
+    least = _LEAST.get(flag)
+    above = number > 0 if least is None else number >= least
+    if not (math.isfinite(number) and above and number <= top):
         raise ConfigError(f"{flag} {value!r}: give {_MEANS[flag]}")
     return number
 

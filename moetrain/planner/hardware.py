@@ -23,31 +23,61 @@ class Hardware:
     intra_gbps: float  # GB/s per GPU per direction inside a node (NVLink)
     inter_gbps: float  # GB/s per GPU per direction across nodes (one NIC per GPU)
     ranks_per_node: int
-    memory_gib: float
+    memory_gib: float  # what the GPU exposes (its "80 GB" is less: MEMORY_RESERVE)
     # GB/s of the GPU's memory (HBM): what the optimizer step, which streams the state,
     # runs at (`step_cost.optimizer_seconds`)
     memory_gbps: float = 3350.0
+    fp8_tflops: float = 0.0  # dense FP8 peak per GPU (e4m3 x e4m3, fp32 accumulate); 0: none
+    reserve_gib: float = 2.0  # of memory_gib, what the training state cannot have (RESERVE)
 
+
+# NOTE: of what a GPU exposes, the caching allocator does not get all. The CUDA context
+# (the driver's and the loaded kernels' code, about 0.5-1 GiB on Hopper with torch's lazy
+# module loading), cuBLAS' and cuDNN's workspaces, and NCCL's buffers (per communicator and
+# peer, a few MiB per channel: with FSDP, EP (64 peers), PP and DP groups of 2,048 ranks
+# about 1 GiB or more) sit outside it. The planner keeps 2 GiB back (`--memory-reserve`):
+# the usable memory is memory_gib - reserve_gib.
+RESERVE_TEXT = "CUDA context and workspaces ~0.75, NCCL buffers ~1.25"
+
+# What an "80 GB" H100 / H800 and a "141 GB" H200 expose: 81,559 and 143,771 MiB
+# (nvidia-smi's total; torch.cuda.mem_get_info's is the same), 79.6 and 140.4 GiB.
+_EXPOSED_80GB, _EXPOSED_141GB = 81559 / 1024, 143771 / 1024
+
+# Dense peaks per GPU from NVIDIA's datasheets, which state them with 2:4 sparsity (twice
+# dense): H100 SXM and H200 SXM BF16 1,979 and FP8 3,958 TFLOPS with sparsity, so 989 and
+# 1,979 dense; the H800 SXM is the H100's compute (its NVLink is cut): the same figures.
+_BF16, _FP8 = 989, 1979
 
 PRESETS = {
     # 8 x H100 SXM: NVLink 4 (900 GB/s both ways), one 400 Gb/s NIC per GPU, HBM3 3.35 TB/s
-    "h100": Hardware("8 x H100 SXM, NVLink 4, 8 x 400 Gb/s", 989, 0.5, 450, 50, 8, 80, 3350),
+    "h100": Hardware(
+        "8 x H100 SXM, NVLink 4, 8 x 400 Gb/s", _BF16, 0.5, 450, 50, 8, _EXPOSED_80GB, 3350, _FP8
+    ),
     # 8 x H200 SXM: the same compute and links, more and faster memory (HBM3e 4.8 TB/s)
-    "h200": Hardware("8 x H200 SXM, NVLink 4, 8 x 400 Gb/s", 989, 0.5, 450, 50, 8, 141, 4800),
+    "h200": Hardware(
+        "8 x H200 SXM, NVLink 4, 8 x 400 Gb/s", _BF16, 0.5, 450, 50, 8, _EXPOSED_141GB, 4800, _FP8
+    ),
     # DeepSeek-V3's cluster, as its report states it (section 3.2.2): NVLink 160 GB/s per
     # GPU usable (of the nominal 200 per direction), InfiniBand 50 GB/s per GPU (400 Gb/s);
     # the H800's HBM3 is the H100's, 3.35 TB/s
     "h800": Hardware(
         "8 x H800, NVLink 160 GB/s usable, IB 50 GB/s (DeepSeek-V3 report)",
-        989,
+        _BF16,
         0.5,
         160,
         50,
         8,
-        80,
+        _EXPOSED_80GB,
         3350,
+        _FP8,
     ),
 }
+
+
+def usable_gib(hw: Hardware, exposed: float | None = None) -> float:
+    """GiB the training state may take: what the GPU exposes (`exposed`, default the
+    preset's) less the reserve for the context and communication buffers."""
+    return (hw.memory_gib if exposed is None else exposed) - hw.reserve_gib
 
 
 def hardware(preset: str, **overrides: float | None) -> Hardware:

@@ -39,7 +39,7 @@ class Layout:
     state: object  # footprint.ShardedState
     fsdp_buffers: int  # all-gathered/unsharded-gradient buffers alive at once (peak)
     comm: dict  # per step, per rank, bytes
-    activations: dict  # mode -> footprint.StepTrace
+    activations: dict  # mode -> activation_trace.StepTrace
     # parallel.fsdp_gather=step: every unit's gathered parameters and unsharded fp32
     # gradients, held together through the step's last backward
     fsdp_step_buffers: int = 0
@@ -50,15 +50,31 @@ class Layout:
     pipeline: object = None
     # the routing's node bound (the spec's `routing_groups`): (expert groups, per token)
     routing_groups: tuple[int, int] | None = None
+    # the busiest expert-parallel rank's routed rows over the mean (1 without EP: a rank
+    # holding every expert takes every row whatever the routing); its saved rows grow by it
+    routing_imbalance: float = 1.0
 
 
-def measure_layout(cfg, world_size: int, modes=MODES, reuse: Measured | None = None) -> Layout:
+# The default of `--routing-imbalance` (docs/planner.md, "Will it fit?"): 10% more routed
+# rows on the busiest expert-parallel rank than balanced routing gives it.
+ROUTING_IMBALANCE = 1.1
+
+
+def measure_layout(
+    cfg,
+    world_size: int,
+    modes=MODES,
+    reuse: Measured | None = None,
+    routing_imbalance: float = ROUTING_IMBALANCE,
+) -> Layout:
     """The full measurement of one layout (the process group must be the fake one);
-    `reuse`: what earlier layouts of the same model measured (filled in as it goes)."""
+    `reuse`: what earlier layouts of the same model measured (filled in as it goes);
+    `routing_imbalance`: the busiest expert-parallel rank's routed rows over the mean."""
     reuse = reuse if reuse is not None else Measured()
     dims, spec = measure_state(cfg, world_size, reuse)
+    imbalance = routing_imbalance if dims.ep > 1 else 1.0
     if dims.pp > 1:
-        return _measure_stages(cfg, spec, dims, modes, reuse)
+        return _measure_stages(cfg, spec, dims, modes, reuse, imbalance)
     key = repr(shard_key(cfg, dims))
     state, units = reuse.shards[key] = resolved(reuse.shards[key])  # a worker's (search)
     grad_accum = dims.grad_accum(cfg.train.global_batch_size, cfg.train.micro_batch_size)
@@ -78,6 +94,7 @@ def measure_layout(cfg, world_size: int, modes=MODES, reuse: Measured | None = N
         any_trace.experts,
         any_trace.top_k,
         routing_groups=_routing_groups(cfg, spec),
+        routing_imbalance=imbalance,
     )
 
 
@@ -111,14 +128,14 @@ def _traces(cfg, spec, dims, modes, reuse: Measured) -> dict:
     return out
 
 
-def _measure_stages(cfg, spec, dims, modes, reuse: Measured) -> Layout:
+def _measure_stages(cfg, spec, dims, modes, reuse: Measured, imbalance: float) -> Layout:
     """measure_layout under pipeline stages: the whole model's traces (stages take their
     blocks' part of them), each pp rank's stages sharded (moetrain.planner.pipeline_stages)."""
     from moetrain.planner.footprint import ShardedState
     from moetrain.planner.pipeline_stages import measure_pipeline
 
     traces = _traces(cfg, spec, dims, modes, reuse)
-    pc = measure_pipeline(cfg, spec, dims, traces, reuse)
+    pc = measure_pipeline(cfg, spec, dims, traces, reuse, imbalance)
     state = ShardedState(
         *(
             [v for r in pc.ranks for v in getattr(r.state, f)]
@@ -157,6 +174,7 @@ def _measure_stages(cfg, spec, dims, modes, reuse: Measured) -> Layout:
         any_trace.top_k,
         pc,
         _routing_groups(cfg, spec),
+        imbalance,
     )
 
 
@@ -234,13 +252,24 @@ def step_bytes(layout: Layout, mode: str, rank: int = 0, gather: str | None = No
         pp_rank = rank // layout.dims.stage_ranks
         held = pc.ranks[pp_rank].step_buffers
         return pc.activations[mode][pp_rank] + layout.state.grads[rank] + held
+    margin = rows_margin(layout, mode)
     if (gather or layout.dims.fsdp_gather(layout.cfg.parallel.fsdp_gather)) == "step":
-        return trace.activations + layout.fsdp_step_buffers
+        return trace.activations + margin + layout.fsdp_step_buffers
     if layout.comm["micro_batches"] > 1:
         working = trace.activations + layout.state.grads[rank]
     else:
         working = trace.peak
-    return working + layout.fsdp_buffers
+    return working + margin + layout.fsdp_buffers
+
+
+def rows_margin(layout: Layout, mode: str) -> int:
+    """Bytes the busiest expert-parallel rank saves above balanced routing at its peak:
+    `routing_imbalance` - 1 of its saved routed rows (under pp, of its stages' micro-batches
+    in flight, the most of any pp rank's: already in the pipeline's activations)."""
+    pc = layout.pipeline
+    if pc is None:
+        return int((layout.routing_imbalance - 1) * layout.activations[mode].saved_rows)
+    return max(pc.imbalance_bytes[mode])
 
 
 def update_bytes(layout: Layout, rank: int = 0) -> int:

@@ -32,6 +32,7 @@ def pipeline_step(
     hides=(0.0, 0.0),
     form="none",
     recompute_s: float = 0.0,
+    fp8_s: float = 0.0,
 ) -> tuple[float, dict]:
     """(step seconds, what else the estimate reports) of a layout with pipeline stages.
     `compute_s`: the training compute of a rank's share of the step as if the ranks were
@@ -39,8 +40,17 @@ def pipeline_step(
     times (FSDP's are once per step here); `hides`: the routed and shared experts' shares
     of the compute (`a2a_cost.overlap_shares`), for the credit of `form`
     (parallel.ep_overlap); `recompute_s`: what `selective` runs again, on the same
-    footing as `compute_s` (not in it), in the input backward of each stage by its share."""
+    footing as `compute_s` (not in it), in the input backward of each stage by its share;
+    `fp8_s`: of `compute_s`, the FP8 GEMMs' (train.fp8), which a stage takes by its share
+    of them, and the rest by its share of the rest (in bf16 the FLOPs' shares)."""
     pc, dims = layout.pipeline, layout.dims
+    shares = pc.flops_share
+    if fp8_s:  # the head, the routers and attention stay in bf16: their stages weigh more
+        rest_s = compute_s - fp8_s
+        shares = [
+            (g * fp8_s + r * rest_s) / compute_s
+            for g, r in zip(pc.fp8_share, pc.rest_share, strict=True)
+        ]
     trace = layout.activations[mode]
     n, full = pc.micro_batches, mode == "full"
     replay = 4 / 3 if full else 1.0
@@ -57,7 +67,7 @@ def pipeline_step(
     # overlapped pair of DualPipeV hides them under each other (pipeline_schedule.simulate)
     exposed: dict[str, list[float]] = {"F": [], "B": []}
     rhos = pc.recompute_share
-    for phi, mu, core, rho in zip(pc.flops_share, pc.moe_share, pc.core_share, rhos, strict=True):
+    for phi, mu, core, rho in zip(shares, pc.moe_share, pc.core_share, rhos, strict=True):
         # the stage's all-to-all in one pass; what of it hides under a forward's compute,
         # which is also an input backward's (the input gradients: a forward's worth), and
         # under a whole backward's (twice that)
@@ -91,7 +101,7 @@ def pipeline_step(
     mine = pc.ranks[busiest].stages
     return span + exposed, {
         "compute_s": sum(
-            pc.flops_share[s] * third * (3 + (1 if full else 0)) + rhos[s] * again for s in mine
+            shares[s] * third * (3 + (1 if full else 0)) + rhos[s] * again for s in mine
         )
         * n,
         "exposed_background_s": exposed,
@@ -100,4 +110,6 @@ def pipeline_step(
         "bubble": (span - busy[busiest]) / span,
         "p2p_s": p2p_s,
         "p2p_bytes": layout.comm["pp_p2p"],
+        # the busiest pp rank's compute over the mean rank's (its stages' shares)
+        "busiest_load": busy[busiest] / (sum(busy) / len(busy)),
     }

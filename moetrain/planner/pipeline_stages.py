@@ -49,6 +49,9 @@ class PipelineCost:
     micro_batches: int
     rank_of: list[int]  # stage -> pp rank
     flops_share: list[float]  # stage -> its part of the model's training FLOPs
+    # stage -> its part of the FP8 GEMMs' FLOPs (train.fp8), and of the others'
+    fp8_share: list[float]
+    rest_share: list[float]
     moe_share: list[float]  # stage -> its part of the MoE layers (the all-to-all)
     core_share: list[float]  # stage -> its part of the attention cores (the ring)
     saved: dict  # mode -> stage -> bytes one micro-batch leaves for the backward
@@ -59,6 +62,9 @@ class PipelineCost:
     order: dict  # pp rank -> its actions
     # stage -> its part of what `selective` computes again (recompute_cost; none measured: 0)
     recompute_share: list[float] = None
+    # mode -> pp rank -> of `activations`, what the routing imbalance adds
+    imbalance_bytes: dict = None
+    in_flight: list[int] = None  # pp rank -> the most micro-batch stages it holds at once
 
 
 @dataclass
@@ -68,7 +74,8 @@ class _Cut:
     model: object  # the whole meta model
     cut: object  # moetrain.parallelisms.pipeline_build.PipelineCut
     structures: list  # stage -> its trunk blocks' structures
-    flops: list  # stage -> its training FLOPs per token
+    flops: list  # stage -> its training FLOPs per token (as executed)
+    fp8_flops: list  # stage -> of them, the GEMMs train.fp8 runs in FP8
     moe: list  # stage -> its MoE layers
     cores: list  # stage -> its attention cores
 
@@ -79,7 +86,8 @@ def _cut_of(cfg, spec, reuse) -> _Cut:
     from moetrain.build.model import meta_model, pipeline_cut
     from moetrain.parallelisms.pipeline_split import stage_costs, trunk_blocks
     from moetrain.parallelisms.plan import match_modules
-    from moetrain.planner.footprint import block_structure
+    from moetrain.planner.activation_trace import block_structure
+    from moetrain.planner.model_counts import executed, fp8_flops_of, fp32_modules
 
     p, plan = cfg.parallel, spec.plan
     key = _cut_key(p)
@@ -102,16 +110,20 @@ def _cut_of(cfg, spec, reuse) -> _Cut:
         within = lambda f, ins: any(f == i or f.startswith(i + ".") for i in ins)  # noqa: E731
         return [sum(within(f, ins) for f in found) for ins in inside]
 
-    total = spec.flops_per_token(model, cfg.data.seq_len)
+    total = executed(spec.flops_per_token(model, cfg.data.seq_len), model, plan, cfg.data.seq_len)
     costs = stage_costs(model, plan, total.by_kind["attention"], total)
     block_flops = dict(zip(trunk, costs.blocks, strict=True))
     flops = [sum(block_flops[f] for f in cut.blocks[s]) for s in range(S)]
     flops[-1] += costs.last
+    routers = fp32_modules(model, plan)
+    fp8 = [sum(fp8_flops_of(trunk[f], routers) for f in cut.blocks[s]) for s in range(S)]
+    fp8[-1] += total.gemms.fp8_flops - sum(fp8)  # the MTP depths' blocks
     reuse.cuts[key] = _Cut(
         model,
         cut,
         [[block_structure(trunk[f]) for f in cut.blocks[s]] for s in range(S)],
         flops,
+        fp8,
         counts(plan.routed_experts, "routed_experts"),
         counts(plan.attention_core, "attention_core"),
     )
@@ -123,9 +135,13 @@ def _cut_key(p) -> tuple:
     return (p.pp, p.pp_schedule, p.pp_virtual_stages, tuple(p.pp_layers or ()))
 
 
-def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
+def measure_pipeline(
+    cfg, spec, dims, traces: dict, reuse, routing_imbalance: float = 1.0
+) -> PipelineCost:
     """The pipeline part of `layout_cost.measure_layout`; `traces`: mode -> the whole
-    model's StepTrace at this layout's local shapes; `reuse`: shards.Measured."""
+    model's StepTrace at this layout's local shapes; `reuse`: shards.Measured;
+    `routing_imbalance`: the busiest rank's routed rows over the mean (its saved rows
+    grow by as much)."""
     from moetrain.parallelisms.dims import stage_rank
     from moetrain.parallelisms.pipeline_build import example_inputs
 
@@ -134,18 +150,18 @@ def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
     cut, S, n = c.cut, c.cut.num_stages, order_key[-1]
     order = reuse.orders[order_key]
     rank_of = [stage_rank(s, p.pp, p.pp_schedule) for s in range(S)]
-    saved, transient, activations = {}, {}, {}
-    for mode, trace in traces.items():
-        per = [sum(trace.saved_by_structure.get(k, 0.0) for k in ks) for ks in c.structures]
-        per[-1] += max(0.0, trace.saved_after_forward - sum(per))  # the head, MTP, loss
-        saved[mode] = per
-        transient[mode] = max(0, trace.activations - trace.saved_after_forward)
-        activations[mode] = [
-            int(_held(reuse, order_key, r, per, cut)) + transient[mode] for r in range(p.pp)
-        ]
     seq = cfg.data.seq_len // dims.cp
     _, h, _ = example_inputs(c.model, cfg.train.micro_batch_size, seq, param_dtype(cfg))
     hidden = h.numel() * h.element_size()
+    saved, transient, activations, margin = {}, {}, {}, {}
+    for mode, trace in traces.items():
+        per = stage_saved(trace, c.structures, hidden, routing_imbalance)
+        even = stage_saved(trace, c.structures, hidden)
+        saved[mode] = per
+        transient[mode] = max(0, trace.activations - trace.saved_after_forward)
+        held = [int(_held(reuse, order_key, r, per, cut)) for r in range(p.pp)]
+        activations[mode] = [h + transient[mode] for h in held]
+        margin[mode] = [h - int(_held(reuse, order_key, r, even, cut)) for r, h in enumerate(held)]
     ranks = []
     for r in range(p.pp):
         local = cut.local(r)
@@ -167,6 +183,11 @@ def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
         n,
         rank_of,
         [f / total(c.flops) for f in c.flops],
+        [f / total(c.fp8_flops) for f in c.fp8_flops],
+        [
+            (f - g) / total([a - b for a, b in zip(c.flops, c.fp8_flops, strict=True)])
+            for f, g in zip(c.flops, c.fp8_flops, strict=True)
+        ],
         [m / total(c.moe) for m in c.moe],
         [x / total(c.cores) for x in c.cores],
         saved,
@@ -176,7 +197,29 @@ def measure_pipeline(cfg, spec, dims, traces: dict, reuse) -> PipelineCost:
         ranks,
         order,
         _recompute_share(traces, c.structures),
+        margin,
+        [int(held_peak(order[r], [1.0] * S)) for r in range(p.pp)],
     )
+
+
+def stage_saved(trace, structures: list, hidden: int, imbalance: float = 1.0) -> list[float]:
+    """stage -> the bytes one micro-batch leaves on it for the backward: its blocks' (by
+    structure, from the whole model's `trace`), its input, and on the last stage the rest
+    (the head, MTP, the loss). `hidden`: one micro-batch's hidden states at a boundary;
+    `imbalance`: the factor on the blocks' routed rows (the busiest expert-parallel rank).
+
+    NOTE: a stage holds its input for every micro-batch in flight until that micro-batch's
+    backward (torch's PipelineStage keeps the received activations for their gradient):
+    the blocks' bytes count what they create, and in the whole model's trace a block's input
+    is its predecessor's output, or the embedding's, which the rest would put on the last
+    stage. So every stage gets one `hidden` a micro-batch (the first stage's is the
+    embedding's output, taken off the rest): DeepSeek-V3's published layout, 33 micro-batch
+    chunks of 4096 x 7168 bf16 in flight on a pp rank, 1.8 GiB."""
+    blocks = [sum(trace.saved_by_structure.get(k, 0.0) for k in ks) for ks in structures]
+    rows = [sum(trace.rows_by_structure.get(k, 0.0) for k in ks) for ks in structures]
+    per = [b + (imbalance - 1) * r + hidden for b, r in zip(blocks, rows, strict=True)]
+    per[-1] += max(0.0, trace.saved_after_forward - sum(blocks) - hidden)
+    return per
 
 
 def _recompute_share(traces: dict, structures: list) -> list[float]:

@@ -22,7 +22,7 @@ class GemmFlops:
     """What a `selective` trace computed again, per token of it."""
 
     total: dict[str, float]  # kind -> the whole model's (dropped blocks added back)
-    by_structure: dict  # footprint.block_structure -> kind -> one such block's
+    by_structure: dict  # activation_trace.block_structure -> kind -> one such block's
 
 
 def _again(activations: dict) -> GemmFlops:

@@ -3,7 +3,9 @@ per rank (`report`, the JSON's figures), and its printed form (`format_report`).
 
 from __future__ import annotations
 
-from moetrain.planner.layout_cost import Layout, peak_bytes, step_bytes, update_bytes
+from moetrain.planner.hardware import RESERVE_TEXT
+from moetrain.planner.layout_cost import Layout, peak_bytes, rows_margin, step_bytes, update_bytes
+from moetrain.planner.model_counts import CAUSAL_TILE
 
 GIB = 2**30
 
@@ -32,7 +34,31 @@ def _count(n: int) -> str:
     return f"{n:,} ({n / 1e9:.1f}B)" if n >= 1e9 else f"{n:,} ({n / 1e6:.1f}M)"
 
 
-def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str, int]]) -> dict:
+def parameters_line(n: dict) -> str:
+    """`model_counts.parameter_counts`, printed: the main model apart from its MTP module,
+    where it has one (published counts are the main model's)."""
+    if "mtp" not in n:
+        return (
+            f"parameters: {_count(n['total'])} total, {_count(n['active'])} active per "
+            "token (each routed expert at top_k / experts)"
+        )
+    main, mtp = n["main"], n["mtp"]
+    return (
+        f"parameters: main model {_count(main['total'])} total, {_count(main['active'])} "
+        f"active per token (each routed expert at top_k / experts); MTP module "
+        f"{_count(mtp['total'])} total, {_count(mtp['active'])} active; together "
+        f"{_count(n['total'])}, {_count(n['active'])} active"
+    )
+
+
+def report(
+    layout: Layout,
+    gpu_memory: float | None,
+    suggestions: list[tuple[str, int]],
+    reserve_gib: float = 0.0,
+) -> dict:
+    """The figures of `layout`; `gpu_memory`: GiB the GPU exposes (--gpu-memory), of which
+    `reserve_gib` is kept back for the CUDA context and NCCL buffers."""
     cfg, dims, s = layout.cfg, layout.dims, layout.state
     world = dims.world_size
     per_rank = [
@@ -73,6 +99,8 @@ def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str
         "modes": modes,
         "per_step": layout.comm,
         "peak": peak_bytes(layout, cfg.train.activation_checkpoint),
+        "routing_imbalance": layout.routing_imbalance,
+        "routing_imbalance_bytes": rows_margin(layout, cfg.train.activation_checkpoint),
     }
     if cfg.peft.method == "lora":
         out["frozen_base_dtype"] = cfg.peft.base_dtype
@@ -89,6 +117,8 @@ def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str
                     "p2p_bytes": r.p2p,
                     "step_buffers": r.step_buffers,
                     "activations": {m: a[i] for m, a in pc.activations.items()},
+                    "inputs_in_flight": pc.in_flight[i],
+                    "inputs_bytes": pc.in_flight[i] * pc.hidden_bytes,
                 }
                 for i, r in enumerate(pc.ranks)
             ],
@@ -109,9 +139,13 @@ def report(layout: Layout, gpu_memory: float | None, suggestions: list[tuple[str
     }
     if gpu_memory is not None:
         out["gpu_memory_gib"] = gpu_memory
-        out["fits"] = out["peak"] <= gpu_memory * GIB
+        out["reserve_gib"] = reserve_gib
+        out["usable_gib"] = gpu_memory - reserve_gib
+        out["fits"] = out["peak"] <= out["usable_gib"] * GIB
         out["suggestions"] = [{"flag": flag, "peak": peak} for flag, peak in suggestions]
-        out["fsdp_gather"]["pick"] = pick_fsdp_gather(out["fsdp_gather"], c, gpu_memory * GIB)
+        out["fsdp_gather"]["pick"] = pick_fsdp_gather(
+            out["fsdp_gather"], c, out["usable_gib"] * GIB
+        )
     return out
 
 
@@ -141,11 +175,7 @@ def format_report(r: dict) -> str:
         f"{r['per_step']['micro_batches']} per step",
     ]
     if "parameters" in r:  # the model's own size: the first check of a new model's config
-        n = r["parameters"]
-        lines.append(
-            f"parameters: {_count(n['total'])} total, {_count(n['active'])} active per "
-            "token (each routed expert at top_k / experts)"
-        )
+        lines.append(parameters_line(r["parameters"]))
     lines += ["", f"{name} per rank   params    grads  optimizer"]
     rows = [f"{g(p['params'])} {g(p['grads'])} {g(p['optimizer'])}" for p in r["per_rank"]]
     for ranks, row in _ranges(rows):  # ranks whose figures print alike share a line
@@ -169,6 +199,13 @@ def format_report(r: dict) -> str:
         f"which adds {r['update_increase_rank0'] / unit:.2f} {name}: gradients and "
         "its temporaries)"
     )
+    if r["routing_imbalance"] > 1:
+        lines.append(
+            f"(routing imbalance {r['routing_imbalance']:g}, --routing-imbalance: the busiest "
+            f"expert-parallel rank takes {r['routing_imbalance'] - 1:.0%} more routed rows "
+            f"than balanced routing; its saved rows add {_size(r['routing_imbalance_bytes'])} "
+            "to the configured mode's peak)"
+        )
     if pipe:
         lines.append("pp rank  stages     activations per mode (none/selective/full)   sends")
         for i, q in enumerate(pipe["pp_ranks"]):
@@ -181,6 +218,12 @@ def format_report(r: dict) -> str:
             "(under pp, FSDP keeps a stage's units gathered and its gradients "
             "unsharded through the step, and gathers and reduces once per step: "
             "parallel.fsdp_gather does not apply)"
+        )
+        held = max(pipe["pp_ranks"], key=lambda q: q["inputs_bytes"])
+        lines.append(
+            f"(the activations include each stage's input for every micro-batch in flight: "
+            f"up to {held['inputs_in_flight']} x {_size(pipe['hidden_bytes'])} = "
+            f"{_size(held['inputs_bytes'])} on a pp rank)"
         )
     c = r["per_step"]
     lines += [
@@ -206,9 +249,57 @@ def format_report(r: dict) -> str:
         )
     if "fits" in r:
         verdict = "fits" if r["fits"] else "does NOT fit"
-        lines.append(f"\n--gpu-memory {r['gpu_memory_gib']:g}: peak {_size(r['peak'])}: {verdict}")
+        lines.append(
+            f"\n--gpu-memory {r['gpu_memory_gib']:g} GiB as the GPU exposes it, less "
+            f"{r['reserve_gib']:g} GiB kept back (--memory-reserve: {RESERVE_TEXT}): "
+            f"{r['usable_gib']:.1f} GiB usable; peak {_size(r['peak'])}: {verdict}"
+        )
         for s in r["suggestions"]:
             lines.append(f"  fits with {s['flag']} ({_size(s['peak'])})")
         if not r["fits"] and not r["suggestions"]:
             lines.append("  no single knob tried brings it in (see docs: Will it fit?)")
     return "\n".join(lines)
+
+
+# --- the estimate's notes ------------------------------------------------------------------
+
+
+def estimate_notes(estimate: dict, cfg, flops_per_token) -> list[str]:
+    """What the printed estimate adds below its line: what the kernels execute of causal
+    attention, what `train.fp8` runs in FP8 and what its quantisation costs, and under
+    pipeline stages the busiest rank's load and which schedule was modelled."""
+    lines = []
+    causal = getattr(flops_per_token, "causal", 1.0)
+    if causal < 1:
+        lines.append(
+            f"(attention at {causal:.3f} of the full S x S product: the causal kernels skip "
+            f"the {CAUSAL_TILE} x {CAUSAL_TILE} tiles above the diagonal and compute the "
+            "diagonal ones whole; MFU's count takes the full product)"
+        )
+    p = estimate["precision"]
+    if p["fp8"] != "none":
+        lines.append(
+            f"(train.fp8={p['fp8']}: the blocks' GEMMs but the routers, "
+            f"{p['fp8_flops_per_token'] / 1e9:,.1f} GFLOP a token of "
+            f"{float(flops_per_token) / 1e9:,.1f}, at {p['fp8_tflops']:g} TFLOP/s and the "
+            f"same efficiency, {p['fp8_s']:.3f} s of the compute with their inputs' "
+            f"quantisation, {p['quantise_bytes'] / 1e12:,.2f} TB through memory: "
+            f"{p['quantise_s']:.3f} s; the head, routers and attention in bf16)"
+        )
+    if "busiest_load" in estimate:
+        schedule = cfg.parallel.pp_schedule
+        line = (
+            f"(pipeline {schedule}: span {estimate['pipeline_span_s']:.3f} s, bubble "
+            f"{estimate['bubble_s']:.3f} s; the busiest pp rank computes "
+            f"{estimate['busiest_load']:.2f}x the mean rank"
+        )
+        if schedule == "DualPipeV":
+            line += (
+                "; modelled as torch's DualPipeV, one V: rank 0 holds the first stage and the "
+                "last, with the head and MTP. DeepSeek-V3 ran DualPipe, two pipelines in "
+                "opposite directions over the same ranks, which spreads the ends over rank 0 "
+                "and the last rank; it is not modelled, so a comparison with DeepSeek's "
+                "1,543 tokens/s per GPU is against DualPipeV"
+            )
+        lines.append(line + ")")
+    return lines

@@ -15,7 +15,14 @@ from moetrain.planner.hardware import (  # noqa: F401  (also read from here: tes
     rates_by_kind,
     read_rates,
 )
-from moetrain.planner.layout_cost import MODES, Measured, measure_layout, measure_state, peak_bytes
+from moetrain.planner.layout_cost import (
+    MODES,
+    ROUTING_IMBALANCE,
+    Measured,
+    measure_layout,
+    measure_state,
+    peak_bytes,
+)
 from moetrain.planner.model_counts import flops_per_token, trunk_block_count
 from moetrain.planner.step_cost import estimate
 from moetrain.planner.workers import SearchPool, auto_workers, search_jobs
@@ -93,11 +100,13 @@ def run_search(
     by_kind: dict | None = None,
     reuse=None,
     workers: int | None = None,
+    imbalance: float = ROUTING_IMBALANCE,
 ) -> list[dict]:
     """Every candidate x checkpointing mode that fits `budget` bytes, fastest first (`by_kind`:
     measured efficiencies, as `estimate` takes them; `reuse`: a `layout_cost.Measured` to
     share with earlier measurements of this model; `workers`: processes that measure
-    meanwhile, None: `workers.auto_workers`, 0: none)."""
+    meanwhile, None: `workers.auto_workers`, 0: none; `imbalance`: the busiest
+    expert-parallel rank's routed rows over the mean, `--routing-imbalance`)."""
     import copy
 
     from moetrain.config import ConfigError
@@ -129,19 +138,22 @@ def run_search(
                 except (ValueError, ConfigError):
                     pass  # measured again below, which reports it
             pool.take_back(reuse)
-        return _rank(tried, trials, world_size, hw, budget, log, by_kind, reuse, flops)
+        found = (world_size, hw, budget, log, by_kind, reuse, flops, imbalance)
+        return _rank(tried, trials, *found)
     finally:
         if pool is not None:
             pool.close()
 
 
-def _rank(tried, trials, world_size, hw, budget, log, by_kind, reuse, flops) -> list[dict]:
+def _rank(
+    tried, trials, world_size, hw, budget, log, by_kind, reuse, flops, imbalance
+) -> list[dict]:
     from moetrain.config import ConfigError
 
     ranked = []
     for i, (cand, trial) in enumerate(zip(tried, trials, strict=True), start=1):
         try:
-            layout = measure_layout(trial, world_size, reuse=reuse)
+            layout = measure_layout(trial, world_size, reuse=reuse, routing_imbalance=imbalance)
         except (ValueError, ConfigError) as err:  # e.g. ep not dividing the experts
             log(f"  [{i}/{len(tried)}] {cand['parallel']} skipped: {err}")
             continue

@@ -133,7 +133,7 @@ def shard(cfg, spec, dims, world_size: int, meshes, models: Measured | None = No
 
     from moetrain.build.model import meta_model
     from moetrain.parallelisms.parallelize import parallelize
-    from moetrain.planner.footprint import sample_blocks
+    from moetrain.planner.activation_trace import sample_blocks
 
     dtype = param_dtype(cfg)
 

@@ -42,6 +42,10 @@ from moetrain.planner.hardware import GB, Hardware, link
 from moetrain.planner.pipeline_cost import pipeline_step
 from moetrain.planner.recompute_cost import recomputed_per_token
 
+# Bytes per element of one quantisation pass of an FP8 GEMM's input: its amax reads the
+# bf16 tensor (2), the scale-and-cast reads it again (2) and writes the fp8 copy (1).
+QUANTISE_BYTES = 5
+
 
 def estimate(
     layout,
@@ -62,26 +66,14 @@ def estimate(
     # what `selective` runs again in backward, per token, by kind (measured)
     again = recomputed_per_token(layout.activations) if mode == "selective" else {}
     flops += sum(again.values()) * tokens / dims.world_size
-    by_kind_s = None
-    if by_kind is None:
-        compute_s = (
-            flops_per_token * tokens / dims.world_size * replay / (hw.tflops * 1e12 * hw.efficiency)
-        )
-        again_s = {
-            k: f * tokens / dims.world_size / (hw.tflops * 1e12 * hw.efficiency)
-            for k, f in again.items()
-        }
-    else:
-        by_kind_s = {
-            k: f * tokens / dims.world_size * replay / (hw.tflops * 1e12 * e)
-            for k, (f, e) in by_kind.items()
-        }
-        compute_s = sum(by_kind_s.values())
-        # a kind the model's split lacks runs at its dense GEMMs' efficiency
-        eff = lambda k: by_kind.get(k, by_kind.get("dense", (0.0, hw.efficiency)))[1]  # noqa: E731
-        again_s = {
-            k: f * tokens / dims.world_size / (hw.tflops * 1e12 * eff(k)) for k, f in again.items()
-        }
+    fp8 = fp8_gemms(cfg, flops_per_token, hw)
+    by_kind_s, again_s, fp8_s = _compute_by_kind(
+        flops_per_token, by_kind, again, hw, tokens / dims.world_size, replay, fp8
+    )
+    quantise = quantise_bytes(layout, fp8, tokens, replay) if fp8 is not None else 0
+    quantise_s = quantise / (hw.memory_gbps * GB)
+    compute_s = sum(by_kind_s.values()) + quantise_s
+    fp8_s += quantise_s
     recompute_s = sum(again_s.values())
     fsdp_n = dims.dp_shard * dims.cp
     ring_f = (fsdp_n - 1) / fsdp_n
@@ -104,11 +96,12 @@ def estimate(
     background = seconds["fsdp"] + seconds["hsdp"] + seconds["cp_ring"]
     # the shares of the compute under which a MoE layer's all-to-all may run
     hides, form = overlap_shares(flops_per_token, by_kind_s), overlap or cfg.parallel.ep_overlap
+    precision = _precision(cfg, hw, fp8, quantise, quantise_s, fp8_s)
     # the optimizer step streams the rank's state once per step, after the last backward
     optimizer_s = comm["optimizer_memory"] / (hw.memory_gbps * GB)
     if layout.pipeline is not None:
         step_s, extra = pipeline_step(
-            layout, mode, compute_s, seconds, hw, hides, form, recompute_s
+            layout, mode, compute_s, seconds, hw, hides, form, recompute_s, fp8_s
         )
         step_s += optimizer_s
         return {
@@ -123,6 +116,7 @@ def estimate(
             "tokens_per_s": tokens / step_s,
             "recompute_s": recompute_s,
             "recomputed_flops_per_token": sum(again.values()),
+            "precision": precision,
             **extra,
         }
     forwards = 2 if mode == "full" else 1  # the replay's forward moves its tokens again
@@ -147,7 +141,77 @@ def estimate(
         "top_k": layout.top_k,
         "step_s": step_s,
         "tokens_per_s": tokens / step_s,
+        "precision": precision,
     }
-    if by_kind_s is not None:
+    if by_kind is not None:
         out["compute_by_kind_s"] = {k: v + again_s.get(k, 0.0) for k, v in by_kind_s.items()}
     return out
+
+
+def fp8_gemms(cfg, flops_per_token, hw: Hardware):
+    """The GEMMs `train.fp8` runs in FP8 (`model_counts.GemmCounts`), None in bf16."""
+    gemms = getattr(flops_per_token, "gemms", None)
+    if cfg.train.fp8 == "none" or gemms is None:
+        return None
+    if not hw.fp8_tflops:
+        from moetrain.config import ConfigError
+
+        raise ConfigError(
+            f"train.fp8={cfg.train.fp8}: {hw.name} has no FP8 rate; give --gpu-fp8-tflops"
+        )
+    return gemms
+
+
+def _compute_by_kind(flops_per_token, by_kind, again, hw, per_rank, replay, fp8):
+    """(kind -> seconds of the rank's training FLOPs, kind -> seconds of what `selective`
+    runs again, seconds of them in FP8): each kind at its efficiency (measured, `by_kind`,
+    else `hw.efficiency`) of the bf16 peak, and under `fp8` (GemmCounts) its FP8 GEMMs
+    (the grouped ones, and the dense ones but the routers and the head) of the FP8 peak.
+    NOTE: FP8 kernels taken at the bf16 kernels' efficiency, until measured."""
+    split = getattr(flops_per_token, "by_kind", None) or {"dense": float(flops_per_token)}
+    eff = {k: by_kind[k][1] if by_kind else hw.efficiency for k in split if split[k]}
+    in_fp8 = dict.fromkeys(split, 0.0)
+    if fp8 is not None:
+        in_fp8["grouped"] = split.get("grouped", 0.0)
+        in_fp8["dense"] = max(0.0, fp8.fp8_flops - in_fp8["grouped"])
+    rate = lambda k, low: (hw.fp8_tflops if low else hw.tflops) * 1e12 * eff[k]  # noqa: E731
+    low_s = {k: per_rank * replay * in_fp8[k] / rate(k, True) for k in eff}
+    by_kind_s = {
+        k: per_rank * replay * (split[k] - in_fp8[k]) / rate(k, False) + low_s[k] for k in eff
+    }
+    # a kind the model's split lacks runs at its dense GEMMs' efficiency; what `selective`
+    # rebuilds (MLA's up-projections, the experts' down-projection, the shared experts'
+    # gate and up) are FP8 GEMMs too
+    eff.update({k: eff.get("dense", hw.efficiency) for k in again if k not in eff})
+    again_s = {
+        k: per_rank * f / rate(k, fp8 is not None and k in ("dense", "grouped"))
+        for k, f in again.items()
+    }
+    fp8_again = sum(v for k, v in again_s.items() if fp8 is not None and k != "attention")
+    return by_kind_s, again_s, sum(low_s.values()) + fp8_again
+
+
+def quantise_bytes(layout, fp8, tokens: int, replay: float) -> float:
+    """Bytes the busiest rank moves through its memory in a step to quantise the FP8 GEMMs'
+    inputs: the activations' (`GemmCounts.quantise_bytes` a token, the rank's tokens) and
+    the weights', each micro-batch's forward and input gradient quantising the rank's
+    weights (its stages' share of the dense ones, its 1/ep of the experts) at 5 bytes an
+    element; `full`'s replay quantises a third more, as it computes."""
+    dims = layout.dims
+    weights = (fp8.dense_weights + fp8.routed_weights / dims.ep) / dims.pp
+    per_step = layout.comm["micro_batches"] * weights * 2 * QUANTISE_BYTES
+    return (fp8.quantise_bytes * tokens / dims.world_size + per_step) * replay
+
+
+def _precision(cfg, hw, fp8, quantise: float, quantise_s: float, fp8_s: float) -> dict:
+    """What the estimate reports of `train.fp8`."""
+    if fp8 is None:
+        return {"fp8": "none"}
+    return {
+        "fp8": cfg.train.fp8,
+        "fp8_tflops": hw.fp8_tflops,
+        "fp8_flops_per_token": fp8.fp8_flops,
+        "quantise_bytes": quantise,
+        "quantise_s": quantise_s,
+        "fp8_s": fp8_s,  # of compute_s: the FP8 GEMMs and their quantisation
+    }

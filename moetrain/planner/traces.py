@@ -31,7 +31,7 @@ def trace_layout(cfg, spec, dims, mode: str, meshes, models=None):
     from moetrain.models.common.moe import MoEOptions
     from moetrain.parallelisms.activation_checkpoint import apply_activation_checkpointing
     from moetrain.parallelisms.plan import match_modules
-    from moetrain.planner.footprint import sample_blocks, trace_step
+    from moetrain.planner.activation_trace import sample_blocks, trace_step
     from moetrain.planner.meta_trace import MetaShortcuts, use_fused_attention
     from moetrain.planner.shards import param_dtype as compute_dtype
 
@@ -154,9 +154,9 @@ class RebuiltFlops(TorchDispatchMode):
 
     def per_token(self, sampled, tokens: int):
         """-> `recompute_cost.GemmFlops` per token: per block structure, and for the whole
-        model with what `footprint.sample_blocks` dropped added back (`sampled`), as the
+        model with what `activation_trace.sample_blocks` dropped added back (`sampled`), as the
         trace adds its bytes."""
-        from moetrain.planner.footprint import block_structure
+        from moetrain.planner.activation_trace import block_structure
         from moetrain.planner.recompute_cost import GemmFlops
 
         def mean(ids: list[int]) -> dict[str, float]:
