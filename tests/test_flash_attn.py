@@ -8,6 +8,8 @@ installed or not): the preflight's probe of it is replaced by a `FlashAttnHost`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -27,7 +29,14 @@ from moetrain.parallelisms.flash_attention import (
     cu_seqlens,
     window_size,
 )
-from moetrain.parallelisms.flash_attn_support import INSTALL, KEY, VERSION, FlashAttnHost
+from moetrain.parallelisms.flash_attn_support import (
+    INSTALL,
+    KEY,
+    VERSION,
+    FlashAttnHost,
+    FlashAttnUse,
+    flash_attn_problems,
+)
 from moetrain.parallelisms.plan import match_modules
 from tests.distributed import ROOT
 
@@ -111,6 +120,16 @@ def test_flash_attn_accepted_where_it_runs(host, config, overrides):
     spec = get_model_spec(cfg.model.name)
     dims = ParallelDims.of(cfg.parallel, cfg.parallel.cp)
     preflight.check_flash_attn(cfg, dims, spec, meta_model(spec, cfg.model.args), host)
+
+
+def test_gqa_with_two_head_dims_refused_on_hopper_only():
+    """Checked at the call (the model's KV heads are not part of its contract): Hopper's
+    backward asserts one head dim under GQA; Blackwell's and MLA's (no GQA) are fine."""
+    mla = FlashAttnUse(torch.bfloat16, 192, 128, grouped=True)
+    assert "Hopper backward takes GQA with one head dim only" in flash_attn_problems(HOPPER, mla)[0]
+    assert flash_attn_problems(BLACKWELL, mla) == []
+    assert flash_attn_problems(HOPPER, replace(mla, grouped=False)) == []
+    assert flash_attn_problems(HOPPER, replace(mla, v_head_dim=192)) == []
 
 
 def test_resolve_kernel_refuses_flash_attn_off_cuda_and_masked():

@@ -26,7 +26,7 @@ def _no_mask(mask) -> None:
 
 def flash_attn_forward(q, k, v, scale, causal, mask=None):
     _no_mask(mask)
-    check_inputs(q, v)
+    check_inputs(q, k, v)
     # The ring differentiates its blocks itself (the backward below): no autograd graph.
     with torch.no_grad():
         out, lse = interface().flash_attn_func(

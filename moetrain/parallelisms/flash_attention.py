@@ -91,7 +91,7 @@ class FlashAttentionCore(nn.Module):
         """As `AttentionCore.forward`: document_ids [B, S] or None, sinks [Hq] or None."""
         if isinstance(sinks, DTensor):
             sinks = sinks.full_tensor()
-        check_inputs(q, v, sinks=sinks is not None)
+        check_inputs(q, k, v, sinks=sinks is not None)
         fa = interface()
         common = dict(
             softmax_scale=self.scale,

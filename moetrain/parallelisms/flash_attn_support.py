@@ -11,7 +11,7 @@ themselves at their first call. What version 4.0.0b36 of the package does, read 
   another code path this trainer has not validated: both refused;
 - bf16 or fp16 inputs (fp8 forward-only): fp32 compute is refused;
 - head dims multiples of 8; 8-256 on Hopper; on Blackwell up to 128, or 192/128 (MLA), or
-  256/256;
+  256/256; GQA with q/k and v head dims apart has no Hopper backward (MLA has no GQA);
 - GQA natively (K/V never repeated), sliding windows (`window_size`), packed documents
   through `cu_seqlens` (`flash_attn_varlen_func`), and learnable sinks with their gradient,
   except with head dim 256 on Blackwell;
@@ -51,14 +51,16 @@ class FlashAttnHost:
 @dataclass(frozen=True)
 class FlashAttnUse:
     """What a run asks of the kernel: the compute dtype, the attention's head dims, whether
-    its cores train sinks through the kernel (cp = 1; the ring folds sinks in itself), and
-    whether ring blocks carry document masks or windows (cp > 1)."""
+    its cores train sinks through the kernel (cp = 1; the ring folds sinks in itself),
+    whether ring blocks carry document masks or windows (cp > 1), and whether K/V have
+    fewer heads than q (GQA; None: not known before the call, which checks it)."""
 
     dtype: torch.dtype
     head_dim: int
     v_head_dim: int
     sinks: bool = False
     ring_masks: bool = False
+    grouped: bool | None = None
 
 
 @functools.cache
@@ -127,6 +129,11 @@ def flash_attn_problems(host: FlashAttnHost, use: FlashAttnUse) -> list[str]:
         dims = _head_dims_problem(major, use.head_dim, use.v_head_dim)
         if dims is not None:
             problems.append(dims)
+        if major == 9 and use.grouped and use.head_dim != use.v_head_dim:
+            problems.append(
+                f"GQA with head dims {use.head_dim} (q, k) and {use.v_head_dim} (v): "
+                "flash-attn-4's Hopper backward takes GQA with one head dim only"
+            )
         if use.sinks and major in (10, 11) and (use.head_dim, use.v_head_dim) == (256, 256):
             problems.append(
                 "the attention sinks would get no gradient: flash-attn-4 has no sink "
@@ -155,10 +162,12 @@ def host_of(device: torch.device) -> FlashAttnHost:
     return probe_host(device)
 
 
-def check_inputs(q: torch.Tensor, v: torch.Tensor, sinks: bool = False) -> None:
-    """At a kernel's call: refuse what `flash_attn_problems` refuses, for these tensors
-    (ValueError naming the key, the problems and the install command)."""
-    use = FlashAttnUse(q.dtype, q.shape[-1], v.shape[-1], sinks=sinks)
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: bool = False) -> None:
+    """At a kernel's call: refuse what `flash_attn_problems` refuses, for q [B, S, Hq, D],
+    k [B, S, Hkv, D], v [B, S, Hkv, Dv] (ValueError naming the key, the problems and the
+    install command)."""
+    grouped = q.shape[-2] != k.shape[-2]
+    use = FlashAttnUse(q.dtype, q.shape[-1], v.shape[-1], sinks=sinks, grouped=grouped)
     problems = flash_attn_problems(host_of(q.device), use)
     if problems:
         raise ValueError(refusal(problems))
