@@ -178,7 +178,7 @@ def interface() -> ModuleType:
     CUDA libraries), which a run that does not ask for the kernel should never pay for."""
     try:
         from flash_attn.cute import interface as fa_interface
-    except ImportError as err:
+    except (ImportError, OSError, RuntimeError) as err:  # absent, or its CUDA libraries
         raise RuntimeError(
             f"{KEY}: flash-attn-4 does not import ({err}); install it with `{INSTALL}`"
         ) from err
