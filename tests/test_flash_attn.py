@@ -200,3 +200,26 @@ def test_flash_attention_core_swapped_in_from_outside():
     ids[0, 1] = 1  # written in place: recomputed
     assert spans.of(ids).tolist() == [0, 1, 4]
     assert spans.of(torch.tensor([[0, 1, 2, 3]])).tolist() == [0, 1, 2, 3, 4]
+
+
+class _CoreCalled(Exception):
+    pass
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("debug_*.toml")))
+def test_attention_shape_says_which_models_pass_sinks(config):
+    """`AttentionShape.sinks` (what the check before launch reads) against what the model
+    hands its first attention core, on the meta device (stopped there: no data needed)."""
+    cfg = load_config([f"--config={ROOT / 'configs' / config}"])
+    spec = get_model_spec(cfg.model.name)
+    model = meta_model(spec, cfg.model.args)
+
+    def stop(core, args, kwargs):
+        raise _CoreCalled((args[4] if len(args) > 4 else kwargs.get("sinks")) is not None)
+
+    for module in model.modules():
+        if isinstance(module, AttentionCore):
+            module.register_forward_pre_hook(stop, with_kwargs=True)
+    with pytest.raises(_CoreCalled) as called:
+        model(torch.zeros(1, 16, dtype=torch.int64, device="meta"))
+    assert called.value.args[0] == spec.attention.sinks
