@@ -3,12 +3,12 @@ its import, deferred to the first call (`parallel.cp_kernel=flash_attn`).
 
 One set of rules (`flash_attn_problems`) for the check before launch (moetrain/loop/
 preflight.py, with the machine probed and the model's attention shape) and for the kernels
-themselves at their first call. What version 4.0.0b36 of the package does, read from its
+themselves at each call. What version 4.0.0b36 of the package does, read from its
 `flash_attn/cute/interface.py`:
 
 - forward and backward on compute capability 9.x (Hopper) and 10.x / 11.x (datacenter
   Blackwell); 8.x has a forward only (no training) and 12.x (consumer Blackwell) runs
-  another code path this trainer has not validated: both refused;
+  another code path (no sink backward, head dims unchecked) not tried here: both refused;
 - bf16 or fp16 inputs (fp8 forward-only): fp32 compute is refused;
 - head dims multiples of 8; 8-256 on Hopper; on Blackwell up to 128, or 192/128 (MLA), or
   256/256; GQA with q/k and v head dims apart has no Hopper backward (MLA has no GQA);
@@ -34,7 +34,7 @@ VERSION = "4.0.0b36"
 CUTLASS = "nvidia-cutlass-dsl"
 INSTALL = f"pip install {PACKAGE}=={VERSION} {CUTLASS}==4.8.1"
 KEY = "parallel.cp_kernel=flash_attn"
-MAJORS = (9, 10, 11)  # compute capability majors with a validated forward and backward
+MAJORS = (9, 10, 11)  # capability majors where it has a forward and backward and checks dims
 
 
 @dataclass(frozen=True)
