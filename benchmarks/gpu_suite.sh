@@ -15,6 +15,22 @@
 #                    and per layer with the z-loss (BALANCE_STEPS 60, BALANCE_AUX weights,
 #                    BALANCE_VARIANTS)
 #     lora           the proxy with LoRA (its plan, then training) and with full fine-tuning
+#     flash_attn     flash-attn-4 (parallel.cp_kernel=flash_attn): its cases in tests/test_gpu.py
+#                    (-k flash_attn), benchmarks/attention_kernels.py at 8k-32k against SDPA's
+#                    flash and cuDNN ops and flex (ring blocks; cores causal and with
+#                    documents), and 20 steps of debug GPT-OSS with documents, windows and
+#                    sinks through it; under 9 minutes (BUDGET_S).
+#                    Installed from the carried .whl/ (its gpu_install.sh; the CuTe DSL's
+#                    CUDA 13 wheel comes in two halves, .fa1/ and .fa2/), two calls:
+#                      carry .whl .gpu .fa1: bash .whl/gpu_install.sh stash
+#                      carry .whl .gpu .fa2: bash .whl/gpu_install.sh install &&
+#                        PY=/tmp/venv/bin/python bash benchmarks/gpu_suite.sh flash_attn
+#                    (its commands run with PYTHONPATH=$PWD: the venv holds the package, whose
+#                    CuTe DSL a .pth file puts on the path). NOTE: .whl/ must hold
+#                    nvidia-cutlass-dsl-libs-core==4.8.1 too (cutlass.cute; libs-base
+#                    requires it): `pip download --no-deps --python-version 3.12 --platform
+#                    manylinux_2_28_x86_64 --only-binary=:all: -d .whl
+#                    nvidia-cutlass-dsl-libs-core==4.8.1`.
 #
 # Each part writes $OUT/results.json (one object: env, per-step rc and seconds, summaries,
 # benchmark JSON) and $OUT/log.txt. Carry .whl/ (torchdata, torchtitan and its needs) and
@@ -22,7 +38,7 @@
 # Knobs: PY (python3), BUDGET_S (540), PROXY_LAYERS (4), PROXY_STEPS (30), TITAN_MODES
 # (eager,compiled,accum8).
 set -u
-(($#)) || { echo "usage: gpu_suite.sh PART... (tests step attention flex_training proxy gemm titan balance lora)" >&2; exit 2; }
+(($#)) || { echo "usage: gpu_suite.sh PART... (tests step attention flex_training proxy gemm titan balance lora flash_attn)" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_suite_out}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
@@ -150,13 +166,27 @@ titan() { # eager, compiled, then 8 micro-batches a step: each side's real step,
         merge "bench.vs_torchtitan.$mode" file "$RUNS/titan_$mode.json"
     done
 }
+flash_attn() { # flash-attn-4 from the venv of .whl/gpu_install.sh (PY), not gpu_lib.sh's /tmp/site
+    local PYTHONPATH=$PWD # (exported, as the global one)
+    step fa_import 90 "$PY" -c 'import importlib.metadata as m, flash_attn.cute, torch
+print({d: m.version(d) for d in ("flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-core")},
+    torch.cuda.get_device_capability())' || return 1
+    step pytest_gpu_flash_attn 300 "$PY" -m pytest -v -s -m gpu tests/test_gpu.py \
+        -p no:cacheprovider -k "flash_attn or flash_attention" \
+        --junitxml="$OUT/pytest_gpu_flash_attn.xml"
+    step attention_flash_attn 200 "$PY" benchmarks/attention_kernels.py --chunks 8192,16384,32768 \
+        --kernels flash_attn,sdpa_flash,sdpa_cudnn,flex --json "$RUNS/attn_flash_attn.json"
+    merge bench.attention_flash_attn file "$RUNS/attn_flash_attn.json"
+    train gpt_oss_documents_flash_attn 100 configs/debug_gpt_oss.toml --train.steps=20 \
+        --data.document_mask=true --parallel.cp_kernel=flash_attn
+}
 
 for part in "$@"; do
     case $part in
-    tests | attention | flex_training | proxy | gemm | titan | balance | lora) "$part" ;;
+    tests | attention | flex_training | proxy | gemm | titan | balance | lora | flash_attn) "$part" ;;
     step) step_checks ;;
     *)
-        echo "unknown part $part: tests | step | attention | flex_training | proxy | gemm | titan | balance | lora" >&2
+        echo "unknown part $part: tests | step | attention | flex_training | proxy | gemm | titan | balance | lora | flash_attn" >&2
         exit 2
         ;;
     esac

@@ -25,6 +25,8 @@ from moetrain.models.common.attention import AttentionCore
 from moetrain.models.common.visibility import Visibility
 from moetrain.parallelisms.attention_kernels import KERNELS
 from moetrain.parallelisms.cp_schedule import local_positions, split_for_cp
+from moetrain.parallelisms.flash_attention import DocumentSpans, FlashAttentionCore
+from moetrain.parallelisms.flash_attn_support import MAJORS, import_problem
 from moetrain.parallelisms.ring_messages import RingStats, merge
 from moetrain.parallelisms.ring_steps import Ring, mask_ids, sink_lse, step_blocks
 
@@ -34,6 +36,21 @@ pytestmark = [
 ]
 U = 2.0**-8  # bf16 unit roundoff: half the spacing of bf16 values at 1 (eps = 2^-7)
 HQ, HKV = 8, 2
+
+
+def _flash_attn_missing() -> str | None:
+    """Why flash-attn-4 cannot run here (None: it can; no CUDA is the module's own skip)."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    if major not in MAJORS:
+        return f"needs a Hopper or datacenter Blackwell GPU (9.x-11.x), this one is {major}.{minor}"
+    problem = import_problem()
+    return None if problem is None else f"needs flash-attn-4 importable: {problem}"
+
+
+_FLASH_MISSING = _flash_attn_missing()
+FLASH = pytest.mark.skipif(_FLASH_MISSING is not None, reason=str(_FLASH_MISSING))
 
 
 def _visible(s: int, ids, window, device) -> torch.Tensor:
@@ -114,6 +131,7 @@ CASES = [  # kernel, head dims (MLA's 192/128 where the kernel takes them), mask
     ("sdpa_efficient", 192, 128, True),
     ("flex", 128, 128, False),
     ("flex", 64, 64, True),
+    pytest.param("flash_attn", 128, 128, False, marks=FLASH),
 ]
 
 
@@ -222,6 +240,8 @@ RING_CASES = [  # kernel, documents, window, sinks
     ("flex", False, None, False),
     ("flex", True, None, True),
     ("flex", True, 300, True),
+    pytest.param("flash_attn", False, None, False, marks=FLASH),
+    pytest.param("flash_attn", False, None, True, marks=FLASH),  # sinks: the ring's merge
 ]
 
 
@@ -279,3 +299,34 @@ def test_attention_core_on_cuda_masks_without_a_dense_mask(window, with_sinks):
     _assert_within("core out", out[:, :cut], ref, mags[0], 1)
     # The first `cut` queries see only keys before `cut`: their dq is complete here.
     _assert_within("core dq", grads[0][:, :cut], ref_grads[0], mags[1], 4)
+
+
+@FLASH
+@pytest.mark.parametrize(
+    "documents,window,with_sinks", [(False, None, False), (True, None, False), (True, 256, True)]
+)
+def test_flash_attention_core_matches_plain_attention(documents, window, with_sinks):
+    """`parallel.cp_kernel=flash_attn` without CP: the core flash-attn-4 runs (documents
+    through its variable-length call, windows, sinks trained by the kernel) against fp32
+    attention, gradients of q, k, v and the sinks included."""
+    s, d = 2048, 128
+    q, k, v, d_out = _inputs(2, s, d, d, seed=11)
+    ids = _documents(2, s) if documents else None
+    sinks = torch.linspace(-1.0, 2.0, HQ, device="cuda") if with_sinks else None
+    core = FlashAttentionCore(d**-0.5, True, window, DocumentSpans())
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    sink_leaf = [sinks.clone().requires_grad_()] if with_sinks else []
+    out = core(*leaves, ids, *sink_leaf)
+    grads = torch.autograd.grad(out, leaves + sink_leaf, d_out)
+    ref_in = [t.float().requires_grad_() for t in (q, k, v)]
+    ref_sink = [sinks.clone().requires_grad_()] if with_sinks else []
+    ref, probs, p_sink = _plain(*ref_in, ids, window, *(ref_sink or [None]), d**-0.5)
+    ref_grads = torch.autograd.grad(ref, ref_in + ref_sink, d_out.float())
+    mags = _magnitudes(q, k, v, probs.detach(), ref.detach(), d_out, d**-0.5)
+    _assert_within("flash core out", out, ref, mags[0], 1)
+    for label, ours, theirs, mag in zip(("dq", "dk", "dv"), grads, ref_grads, mags[1:]):
+        _assert_within(f"flash core {label}", ours, theirs, mag, 4)
+    if with_sinks:  # d sink_h = -sum_i p_sink,i * rowsum(dO_i * O_i)
+        delta = (d_out.float() * ref.detach()).sum(-1).abs().transpose(1, 2)
+        bound = (p_sink.detach() * delta).sum((0, 2))
+        _assert_within("flash core dsinks", grads[3], ref_grads[3], bound, 4)

@@ -30,7 +30,7 @@ NEEDS_PATH = {
 }
 
 
-UNMASKED_KERNELS = ("cpu_flash", "sdpa_flash", "sdpa_cudnn")  # ring kernels that take no mask
+UNMASKED_KERNELS = ("cpu_flash", "sdpa_flash", "sdpa_cudnn", "flash_attn")  # rings: no mask
 
 
 def config_problems(cfg: JobConfig) -> list[str]:
@@ -95,7 +95,8 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
     need(
         not (d.document_mask and p.cp > 1 and p.cp_kernel in UNMASKED_KERNELS),
         f"parallel.cp_kernel={p.cp_kernel} cannot apply document masks "
-        "(data.document_mask=true): the op takes no mask; use parallel.cp_kernel=auto (flex "
+        f"(data.document_mask=true) in the ring of parallel.cp={p.cp}: the op takes no mask "
+        "there; use parallel.cp_kernel=auto (flex "
         "on CUDA, the masked math kernel on CPU), flex, sdpa_efficient or math",
     )
     need(

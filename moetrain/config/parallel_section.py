@@ -48,8 +48,19 @@ class ParallelSection:
         "cpu_flash (CPU, one head dim, no mask) | math (exact fp32, dense block mask) | "
         "sdpa_flash (CUDA bf16, one head dim <= 256, no mask) | sdpa_efficient (CUDA, masks "
         "as a dense block bias) | sdpa_cudnn (CUDA bf16, no mask) | flex (CUDA "
-        "FlexAttention: masks and windows without a dense mask)",
-        choices=("auto", "cpu_flash", "math", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex"),
+        "FlexAttention: masks and windows without a dense mask) | flash_attn (flash-attn-4 on "
+        "Hopper/Blackwell, bf16, no mask in the ring; also without CP, where it replaces "
+        "the attention core: documents, windows and sinks included)",
+        choices=(
+            "auto",
+            "cpu_flash",
+            "math",
+            "sdpa_flash",
+            "sdpa_efficient",
+            "sdpa_cudnn",
+            "flex",
+            "flash_attn",
+        ),
     )
     pp: int = arg(
         1,

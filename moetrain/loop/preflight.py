@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from moetrain.build.distributed import resolve_device
-from moetrain.build.model import meta_model, pipeline_cut
+from moetrain.build.model import compute_dtype, meta_model, pipeline_cut
 from moetrain.checkpoint.continuation import (
     check_continuation,
     check_continuation_keys,
@@ -28,9 +28,19 @@ from moetrain.errors import DataError
 from moetrain.metrics.sinks import check_sinks
 from moetrain.models import get_model_spec
 from moetrain.models.common.args import field_problems
+from moetrain.models.spec import ModelSpec
 from moetrain.parallelisms.attention_kernels import CUDA_ONLY
 from moetrain.parallelisms.dims import LayoutError, ParallelDims, check_pipeline
+from moetrain.parallelisms.flash_attn_support import (
+    KEY,
+    FlashAttnHost,
+    FlashAttnUse,
+    flash_attn_problems,
+    probe_host,
+    refusal,
+)
 from moetrain.parallelisms.parallelize import check_layout
+from moetrain.parallelisms.plan import match_modules
 
 
 def check_cp_kernel(kernel: str, device_type: str, cfg) -> None:
@@ -51,6 +61,32 @@ def check_cp_kernel(kernel: str, device_type: str, cfg) -> None:
             f"train.mixed_precision={cfg.train.mixed_precision}; set "
             "train.mixed_precision=bf16, or use parallel.cp_kernel=auto, sdpa_efficient or flex"
         )
+
+
+def check_flash_attn(
+    cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, model, host: FlashAttnHost
+) -> None:
+    """`parallel.cp_kernel=flash_attn` against the machine (`host`), the dtype attention
+    computes in and the model's attention (`model` on the meta device): as the ring's block
+    kernel (cp > 1: no mask) and as the attention core (cp = 1) alike."""
+    if spec.plan.attention_core is None:
+        raise LayoutError(
+            f"{KEY}: model {cfg.model.name!r}'s plan names no attention core to run it in; "
+            "use parallel.cp_kernel=auto"
+        )
+    cores = match_modules(model, spec.plan.attention_core, "attention_core")
+    windows = any(core.window is not None for _, core in cores)
+    shape, args = spec.attention, cfg.model.args
+    use = FlashAttnUse(
+        compute_dtype(cfg.train, host.device_type),
+        getattr(args, shape.qk_dim),
+        getattr(args, shape.v_dim),
+        sinks=shape.sinks and dims.cp == 1,  # the ring folds sinks in itself
+        ring_masks=dims.cp > 1 and (windows or bool(cfg.data.document_mask)),
+    )
+    problems = flash_attn_problems(host, use)
+    if problems:
+        raise LayoutError(refusal(problems))
 
 
 def resolve_model_args(cfg: JobConfig) -> None:
@@ -108,6 +144,9 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> Corpora:
     spec = get_model_spec(cfg.model.name)
     model = meta_model(spec, cfg.model.args, cfg.peft)  # a LoRA target it lacks: refused
     check_layout(model, spec.plan, dims)
+    if cfg.parallel.cp_kernel == "flash_attn":
+        host = probe_host(resolve_device(cfg.train.device))
+        check_flash_attn(cfg, dims, spec, model, host)
     if dims.pp > 1:
         pipeline_cut(cfg, spec, model)  # refuses a bad cut
         check_pipeline(

@@ -161,16 +161,19 @@ class LossTerms:
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """Where the default `flops_per_token` reads the attention's shape: args field names.
+    """Where the default `flops_per_token` (and the check of an attention kernel before
+    launch) reads the attention's shape: args field names.
 
     `layers` is a field name, or (args, seq_len) -> the attention layers a token's scores
     cost, for a count that is not one field (a sliding-window layer counts
-    min(window, seq_len) / seq_len of one; MTP blocks add theirs)."""
+    min(window, seq_len) / seq_len of one; MTP blocks add theirs). `sinks`: the model passes
+    trained sinks [Hq] to its attention cores (GPT-OSS), which a kernel must train too."""
 
     layers: str | Callable[[Any, int], float] = "num_hidden_layers"
     heads: str = "num_attention_heads"
     qk_dim: str = "head_dim"
     v_dim: str = "head_dim"
+    sinks: bool = False
 
 
 def derived_flops_per_token(shape: AttentionShape, model: nn.Module, seq_len: int) -> float:

@@ -13,7 +13,8 @@ key of the block gets out 0 and lse -inf (not NaN), so the ring's online softmax
 it in as "nothing".
 
 The CUDA kernels (SDPA's flash, memory-efficient and cuDNN ops, FlexAttention) are in
-`attention_kernels_cuda`; `resolve_kernel` picks one by device, dtype, head dims and mask.
+`attention_kernels_cuda`, flash-attn-4's in `attention_kernels_flash`; `resolve_kernel`
+picks one by device, dtype, head dims and mask.
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ import torch
 
 from moetrain.models.common.visibility import dense_mask
 from moetrain.parallelisms import attention_kernels_cuda as cuda
+from moetrain.parallelisms.attention_kernels_flash import flash_attn_backward, flash_attn_forward
+from moetrain.parallelisms.flash_attn_support import (
+    FlashAttnUse,
+    flash_attn_problems,
+    host_of,
+    refusal,
+)
 
 
 def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -139,6 +147,7 @@ KERNELS = {
     ),
     "sdpa_cudnn": BlockKernel("sdpa_cudnn", cuda.cudnn_forward, cuda.cudnn_backward),
     "flex": BlockKernel("flex", cuda.flex_forward, cuda.flex_backward, whole_blocks=True),
+    "flash_attn": BlockKernel("flash_attn", flash_attn_forward, flash_attn_backward),
 }
 CUDA_ONLY = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex")
 _HALF = (torch.bfloat16, torch.float16)
@@ -147,7 +156,11 @@ _HALF = (torch.bfloat16, torch.float16)
 def _auto(device: torch.device, dtype, head_dim: int, v_head_dim: int, masked: bool) -> str:
     """CPU: the CPU flash op where it applies, else math. CUDA: flex for masks (no dense
     mask), SDPA's flash op for half precision with one head dim, else the memory-efficient op
-    (fp32, or v's head dim apart)."""
+    (fp32, or v's head dim apart).
+
+    NOTE: never `flash_attn`: auto picks a kernel only once a GPU benchmark
+    (benchmarks/attention_kernels.py, committed under benchmarks/results/) shows it faster
+    than the one picked today for the same case; flash-attn-4 has not been timed yet."""
     if device.type == "cpu":
         return "cpu_flash" if head_dim == v_head_dim and not masked else "math"
     if device.type != "cuda":
@@ -188,6 +201,12 @@ def resolve_kernel(
             f"parallel.cp_kernel={name} cannot apply document masks or windows; use "
             "parallel.cp_kernel=auto (flex on CUDA, math on CPU), flex, sdpa_efficient or math"
         )
+    if name == "flash_attn":
+        # dtype None: not known here; the kernel's call checks it
+        use = FlashAttnUse(dtype or torch.bfloat16, head_dim, v_head_dim, ring_masks=masked)
+        problems = flash_attn_problems(host_of(device), use)
+        if problems:
+            raise ValueError(refusal(problems))
     if name in ("sdpa_flash", "sdpa_cudnn") and (
         dtype not in _HALF or head_dim != v_head_dim or head_dim > 256
     ):

@@ -1,5 +1,6 @@
-"""Apply a model's parallel plan: context and expert parallelism, activation checkpointing,
-then FSDP2 (docs/overview.md, "Principles")."""
+"""Apply a model's parallel plan: context and expert parallelism (or, without CP, the
+flash-attn-4 attention core when asked), activation checkpointing, then FSDP2
+(docs/overview.md, "Principles")."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from moetrain.parallelisms.compile import apply_compile
 from moetrain.parallelisms.context_parallel import ContextParallelAttention, apply_context_parallel
 from moetrain.parallelisms.dims import LayoutError, ParallelDims
 from moetrain.parallelisms.expert_parallel import TokenDispatcher, apply_expert_parallel
+from moetrain.parallelisms.flash_attention import apply_flash_attention
 from moetrain.parallelisms.fsdp import apply_fsdp
 from moetrain.parallelisms.mesh import Meshes
 from moetrain.parallelisms.plan import PlanError, check_plan, match_modules
@@ -55,10 +57,11 @@ def parallelize(
     stage: bool = False,
 ) -> Parallelized:
     """Shard `model` (on the meta device) in place: context parallelism swaps the attention
-    cores for ring attention, expert parallelism shards and wraps the routed experts,
-    activation checkpointing (none | full | selective) wraps the blocks' forwards (compiled
-    first if `compile`), FSDP2 shards the rest (`fsdp_gather`: parallel.fsdp_gather;
-    `ep_overlap`: parallel.ep_overlap).
+    cores for ring attention (without it, `cp_kernel=flash_attn` swaps them for
+    flash-attn-4's core; the other kernels are the ring's only), expert parallelism shards
+    and wraps the routed experts, activation checkpointing (none | full | selective) wraps
+    the blocks' forwards (compiled first if `compile`), FSDP2 shards the rest
+    (`fsdp_gather`: parallel.fsdp_gather; `ep_overlap`: parallel.ep_overlap).
     `stage`: `model` is one pipeline stage (or the planner's piece of one), which may hold
     no expert, attention module or block (the whole model's plan was checked by
     `check_layout`)."""
@@ -69,6 +72,9 @@ def parallelize(
         out.ring_attention = apply_context_parallel(
             model, cores, meshes.world, cp_zigzag, cp_kernel
         )
+    elif cp_kernel == "flash_attn":  # preflight refused a plan that names no core
+        cores = match_modules(model, plan.attention_core or (), "attention_core", required)
+        apply_flash_attention(model, cores)
     if meshes.ep is not None:
         nodes = (meshes.ep_rail, meshes.ep_node) if meshes.ep_rail is not None else None
         for layer in expert_layers(model, plan, required):

@@ -32,7 +32,7 @@ SPEC = ModelSpec(
     args_cls=GptOssArgs,
     model_cls=GptOssForCausalLM,
     plan=PLAN,
-    attention=AttentionShape(layers=attention_layers),
+    attention=AttentionShape(layers=attention_layers, sinks=True),
     hf_adapter=hf,
     training_fields=("router_aux_loss_coef",),
     max_positions=lambda args: args.max_position_embeddings,
