@@ -53,6 +53,16 @@ def test_virtual_stages_that_the_schedule_does_not_read_are_noted():
     )
 
 
+def test_a_ring_kernel_without_a_ring_is_noted():
+    notes = startup_notes(load_config(["--parallel.cp_kernel=math"]))
+    assert notes == [
+        "parallel.cp_kernel=math has no effect with parallel.cp=1: it picks the "
+        "context-parallel ring's block kernel (only flash_attn also replaces the attention "
+        "core without a ring)"
+    ]
+    assert startup_notes(load_config(["--parallel.cp_kernel=math", "--parallel.cp=2"])) == []
+
+
 def test_a_warmup_longer_than_the_run_is_noted():
     notes = startup_notes(load_config(["--train.steps=4", "--train.warmup_steps=10"]))
     assert notes == [

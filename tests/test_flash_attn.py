@@ -223,3 +223,17 @@ def test_attention_shape_says_which_models_pass_sinks(config):
     with pytest.raises(_CoreCalled) as called:
         model(torch.zeros(1, 16, dtype=torch.int64, device="meta"))
     assert called.value.args[0] == spec.attention.sinks
+
+
+def test_the_planner_judges_flash_attn_on_the_gpus_it_plans_for(capsys):
+    """A plan is made on a machine without the GPUs (this CPU one): flash_attn is judged on
+    the planned Hopper GPUs with the pinned package, not refused for want of CUDA here; what
+    no GPU can run (fp32 compute) is still refused, as a launch would refuse it."""
+    from moetrain.planner.cli import main
+
+    argv = ["--world-size=1", "--config", "configs/debug_qwen3_moe.toml", f"--{KEY}"]
+    assert main([*argv, "--train.mixed_precision=bf16"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main([*argv, "--train.mixed_precision=fp32"]) == 2
+    err = capsys.readouterr().err
+    assert KEY in err and "compute in float32" in err and "CUDA" not in err, err

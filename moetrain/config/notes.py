@@ -91,6 +91,12 @@ def startup_notes(cfg: JobConfig, dims: ParallelDims | None = None) -> list[str]
             f"parallel.cp_layout={p.cp_layout} has no effect with parallel.cp=1: one "
             "context-parallel rank holds every sequence whole"
         )
+    if p.cp == 1 and p.cp_kernel not in ("auto", "flash_attn"):
+        notes.append(
+            f"parallel.cp_kernel={p.cp_kernel} has no effect with parallel.cp=1: it picks the "
+            "context-parallel ring's block kernel (only flash_attn also replaces the attention "
+            "core without a ring)"
+        )
     if t.warmup_steps > t.steps:
         notes.append(
             f"train.warmup_steps={t.warmup_steps} is longer than the run (train.steps="

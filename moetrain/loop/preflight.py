@@ -127,9 +127,11 @@ def resolve_model_args(cfg: JobConfig) -> None:
     cfg.model.args = hf_args
 
 
-def preflight(cfg: JobConfig, dims: ParallelDims) -> Corpora:
+def preflight(cfg: JobConfig, dims: ParallelDims, planned: FlashAttnHost | None = None) -> Corpora:
     """Checks that need more than the config alone, before any process group exists.
-    Returns the config's prepared corpora, each manifest read once, for the run's data."""
+    Returns the config's prepared corpora, each manifest read once, for the run's data.
+    `planned`: the GPUs a plan is for (the planner, on a machine without them), against
+    which the kernel choices are judged; None: this machine, probed."""
     check_sinks(cfg)
     resolve_model_args(cfg)
     if cfg.checkpoint.resume not in ("auto", "none"):
@@ -145,7 +147,7 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> Corpora:
     model = meta_model(spec, cfg.model.args, cfg.peft)  # a LoRA target it lacks: refused
     check_layout(model, spec.plan, dims)
     if cfg.parallel.cp_kernel == "flash_attn":
-        host = probe_host(resolve_device(cfg.train.device))
+        host = planned or probe_host(resolve_device(cfg.train.device))
         check_flash_attn(cfg, dims, spec, model, host)
     if dims.pp > 1:
         pipeline_cut(cfg, spec, model)  # refuses a bad cut

@@ -32,7 +32,8 @@ import torch
 PACKAGE = "flash-attn-4"
 VERSION = "4.0.0b36"
 CUTLASS = "nvidia-cutlass-dsl"
-INSTALL = f"pip install {PACKAGE}=={VERSION} {CUTLASS}==4.8.1"
+CUTLASS_VERSION = "4.8.1"
+INSTALL = f"pip install {PACKAGE}=={VERSION} {CUTLASS}=={CUTLASS_VERSION}"
 KEY = "parallel.cp_kernel=flash_attn"
 MAJORS = (9, 10, 11)  # capability majors where it has a forward and backward and checks dims
 

@@ -180,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         p = cfg.parallel
         from moetrain.loop.preflight import preflight
         from moetrain.parallelisms.dims import ParallelDims, check_ep_nodes
+        from moetrain.parallelisms.flash_attn_support import (
+            CUTLASS_VERSION,
+            FlashAttnHost,
+        )
+        from moetrain.parallelisms.flash_attn_support import VERSION as FLASH_ATTN_VERSION
 
         dims = ParallelDims.of(p, world_size)
         # the planned machines' nodes too (a planning process has no LOCAL_WORLD_SIZE)
@@ -187,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         if per_node < world_size:
             where = "parallel.ranks_per_node, else --ranks-per-node or the --hardware preset"
             check_ep_nodes(p.ep, per_node, where)
-        preflight(cfg, dims)  # every refusal of a real launch
+        # Every refusal of a real launch, on the planned GPUs (every preset is a Hopper part)
+        # with the pinned flash-attn-4, not on this machine: a plan is made before them.
+        planned = FlashAttnHost("cuda", (9, 0), FLASH_ATTN_VERSION, CUTLASS_VERSION)
+        preflight(cfg, dims, planned)
         flops = flops_per_token(cfg)
         parameters = parameter_counts(cfg)
         rates = read_rates(flags["--gemm-rates"]) if flags["--gemm-rates"] else None
