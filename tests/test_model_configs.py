@@ -106,6 +106,9 @@ def test_the_published_config_json_reads_as_the_published_model(family: Family, 
     transformers.AutoConfig.from_pretrained(tmp_path).save_pretrained(tmp_path / "v5")
     v5 = json.loads((tmp_path / "v5" / "config.json").read_text())
     assert v5["rope_parameters"]["rope_theta"] == 50000.0
+    if not family.published.get("rope_scaling"):  # plain RoPE: nothing else
+        moved = {k: family.published[k] for k in family.rope_parameter_keys}
+        assert v5["rope_parameters"] == {"rope_type": "default", "rope_theta": 50000.0, **moved}
     assert "rope_theta" not in v5 and "rope_scaling" not in v5
     want = dataclasses.replace(want, rope_theta=50000.0)
     assert hf.load_hf_config(str(tmp_path)) == hf.load_hf_config(str(tmp_path / "v5")) == want
@@ -190,7 +193,7 @@ def test_flops_loss_terms_and_plan_cover_the_model(family: Family):
     names = {n for n, _ in model.named_modules()}
     assert {f"layers.{i}.self_attn.core" for i in range(args.num_hidden_layers)} <= names
     moe = our_moe_layers(model)
-    assert moe and {f"layers.{i}.mlp.experts" for i in moe} <= names
+    assert moe and {f"layers.{i}.mlp.{part}" for i in moe for part in ("experts", "gate")} <= names
     layer = model.layers[moe[0]].mlp
     assert isinstance(layer, MoE)
     params = dict(model.named_parameters())

@@ -41,8 +41,9 @@ class Refusal(NamedTuple):
 
 
 class ArgsProblems(NamedTuple):
-    """Args built from `overrides` and the messages expected, each a substring of one
-    message in order (an empty tuple: no message)."""
+    """Args built from `overrides` and the messages expected: as many messages, each
+    holding its substring (out of bounds: in any order; across fields: in `validate()`'s
+    order; an empty tuple: none)."""
 
     overrides: dict[str, Any]
     expected: tuple[str, ...]
