@@ -170,7 +170,7 @@ SMALL = ["--data.seq_len=64", "--data.max_tokens=200000", "--train.global_batch_
 # sigmoid routing with its fp32 bias, a shared expert, MTP): the two routing and attention
 # paths the layouts shard differently. (OLMoE, another softmax top-k router, added a third
 # of this test's time and no path the layouts shard otherwise; its fp32 layouts:
-# tests/test_olmoe.py.)
+# tests/test_model_layouts.py.)
 MODELS = {m: [f"--config=configs/debug_{m}.toml", *SMALL] for m in ("qwen3_moe", "deepseek_v3")}
 ONE_RANK = {"one": [], "one_mb2": ["--train.micro_batch_size=2"]}  # reduction order only
 # NOTE: plain FSDP and plain EP are inside cp2 (FSDP over the cp ranks) and cp2_ep2; this

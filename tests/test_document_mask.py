@@ -9,8 +9,6 @@ against our model on the packed sample. Through train.py: tests/test_document_ma
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,6 +25,9 @@ from moetrain.parallelisms.context_parallel import RingStats, ring_attention
 from moetrain.parallelisms.cp_schedule import attention_work, document_attention_work, split_for_cp
 from moetrain.parallelisms.dims import LayoutError
 from tests.distributed import ROOT, run_per_world
+from tests.families import FAMILIES
+from tests.families.models import hf_model as tiny_hf_model
+from tests.families.models import ours_from_dir
 
 B, S, HQ, HKV, D = 4, 48, 8, 2, 12  # S splits into 2 * 4 chunks of 6
 SCALE = D**-0.5
@@ -322,25 +323,17 @@ def test_reset_positions_restart_after_each_eos():
 
 # --- transformers on each document alone ---------------------------------------------------
 
-# family -> (test module with the tiny HF builders, how to call its _hf_model)
-HF_FAMILIES = {
-    "qwen3_moe": ("tests.test_hf_parity", lambda m: m._hf_model(m.CASES["topk_norm"])),
-    "deepseek_v3": ("tests.test_deepseek_v3_hf", lambda m: m._hf_model(m.CASES["qlora_group4"])),
-    "olmoe": (
-        "tests.test_olmoe",
-        lambda m: m._hf_model(pytest.importorskip("transformers"), m.CASES["gqa_clip_bias"]),
-    ),
-}
+# family -> the case of its table (tests/families/) that transformers builds
+HF_CASES = {"qwen3_moe": "topk_norm", "deepseek_v3": "qlora_group4", "olmoe": "gqa_clip_bias"}
 
 
-@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
+@pytest.mark.parametrize("family", sorted(HF_CASES))
 def test_packed_sample_equals_documents_run_alone_in_transformers(family, tmp_path):
-    pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
-    module_name, build = HF_FAMILIES[family]
-    module = importlib.import_module(module_name)
-    hf_model = build(module)
+    transformers = pytest.importorskip("transformers", reason="needs the [hf] extra")
+    table = FAMILIES[family]
+    hf_model = tiny_hf_model(transformers, table, HF_CASES[family])
     hf_model.save_pretrained(tmp_path / "hf")
-    ours = module._ours_from_dir(str(tmp_path / "hf"))
+    ours = ours_from_dir(table, tmp_path / "hf")
     eos = hf_model.config.vocab_size - 1
     g = torch.Generator().manual_seed(4)
     docs = [torch.randint(0, eos, (n,), generator=g) for n in (6, 1, 11, 3, 8)]

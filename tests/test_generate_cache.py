@@ -20,23 +20,24 @@ from moetrain.generate.kv_cache import cached_attention
 from moetrain.generate.load import load_model
 from moetrain.models import get_model_spec
 from moetrain.models.common.attention import AttentionCore
-from tests import test_deepseek_v3_hf, test_gpt_oss, test_hf_parity
+from tests.families import FAMILIES
+from tests.families.models import hf_model
 
 transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 
+
+def _tiny(family: str, case: str):
+    """transformers' tiny model of a family's case (tests/families/)."""
+    return lambda: hf_model(transformers, FAMILIES[family], case)
+
+
 MODELS = {
-    "qwen3_moe_yarn": lambda: test_hf_parity._hf_model(test_hf_parity.CASES["yarn"]),
-    "deepseek_v3_mla": lambda: test_deepseek_v3_hf._hf_model(
-        test_deepseek_v3_hf.CASES["qlora_group4"]
-    ),
+    "qwen3_moe_yarn": _tiny("qwen3_moe", "yarn"),
+    "deepseek_v3_mla": _tiny("deepseek_v3", "qlora_group4"),
     # YaRN's softmax scale on the core, queries without LoRA
-    "deepseek_v3_mla_yarn_plain_q": lambda: test_deepseek_v3_hf._hf_model(
-        test_deepseek_v3_hf.CASES["yarn_v3_mscale_no_truncate_plain_q"]
-    ),
+    "deepseek_v3_mla_yarn_plain_q": _tiny("deepseek_v3", "yarn_v3_mscale_no_truncate_plain_q"),
     # windows of 5 tokens on layers 0 and 2, sinks x20
-    "gpt_oss_window_sinks": lambda: test_gpt_oss._hf_model(
-        transformers, test_gpt_oss.CASES["window_gqa_top2"]
-    ),
+    "gpt_oss_window_sinks": _tiny("gpt_oss", "window_gqa_top2"),
 }
 LENGTHS = (3, 11, 17, 6)  # every row but one padded; longer than GPT-OSS's window
 NEW = 10
@@ -138,9 +139,7 @@ def test_a_prompt_prefilled_a_token_at_a_time_gets_the_same_answers(saved, monke
 def test_deepseek_v3_with_mtp_decodes_with_its_main_model(tmp_path):
     """MTP modules are trained, not run at generation: the model's forward skips them
     without their inputs, and their cores (replaced too) are never called."""
-    test_deepseek_v3_hf._hf_model(test_deepseek_v3_hf.CASES["qlora_group4"]).save_pretrained(
-        tmp_path
-    )
+    _tiny("deepseek_v3", "qlora_group4")().save_pretrained(tmp_path)
     spec = get_model_spec("deepseek_v3")
     args = dataclasses.replace(
         spec.hf_adapter.load_hf_config(str(tmp_path)), num_nextn_predict_layers=1

@@ -122,7 +122,7 @@ def _model_figures(records: list[dict]) -> list[dict]:
 def test_every_layout_writes_the_same_losses_as_one_rank(tmp_path):
     """1 rank; 2 ranks FSDP; 4 ranks CP 2 x EP 2, through train.py and torchrun. (Every
     layout's numerics, one at a time, in-process: tests/test_layout_parity.py; EP and CP
-    alone through train.py: tests/test_olmoe.py and tests/test_document_mask_train.py.)
+    alone, in-process: tests/test_model_layouts.py and tests/test_document_mask_train.py.)
 
     The other tests fork their ranks from a preloaded server (tests/distributed.py): the
     same 2-rank run started that way must write exactly what torchrun's did."""

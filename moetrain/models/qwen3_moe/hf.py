@@ -22,6 +22,10 @@ _SAME_NAME_KEYS = (
     "num_experts_per_tok norm_topk_prob decoder_sparse_step tie_word_embeddings "
     "router_aux_loss_coef initializer_range attention_bias"
 ).split()
+# transformers' Qwen3MoeConfig defaults for keys a config.json may leave out, where they
+# differ from ours (the published Qwen3-30B-A3B's 48 layers and renormalised top-k): what
+# transformers would build from that file.
+_HF_DEFAULTS = {"num_hidden_layers": 24, "norm_topk_prob": False}
 
 
 def args_from_hf_config(cfg: dict) -> Qwen3MoeArgs:
@@ -37,11 +41,14 @@ def args_from_hf_config(cfg: dict) -> Qwen3MoeArgs:
     if cfg.get("hidden_act", "silu") != "silu":
         raise HFFormatError(f"hidden_act {cfg['hidden_act']!r} is not supported, only 'silu'")
     kwargs = {k: cfg[k] for k in _SAME_NAME_KEYS if k in cfg}
+    kwargs = {**_HF_DEFAULTS, **kwargs}
     kwargs.setdefault("max_position_embeddings", 32768)  # transformers' default
     # A missing rope_theta is transformers' Qwen3MoeConfig.default_theta.
     kwargs.update(rope_kwargs(cfg, kwargs["max_position_embeddings"], default_theta=10000.0))
     kwargs["num_experts"] = cfg.get("num_experts", cfg.get("num_local_experts", 128))
-    kwargs["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    # transformers' head_dim default: hidden_size / heads, each at its own default if absent
+    width, heads = cfg.get("hidden_size", 2048), cfg.get("num_attention_heads", 32)
+    kwargs["head_dim"] = cfg.get("head_dim") or width // heads
     kwargs["mlp_only_layers"] = list(cfg.get("mlp_only_layers") or [])
     return Qwen3MoeArgs(**kwargs)
 
