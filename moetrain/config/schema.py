@@ -163,6 +163,16 @@ class TrainSection:
     device: str = arg(
         "auto", "auto (cuda if available) | cuda | cpu", choices=("auto", "cuda", "cpu")
     )
+    fp8: str = arg(
+        "none",
+        "FP8 GEMMs with dynamic scaling for the attention projections, dense MLPs and the "
+        "routed and shared experts (router, embeddings, norms and head stay in the compute "
+        "dtype; weights and checkpoints stay in their master dtype): none | rowwise (a scale "
+        "per row of each GEMM input, e4m3 forward and backward) | tensorwise (one scale per "
+        "tensor, e4m3 forward, e5m2 gradients); needs CUDA compute capability 8.9+ (Hopper, "
+        "Ada) or the CPU",
+        choices=("none", "rowwise", "tensorwise"),
+    )
     activation_checkpoint: str = arg(
         "none",
         "recompute blocks in backward to save memory: none | full (keep block inputs only) | "
