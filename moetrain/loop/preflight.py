@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+import torch
+
 from moetrain.build.distributed import resolve_device
-from moetrain.build.model import meta_model, pipeline_cut
+from moetrain.build.float8 import apply_float8, fp8_device_problem
+from moetrain.build.model import compute_dtype, meta_model, pipeline_cut
 from moetrain.checkpoint.continuation import (
     check_continuation,
     check_continuation_keys,
@@ -30,6 +33,7 @@ from moetrain.models.common.args import field_problems
 from moetrain.parallelisms.attention_kernels import CUDA_ONLY
 from moetrain.parallelisms.dims import LayoutError, ParallelDims, check_pipeline
 from moetrain.parallelisms.parallelize import check_layout
+from moetrain.parallelisms.plan import match_modules
 
 
 def check_cp_kernel(kernel: str, device_type: str, cfg) -> None:
@@ -50,6 +54,20 @@ def check_cp_kernel(kernel: str, device_type: str, cfg) -> None:
             f"train.mixed_precision={cfg.train.mixed_precision}; set "
             "train.mixed_precision=bf16, or use parallel.cp_kernel=auto, sdpa_efficient or flex"
         )
+
+
+def check_fp8(cfg: JobConfig, spec, model) -> None:
+    """`train.fp8` against the model (its experts must have an FP8 form: refused by
+    `apply_float8` on the meta model), the device and the installed torch."""
+    apply_float8(model, spec.plan, cfg.train.fp8, spec.name)
+    device = resolve_device(cfg.train.device)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    routed = match_modules(model, spec.plan.routed_experts or (), "routed_experts", False)
+    problem = fp8_device_problem(
+        cfg.train.fp8, device.type, capability, compute_dtype(cfg.train, device.type), bool(routed)
+    )
+    if problem:
+        raise ConfigError(problem)
 
 
 def resolve_model_args(cfg: JobConfig) -> None:
@@ -107,6 +125,8 @@ def preflight(cfg: JobConfig, dims: ParallelDims) -> Corpora:
     spec = get_model_spec(cfg.model.name)
     model = meta_model(spec, cfg.model.args, cfg.peft)  # a LoRA target it lacks: refused
     check_layout(model, spec.plan, dims)
+    if cfg.train.fp8 != "none":
+        check_fp8(cfg, spec, model)
     if dims.pp > 1:
         pipeline_cut(cfg, spec, model)  # refuses a bad cut
         check_pipeline(
