@@ -19,6 +19,8 @@ The embeddings, norms and the output head lie outside the blocks: compute dtype.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -113,13 +115,17 @@ def fp8_device_problem(
     capability: tuple[int, int] | None,
     compute_dtype: torch.dtype,
     has_routed_experts: bool,
+    torch_ops: Collection[str] | None = None,
 ) -> str | None:
     """Why `train.fp8=recipe` cannot run on this device and torch (None: it can).
-    `capability`: the CUDA device's compute capability (None off CUDA)."""
+    `capability`: the CUDA device's compute capability (None off CUDA); `torch_ops`: the
+    names of the FP8 ops and dtypes this torch has (None: read from torch)."""
     ops = ["float8_e4m3fn", "float8_e5m2", "_scaled_mm"]
     if device_type == "cuda" and has_routed_experts:
         ops.append("_scaled_grouped_mm")
-    missing = [op for op in ops if not hasattr(torch, op)]
+    if torch_ops is None:
+        torch_ops = {op for op in ops if hasattr(torch, op)}
+    missing = [op for op in ops if op not in torch_ops]
     if missing:
         return (
             f"train.fp8={recipe} needs torch.{', torch.'.join(missing)}, which torch "

@@ -50,9 +50,7 @@ def fp8_grouped_mm(
     wq, ws = _quantized_weight(w, weight_scaling)
     if x.device.type == "cuda":
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-        return torch._scaled_grouped_mm(
-            xq, wq, xs.squeeze(-1), ws, offs=offsets, out_dtype=x.dtype
-        )
+        return torch._scaled_grouped_mm(xq, wq, xs.squeeze(-1), ws, offs=offsets, out_dtype=x.dtype)
     out = x.new_zeros(x.shape[0], w.shape[-1])
     start = 0
     for e, rows in enumerate(tokens_per_expert.tolist()):  # host read: a loop needs sizes
