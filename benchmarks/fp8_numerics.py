@@ -2,6 +2,9 @@
 
     python benchmarks/fp8_numerics.py [--configs configs/debug_qwen3_moe.toml
         configs/debug_deepseek_v3.toml] [--steps 100] [--nproc 1] [--json FILE]
+        [-- OVERRIDE...]
+
+OVERRIDE: train.py keys for every run (e.g. --data.seq_len=64 on a busy machine).
 
 Trains each config through `train.py` on CPU, the same seed, data and schedule, with bf16
 compute (`train.mixed_precision=bf16`) and `train.fp8` none (the bf16 baseline), rowwise
@@ -37,9 +40,12 @@ U_E4M3 = 2.0**-4  # e4m3's unit roundoff: 3 mantissa bits
 RECIPES = ("none", "rowwise", "tensorwise")
 
 
-def train(config: str, steps: int, nproc: int, recipe: str, out_dir: str) -> dict:
+def train(
+    config: str, steps: int, nproc: int, recipe: str, out_dir: str, overrides: list[str]
+) -> dict:
     argv = [
         f"--config={config}",
+        *overrides,
         f"--train.steps={steps}",
         "--train.mixed_precision=bf16",
         f"--train.fp8={recipe}",
@@ -85,13 +91,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--json", help="write the result here instead of stdout")
+    p.add_argument("overrides", nargs="*", help="train.py keys for every run (after --)")
     args = p.parse_args()
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="fp8-bench-") as tmp:
         for config in args.configs:
             name = os.path.basename(config).removesuffix(".toml")
             runs[name] = {
-                recipe: train(config, args.steps, args.nproc, recipe, f"{tmp}/{name}-{recipe}")
+                recipe: train(
+                    config, args.steps, args.nproc, recipe, f"{tmp}/{name}-{recipe}", args.overrides
+                )
                 for recipe in RECIPES
             }
     comparisons = {
@@ -103,6 +112,7 @@ def main() -> None:
         "command": shlex.join(["python", "benchmarks/fp8_numerics.py", *sys.argv[1:]]),
         "machine": f"{os.cpu_count()} CPU cores, {platform.platform()}",
         "configs": args.configs,
+        "overrides": args.overrides,
         "nproc": args.nproc,
         "seconds": {n: {r: v["seconds"] for r, v in by.items()} for n, by in runs.items()},
         "comparison": comparisons,
