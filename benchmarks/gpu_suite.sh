@@ -31,6 +31,10 @@
 #                    requires it): `pip download --no-deps --python-version 3.12 --platform
 #                    manylinux_2_28_x86_64 --only-binary=:all: -d .whl
 #                    nvidia-cutlass-dsl-libs-core==4.8.1`.
+#     fp8            the proxy in FP8 against bf16 (FP8_RECIPES none,rowwise,tensorwise;
+#                    FP8_MODES eager,compile), step times and losses compared
+#                    (benchmarks/fp8_speed.py); FP8_CONFIG and FP8_ARGS replace the proxy
+#                    (tests/test_fp8_suite.py runs this part on CPU with a tiny model)
 #
 # Each part writes $OUT/results.json (one object: env, per-step rc and seconds, summaries,
 # benchmark JSON) and $OUT/log.txt. Carry .whl/ (torchdata, torchtitan and its needs) and
@@ -38,7 +42,7 @@
 # Knobs: PY (python3), BUDGET_S (540), PROXY_LAYERS (4), PROXY_STEPS (30), TITAN_MODES
 # (eager,compiled,accum8).
 set -u
-(($#)) || { echo "usage: gpu_suite.sh PART... (tests step attention flex_training proxy gemm titan balance lora flash_attn)" >&2; exit 2; }
+(($#)) || { echo "usage: gpu_suite.sh PART... (tests step attention flex_training proxy gemm titan balance lora flash_attn fp8)" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu_suite_out}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
@@ -49,6 +53,8 @@ PROXY_LAYERS=${PROXY_LAYERS:-4}
 PROXY_STEPS=${PROXY_STEPS:-30}
 PROXY_MODES=${PROXY_MODES:-none,selective,full,compile}
 TITAN_MODES=${TITAN_MODES:-eager,compiled,accum8}
+FP8_RECIPES=${FP8_RECIPES:-none,rowwise,tensorwise}
+FP8_MODES=${FP8_MODES:-eager,compile}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
 RESULTS=$OUT/results.json
@@ -150,6 +156,27 @@ lora() { # LoRA (rank 8, attention and routed experts) against full fine-tuning 
         --peft.method=lora
     train proxy_full 120 configs/qwen3_30b_a3b.toml --train.steps="$PROXY_STEPS" "${PROXY[@]}"
 }
+fp8() { # bf16 ("none") and each FP8 recipe, eager and compiled, the same steps and data
+    local config=${FP8_CONFIG:-configs/qwen3_30b_a3b.toml} extra=("${PROXY[@]}")
+    [[ -n ${FP8_ARGS:-} ]] && read -r -a extra <<<"$FP8_ARGS"
+    local names=()
+    for mode in ${FP8_MODES//,/ }; do
+        local args=() limit=120
+        case $mode in
+        eager) ;;
+        compile) args=(--train.compile=true) limit=180 ;;
+        *) echo "unknown FP8_MODES entry $mode: eager | compile" >&2 && continue ;;
+        esac
+        for recipe in ${FP8_RECIPES//,/ }; do
+            train "fp8_${recipe}_$mode" "$limit" "$config" --train.steps="$PROXY_STEPS" \
+                "${extra[@]}" --train.fp8="$recipe" "${args[@]}"
+            names+=("fp8_${recipe}_$mode")
+        done
+    done
+    step fp8_compare 30 "$PY" benchmarks/fp8_speed.py --results "$RESULTS" \
+        --json "$RUNS/fp8_speed.json" "${names[@]}"
+    merge bench.fp8_speed file "$RUNS/fp8_speed.json"
+}
 titan() { # eager, compiled, then 8 micro-batches a step: each side's real step, 8 min at most
     # (about 0.2 s a step: most of each limit is two processes building, and compiling)
     local common=(benchmarks/vs_torchtitan.py --layers "$PROXY_LAYERS" --seq 4096)
@@ -183,10 +210,10 @@ print({d: m.version(d) for d in ("flash-attn-4", "nvidia-cutlass-dsl", "nvidia-c
 
 for part in "$@"; do
     case $part in
-    tests | attention | flex_training | proxy | gemm | titan | balance | lora | flash_attn) "$part" ;;
+    tests | attention | flex_training | proxy | gemm | titan | balance | lora | flash_attn | fp8) "$part" ;;
     step) step_checks ;;
     *)
-        echo "unknown part $part: tests | step | attention | flex_training | proxy | gemm | titan | balance | lora | flash_attn" >&2
+        echo "unknown part $part: tests | step | attention | flex_training | proxy | gemm | titan | balance | lora | flash_attn | fp8" >&2
         exit 2
         ;;
     esac

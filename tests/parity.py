@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from moetrain.build.float8 import apply_float8
 from moetrain.build.lora import apply_lora, init_adapters
 from moetrain.build.optimizer import build_optimizer, lr_factor
 from moetrain.config import load_config
@@ -223,18 +224,30 @@ def _merge_stages(records: list[dict], world: int) -> None:
 
 
 def reference_run(
-    argv: list[str], dp_size: int, routing: str | None = None, steps: int = STEPS
+    argv: list[str],
+    dp_size: int,
+    routing: str | None = None,
+    steps: int = STEPS,
+    restart_from: list[dict] | None = None,
 ) -> list[dict]:
     """The same training on one process, written without any of the parallel code.
 
     With moe.aux_loss_mode=global_batch, the aux loss of accumulation round a is computed on
     the union of round a's micro-batches of all `dp_size` ranks, in one forward.
+    `restart_from`: the compared run's records; each step after the first starts from its
+    parameters and buffers of the step before (the optimizer's moments stay the
+    reference's own). What FP8 rows need: FP8 rounding is discontinuous, so weights that
+    differ in their last bit (a layout's reductions sum in another order) round some later
+    element to the next FP8 value, and two runs drift apart step by step (1-ulp noise on
+    the weights moves a tiny model's FP8 gradients by up to 1.6e-2, 1.3e-6 without FP8).
     """
     cfg = load_config(argv)
     spec = get_model_spec(cfg.model.name)
     model = spec.build(cfg.model.args, MoEOptions(z_loss=True))  # z-loss gradients always
     if cfg.peft.method == "lora":
         apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
+    if cfg.train.fp8 != "none":  # the same FP8 forms, one process: no amax to reduce
+        apply_float8(model, spec.plan, cfg.train.fp8, cfg.model.name)
     model.init_weights(cfg.train.seed)
     if cfg.peft.method == "lora":
         init_adapters(model, cfg.train.seed)
@@ -255,7 +268,9 @@ def reference_run(
     n_micro = t.global_batch_size // t.micro_batch_size
     rounds = n_micro // dp_size
     records = []
-    for _ in range(steps):
+    for step in range(steps):
+        if restart_from is not None and step > 0:
+            _load_state(model, restart_from[step - 1])
         micro = [[dataset[i] for i in next(sampler)] for _ in range(n_micro)]
         if cfg.moe.aux_loss_mode == "global_batch":  # rank r's round a is micro[r * rounds + a]
             forwards = [
@@ -322,6 +337,15 @@ def reference_run(
             }
         )
     return records
+
+
+@torch.no_grad()
+def _load_state(model: nn.Module, record: dict) -> None:
+    """The parameters and buffers of a compared run's record, into `model`."""
+    for name, param in model.named_parameters():
+        param.copy_(record["params"][name])
+    for name, buf in model.named_buffers():
+        buf.copy_(record["buffers"][name])
 
 
 def assert_tensors_close(ours: dict, ref: dict, what: str, rtol: float) -> None:

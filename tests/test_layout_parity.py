@@ -2,7 +2,9 @@
 
 One table: each row is a layout (FSDP, HSDP, EP x FSDP, CP, CP x EP, pipeline stages) of a
 tiny model, run for 3 steps (LoRA rows 5) on real gloo ranks through `Trainer.train_step`
-and compared with `tests.parity.reference_run`, which has no parallel code: losses, aux
+and compared with `tests.parity.reference_run`, which has no parallel code (FP8 rows: each
+step from the row's weights of the step before, the reference's FP8 forms applied as the
+run applies them): losses, aux
 and MTP losses, grad norms, every clipped gradient and updated parameter (fused AdamW on
 most rows, the reference's foreach) within 1e-5 relative, buffers (routing biases and
 counts) bit-equal. With expert parallelism, the all-to-all volume must equal the
@@ -37,6 +39,9 @@ EP2, CP2 = "--parallel.ep=2", "--parallel.cp=2"
 PP2, L4, TIED = "--parallel.pp=2", "--model.num_hidden_layers=4", "--model.tie_word_embeddings=true"
 AC = "--train.activation_checkpoint=selective"
 ZBV, DUALPIPEV = "--parallel.pp_schedule=ZBVZeroBubble", "--parallel.pp_schedule=DualPipeV"
+# FP8 GEMMs (docs/parallelisms.md, "FP8 training"): their rows are compared step by step from
+# the same weights (tests/parity.py, `reference_run`'s restart_from).
+ROWWISE, TENSORWISE = "--train.fp8=rowwise", "--train.fp8=tensorwise"
 # The reference steps foreach AdamW; the rows step the default, fused, except these (dense
 # and expert meshes both).
 FOREACH = "--train.optimizer_impl=foreach"
@@ -55,6 +60,8 @@ LORA_ALL = [*LORA, '--peft.targets=["attention", "experts", "shared_experts"]']
 LAYOUTS = {
     # grad accumulation 2; 5 experts the 2 fsdp ranks do not divide: sharded by rows (dim 1)
     "fsdp2_experts_by_rows": Layout(TINY, 2, ["--model.num_experts=5"], 2),
+    # ... in FP8, rowwise: the experts' weight scales per channel of the gathered rows.
+    "fsdp2_experts_by_rows_fp8": Layout(TINY, 2, ["--model.num_experts=5", ROWWISE], 2),
     # Gathered and reduced once per step under accumulation (2 micro-batches a rank), the
     # replicas' all-reduce after the step's one reduce-scatter.
     "hsdp2x2_gather_step_accum2": Layout(
@@ -67,7 +74,11 @@ LAYOUTS = {
     "ep4_skewed_idle_experts_chunks": Layout(TINY, 4, ["--parallel.ep=4", CHUNKS], 4, "skewed"),
     "ep2_global_batch_aux_z": Layout(TINY, 4, [EP2, GLOBAL_AUX, Z_LOSS], 4),
     "ep2_chunks": Layout(TINY, 4, [EP2, CHUNKS], 4),
+    # ... in FP8 tensorwise: the experts' rows from both ranks' micro-batches, scaled row by row.
+    "ep2_chunks_fp8": Layout(TINY, 4, [EP2, CHUNKS, TENSORWISE], 4),
     "cp2": Layout(TINY, 2, [CP2], 1),
+    # ... in FP8 tensorwise: each activation's amax all-reduced over the cp ranks.
+    "cp2_fp8": Layout(TINY, 2, [CP2, TENSORWISE], 1),
     "cp2_ep2_z": Layout(TINY, 4, [CP2, EP2, Z_LOSS], 2),  # EP borrows the cp ranks
     "cp2_contiguous_global_pooled_aux": Layout(
         TINY, 4, [CP2, "--parallel.cp_layout=contiguous", GLOBAL_AUX, POOLED], 2
@@ -98,6 +109,14 @@ LAYOUTS = {
     # the weight pass the projections' inputs (moetrain/models/common/recompute.py).
     "pp2_zbv_dp2_ep2_global_aux_z_tied_selective": Layout(
         TINY, 4, [PP2, ZBV, EP2, L4, GLOBAL_AUX, Z_LOSS, TIED, AC], 2
+    ),
+    # ... in FP8 rowwise: the split backward runs each GEMM's backward in both passes.
+    "pp2_zbv_dp2_ep2_global_aux_z_tied_selective_fp8": Layout(
+        TINY, 4, [PP2, ZBV, EP2, L4, GLOBAL_AUX, Z_LOSS, TIED, AC, ROWWISE], 2
+    ),
+    # 1F1B stages in FP8 tensorwise with full checkpointing (each block's forward again).
+    "pp2_1f1b_full_ac_fp8": Layout(
+        TINY, 2, [PP2, L4, "--train.activation_checkpoint=full", TENSORWISE], 1
     ),
     # Looped stages over a ring; a tied head: the last stage's copy of the embedding.
     "pp2_interleaved_cp2_tied_selective_ac": Layout(
@@ -132,7 +151,10 @@ def test_layout_matches_single_process(name, tmp_path):
     out_path = str(tmp_path / "out.pt")
     run_distributed(layout_worker, case.world, argv, out_path, case.routing, case.steps)
     out = torch.load(tmp_path / "out.pt")
-    ref = reference_run(argv, dp_size=case.dp_size, routing=case.routing, steps=case.steps)
+    fp8 = ROWWISE in argv or TENSORWISE in argv
+    ref = reference_run(
+        argv, case.dp_size, case.routing, case.steps, out["records"] if fp8 else None
+    )
     assert_same_training(out["records"], ref)
     nodes = any(a.startswith("--parallel.ranks_per_node=") for a in case.layout)
     if any(a.startswith("--parallel.ep=") for a in case.layout):

@@ -9,8 +9,8 @@ planner, the export, evaluation and generation all call these.
   for a run, the frozen base held in `peft.base_dtype`).
 - `parallelize_options`: what the config asks of `moetrain.parallelisms.parallelize`.
 - `TrainedModel`: what a rank trains and saves (its shards, the optimizer, the whole).
-- `build_model`: the run's model: meta -> plan -> this rank's shards allocated (under
-  pipeline stages, this rank's stages).
+- `build_model`: the run's model: meta -> FP8 forms (`train.fp8`, moetrain/build/float8.py)
+  -> plan -> this rank's shards allocated (under pipeline stages, this rank's stages).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moetrain.build.float8 import apply_float8
 from moetrain.build.lora import apply_lora, hold_frozen_base
 from moetrain.config import JobConfig, TrainSection
 from moetrain.config.moe_peft import PeftSection
@@ -104,6 +105,12 @@ def build_model(
     """The model on the meta device -> the plan applied -> its local shards allocated on
     `device` (not initialised: weights come from init, a checkpoint or HF), in train mode."""
     model = meta_model(spec, cfg.model.args, cfg.peft, moe_options(cfg), hold_base=True)
+    if cfg.train.fp8 != "none":
+        # Tensorwise: a micro-batch's tokens are split over the cp ranks, and each
+        # activation's one amax is taken over all of them (moetrain/models/common/float8.py).
+        tensorwise_cp = cfg.train.fp8 == "tensorwise" and meshes.cp > 1
+        group = meshes.world.get_group("cp") if tensorwise_cp else None
+        apply_float8(model, spec.plan, cfg.train.fp8, spec.name, group)
     dtype = compute_dtype(cfg.train, device.type)
     options = parallelize_options(cfg, dims)
 

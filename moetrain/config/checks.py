@@ -157,6 +157,7 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
         f"{last_injected - t.steps} of its injections would never happen; set "
         f"debug.inject_nonfinite_count={t.steps - inject + 1} or less, or raise train.steps",
     )
+    problems += _fp8_problems(cfg)
     problems += _pipeline_problems(cfg)
     problems += objective_problems(cfg)
     need(
@@ -168,6 +169,28 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
         p.dp_shard == -1 or p.dp_shard >= 1,
         f"parallel.dp_shard must be -1 (all remaining ranks) or >= 1, got {p.dp_shard}",
     )
+    return problems
+
+
+def _fp8_problems(cfg: JobConfig) -> list[str]:
+    """What train.fp8 does not combine with (the device and torch: preflight)."""
+    fp8, p = cfg.train.fp8, cfg.parallel
+    if fp8 == "none":
+        return []
+    problems = []
+    if cfg.peft.method == "lora":
+        problems.append(
+            f"train.fp8={fp8} with peft.method=lora: the adapted layers have no FP8 form (a "
+            "frozen base gains little from FP8 GEMMs); set train.fp8=none or peft.method=none"
+        )
+    if fp8 == "tensorwise" and p.cp > 1 and cfg.train.activation_checkpoint == "selective":
+        problems.append(
+            f"train.fp8=tensorwise with parallel.cp={p.cp} reduces each activation's amax over "
+            "the cp ranks (a collective), and train.activation_checkpoint=selective rebuilds "
+            "projections in regions that may hold none (either backward pass may rebuild "
+            "them); use train.fp8=rowwise (no collective), or activation_checkpoint=full or "
+            "none"
+        )
     return problems
 
 

@@ -173,8 +173,12 @@ class TrainSection:
     )
     fp8: str = arg(
         "none",
-        "FP8 GEMMs for attention projections, dense MLPs and experts: none, rowwise or "
-        "tensorwise scaling",
+        "FP8 GEMMs with dynamic scaling for the attention projections, dense MLPs and the "
+        "routed and shared experts (router, embeddings, norms and head stay in the compute "
+        "dtype; weights and checkpoints stay in their master dtype): none | rowwise (a scale "
+        "per row of each GEMM input, e4m3 forward and backward) | tensorwise (one scale per "
+        "tensor, e4m3 forward, e5m2 gradients); needs CUDA compute capability 8.9+ (Hopper, "
+        "Ada) or the CPU",
         choices=("none", "rowwise", "tensorwise"),
     )
     activation_checkpoint: str = arg(

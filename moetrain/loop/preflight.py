@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+import torch
+
 from moetrain.build.distributed import resolve_device
+from moetrain.build.float8 import apply_float8, fp8_device_problem
 from moetrain.build.model import compute_dtype, meta_model, pipeline_cut
 from moetrain.checkpoint.continuation import (
     check_continuation,
@@ -89,6 +92,31 @@ def check_flash_attn(
         raise LayoutError(refusal(problems))
 
 
+def check_fp8(cfg: JobConfig, dims: ParallelDims, spec, model) -> None:
+    """`train.fp8` against the model (its experts must have an FP8 form: refused by
+    `apply_float8` on the meta model), the device and the installed torch."""
+    apply_float8(model, spec.plan, cfg.train.fp8, spec.name)
+    # The launch's device type, whether or not this process sees one (the planner plans
+    # CUDA launches on any machine): the capability is checked where a GPU is visible.
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    capability = torch.cuda.get_device_capability() if cuda and torch.cuda.is_available() else None
+    routed = match_modules(model, spec.plan.routed_experts or (), "routed_experts", False)
+    problem = fp8_device_problem(
+        cfg.train.fp8, device.type, capability, compute_dtype(cfg.train, device.type), bool(routed)
+    )
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len // max(dims.cp, 1)
+    if not problem and device.type == "cuda" and cfg.train.fp8 == "tensorwise" and tokens % 16:
+        problem = (
+            f"train.fp8=tensorwise runs the weight gradient's GEMM over a rank's {tokens} "
+            "tokens a micro-batch (train.micro_batch_size * data.seq_len / parallel.cp), "
+            "which the CUDA FP8 kernel needs to be a multiple of 16; change those keys or "
+            "use train.fp8=rowwise (its weight gradient runs in bf16)"
+        )
+    if problem:
+        raise ConfigError(problem)
+
+
 def resolve_model_args(cfg: JobConfig) -> None:
     """With model.init_from_hf, the architecture comes from the HF config.json.
 
@@ -149,6 +177,8 @@ def preflight(cfg: JobConfig, dims: ParallelDims, planned: FlashAttnHost | None 
     if cfg.parallel.cp_kernel == "flash_attn":
         host = planned or probe_host(resolve_device(cfg.train.device))
         check_flash_attn(cfg, dims, spec, model, host)
+    if cfg.train.fp8 != "none":
+        check_fp8(cfg, dims, spec, model)
     if dims.pp > 1:
         pipeline_cut(cfg, spec, model)  # refuses a bad cut
         check_pipeline(

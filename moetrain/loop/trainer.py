@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.build.distributed import Place, init_distributed, resolve_device
+from moetrain.build.float8 import float8_note
 from moetrain.build.model import TrainedModel, build_model
 from moetrain.build.optimizer import build_optimizer, fused_unsupported
 from moetrain.checkpoint.run_checkpoints import RunCheckpoints
@@ -115,6 +116,8 @@ class Trainer:
         cfg = self.cfg
         self.model, self.parallel = build_model(cfg, self.spec, self.dims, self.meshes, self.device)
         self.dispatchers = self.parallel.dispatchers
+        if cfg.train.fp8 != "none":
+            self.notes.append(float8_note(self.model, self.spec.plan, cfg.train.fp8))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # None on a pipeline stage that trains no parameter (LoRA froze all it holds)
         self.optimizer = build_optimizer(self.model, cfg.train)
