@@ -87,11 +87,30 @@ def _run(tmp_path, world: int, layout: list[str], modes: list[str]) -> dict[str,
     return runs
 
 
+@pytest.fixture(scope="module")
+def one_rank_runs(tmp_path_factory) -> dict[str, dict]:
+    """One launch of one rank for both one-rank tests: fp32 eager and compiled, bf16 eager
+    and compiled (each mode compiles its own graphs: dynamo is reset between them)."""
+    out = tmp_path_factory.mktemp("one_rank")
+    runs = {
+        "fp32": [],
+        "fp32_compile": MODES["compile"],
+        "bf16": BF16,
+        "bf16_compile": [*BF16, *MODES["compile"]],
+    }
+    run_distributed(_modes_worker, 1, TINY, runs, str(out))
+    return {mode: torch.load(out / f"{mode}.pt") for mode in runs}
+
+
 @pytest.mark.slow
-def test_compile_matches_eager_one_rank(tmp_path):
-    runs = _run(tmp_path, 1, [], ["eager", "compile"])
+def test_compile_matches_eager_one_rank(one_rank_runs):
+    eager, compiled = one_rank_runs["fp32"], one_rank_runs["fp32_compile"]
+    assert eager["graphs"] == 0 and compiled["graphs"] > 0, "nothing was compiled"
+    diffs = _max_diffs(compiled["records"], eager["records"])
+    print(f"compile vs eager, one rank: max |diff| {diffs}")
+    assert all(d <= TOL for d in diffs.values()), diffs
     # One rank: no all-to-all, and fp32's grouped GEMM traces as one op: one graph a block.
-    assert runs["compile"]["breaks"] == {}
+    assert compiled["breaks"] == {}
 
 
 @pytest.mark.slow
@@ -186,13 +205,15 @@ def _rel_errors(ours: list[dict], ref: list[dict]) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_compile_matches_eager_in_bf16(tmp_path):
+def test_compile_matches_eager_in_bf16(one_rank_runs):
     """bf16 on CPU: inductor's fused element-wise math rounds to bf16 at other places than
     eager's op-by-op kernels, so the runs agree to bf16's precision, not fp32's: each is held
     against the same run in fp32, to a bound from a model of rounding."""
-    runs = {"fp32": [], "eager": BF16, "compile": [*BF16, *MODES["compile"]]}
-    run_distributed(_modes_worker, 1, TINY, runs, str(tmp_path))
-    out = {mode: torch.load(tmp_path / f"{mode}.pt") for mode in runs}
+    out = {
+        "fp32": one_rank_runs["fp32"],
+        "eager": one_rank_runs["bf16"],
+        "compile": one_rank_runs["bf16_compile"],
+    }
     assert out["eager"]["graphs"] == 0 and out["compile"]["graphs"] > 0
     ref = out["fp32"]["records"]
     errors = {mode: _rel_errors(out[mode]["records"], ref) for mode in ("eager", "compile")}

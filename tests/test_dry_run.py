@@ -22,13 +22,14 @@ STAGED = [*UNEVEN, "--parallel.pp=2", "--train.global_batch_size=32"]
 
 
 def _dry_run(world_size: int, *overrides: str) -> dict:
+    """The planner's JSON for the config at `world_size`, through its command line (in
+    process: a fresh interpreter's imports cost more than most plans)."""
+    from moetrain.planner.cli import main
+
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
-        subprocess.run(
-            [sys.executable, "-m", "moetrain.planner", f"--world-size={world_size}",
-             "--config", CONFIG, *overrides, "--json", out],
-            cwd=ROOT, check=True, capture_output=True, text=True,
-        )  # fmt: skip
+        argv = [f"--world-size={world_size}", "--config", CONFIG, *overrides, "--json", out]
+        assert main(argv) == 0, argv
         with open(out) as f:
             return json.load(f)
 
@@ -136,7 +137,8 @@ def test_activation_estimate_within_15_percent_of_measured_peak():
     assert planned["full"]["activation_peak"] < planned["none"]["activation_peak"]
 
 
-def test_refusals_of_a_real_launch_apply():
+def test_refusals_of_a_real_launch_apply(capsys):
+    # The first through `python -m` (the entry point itself), the others in process.
     run = subprocess.run(
         [sys.executable, "-m", "moetrain.planner", "--world-size=4", "--config", CONFIG,
          "--parallel.ep=16"],
@@ -144,19 +146,16 @@ def test_refusals_of_a_real_launch_apply():
     )  # fmt: skip
     assert run.returncode == 2
     assert "parallel.ep=16" in run.stderr and "Traceback" not in run.stderr
-    run = subprocess.run(
-        [sys.executable, "-m", "moetrain.planner", "--config", CONFIG],
-        cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
-    assert run.returncode == 2 and "--world-size" in run.stderr
+    from moetrain.planner.cli import main
+
+    assert main(["--config", CONFIG]) == 2
+    assert "--world-size" in capsys.readouterr().err
     # an ep group of 4 ranks straddling the planned nodes of 6 (12 ranks in all)
-    run = subprocess.run(
-        [sys.executable, "-m", "moetrain.planner", "--world-size=12", "--config", CONFIG,
-         "--parallel.ep=4", "--train.global_batch_size=12", "--train.micro_batch_size=1",
-         "--ranks-per-node=6"],
-        cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
-    assert run.returncode == 2 and "with 6 ranks per node" in run.stderr, run.stderr
+    argv = ["--world-size=12", "--config", CONFIG, "--parallel.ep=4"]
+    argv += ["--train.global_batch_size=12", "--train.micro_batch_size=1", "--ranks-per-node=6"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "with 6 ranks per node" in err, err
 
 
 def test_a_worker_count_is_a_count_and_belongs_to_a_search(capsys):

@@ -2,8 +2,8 @@
 
 One 4-rank launch of the tiny DeepSeek-V3 (a shared expert per MoE layer), over gloo,
 whose collectives run on threads of their own, so the overlap is real on CPU too:
-- ep2 x efsdp2 and ep4 over 2 simulated nodes (two-stage dispatch): 2 steps with the
-  combine under the shared experts (`shared`) equal 2 steps without overlap bit for bit.
+- ep2 x efsdp2: 2 steps with the combine under the shared experts (`shared`) equal 2 steps
+  without overlap bit for bit.
   Only when the transfer is waited for moves; the arithmetic is the same. (Against one
   process, within 1e-5: the EP rows of tests/test_layout_parity.py, which run `shared`
   and `chunks` over 5 steps; `chunks` splits the weight-gradient sums, so it is not
@@ -85,7 +85,10 @@ def windows(events: list[tuple[str, float, float]], transfer: str) -> list[dict[
 def _worker(rank: int, world: int, out_path: str) -> None:
     results = {}
     for name, layout in CASES.items():
-        for overlap in ("shared", "none", "chunks"):
+        # The two-stage dispatch's `shared` is held to one process by its layout row
+        # (tests/test_layout_parity.py, dsv3_ep4_2nodes_shared): here its `chunks` windows.
+        overlaps = ("shared", "none", "chunks") if name == "ep2_efsdp2" else ("chunks",)
+        for overlap in overlaps:
             argv = [*TINY_DSV3, *layout, f"--parallel.ep_overlap={overlap}"]
             _, trainer = build_trainer(argv, world)
             if overlap != "chunks":
@@ -181,10 +184,9 @@ def test_the_all_to_all_runs_under_the_layers_compute(tmp_path):
     run_distributed(_worker, 4, out)
     for rank in range(4):
         results = torch.load(f"{out}.{rank}")
-        for name in CASES:
-            overlapped, waited = results[name, "shared"], results[name, "none"]
-            assert overlapped[0]["loss"] > 0 and overlapped[-1]["params"]
-            _assert_equal(overlapped, waited, f"rank {rank} {name}")
+        overlapped, waited = results["ep2_efsdp2", "shared"], results["ep2_efsdp2", "none"]
+        assert overlapped[0]["loss"] > 0 and overlapped[-1]["params"]
+        _assert_equal(overlapped, waited, f"rank {rank} ep2_efsdp2")
         expected = {
             ("ep2_efsdp2", "shared"): SHARED,
             ("ep2_efsdp2", "none"): NONE,

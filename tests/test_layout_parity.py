@@ -110,10 +110,6 @@ LAYOUTS = {
     "pp2_zbv_dp2_ep2_global_aux_z_tied_selective": Layout(
         TINY, 4, [PP2, ZBV, EP2, L4, GLOBAL_AUX, Z_LOSS, TIED, AC], 2
     ),
-    # ... in FP8 rowwise: the split backward runs each GEMM's backward in both passes.
-    "pp2_zbv_dp2_ep2_global_aux_z_tied_selective_fp8": Layout(
-        TINY, 4, [PP2, ZBV, EP2, L4, GLOBAL_AUX, Z_LOSS, TIED, AC, ROWWISE], 2
-    ),
     # 1F1B stages in FP8 tensorwise with full checkpointing (each block's forward again).
     "pp2_1f1b_full_ac_fp8": Layout(
         TINY, 2, [PP2, L4, "--train.activation_checkpoint=full", TENSORWISE], 1

@@ -6,6 +6,8 @@ tests/test_layout_parity.py's LoRA rows.)"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import subprocess
@@ -199,13 +201,23 @@ def test_resume_is_exact_and_the_merged_export_reloads_with_the_adapted_logits(t
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def _export(step, out, *extra: str) -> str:
-    """The real CLI; returns what it printed."""
-    cmd = [sys.executable, "-m", "moetrain.export", "--checkpoint", str(step), "--out",
-           str(out), *extra]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+def _export(step, out, *extra: str, subprocess_cli: bool = False) -> str:
+    """The export's command line, in process (its `main`), or as `python -m moetrain.export`
+    (`subprocess_cli`: the entry point itself, at the cost of a fresh interpreter's imports);
+    returns what it printed."""
+    argv = ["--checkpoint", str(step), "--out", str(out), *extra]
+    if subprocess_cli:
+        cmd = [sys.executable, "-m", "moetrain.export", *argv]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+    from moetrain.export.cli import main as export
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = export(argv)
+    assert code == 0, printed.getvalue()
+    return printed.getvalue()
 
 
 @pytest.mark.slow
@@ -237,7 +249,8 @@ def test_the_adapter_export_is_what_peft_loads_and_a_later_export_replaces_it(
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     out = tmp_path / "adapters"
-    printed = _export(step, out, "--adapters")  # no --dtype: the dtype they trained in
+    # no --dtype: the dtype they trained in; through `python -m`, as a user runs it
+    printed = _export(step, out, "--adapters", subprocess_cli=True)
     assert f"wrote {out}: adapters in fp32 (the checkpoint's dtype; --dtype" in printed
     merged_dir = tmp_path / "merged"
     printed = _export(step, merged_dir, "--dtype", "fp32")
