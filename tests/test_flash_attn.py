@@ -231,9 +231,13 @@ def test_the_planner_judges_flash_attn_on_the_gpus_it_plans_for(capsys):
     no GPU can run (fp32 compute) is still refused, as a launch would refuse it."""
     from moetrain.planner.cli import main
 
-    argv = ["--world-size=1", "--config", "configs/debug_qwen3_moe.toml", f"--{KEY}"]
+    config = ["--config", "configs/debug_qwen3_moe.toml", f"--{KEY}"]
+    argv = ["--world-size=1", *config, "--train.device=auto"]  # a GPU launch, planned here
     assert main([*argv, "--train.mixed_precision=bf16"]) == 0, capsys.readouterr().err
     capsys.readouterr()
     assert main([*argv, "--train.mixed_precision=fp32"]) == 2
     err = capsys.readouterr().err
     assert KEY in err and "compute in float32" in err and "CUDA" not in err, err
+    # A config that says CPU is planned on CPUs, where flash-attn-4 cannot run.
+    assert main(["--world-size=1", *config, "--train.mixed_precision=bf16"]) == 2
+    assert "runs on CUDA only, but training runs on cpu" in capsys.readouterr().err

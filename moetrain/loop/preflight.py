@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-import torch
-
 from moetrain.build.distributed import resolve_device
 from moetrain.build.float8 import apply_float8, fp8_device_problem
 from moetrain.build.model import compute_dtype, meta_model, pipeline_cut
@@ -92,21 +90,18 @@ def check_flash_attn(
         raise LayoutError(refusal(problems))
 
 
-def check_fp8(cfg: JobConfig, dims: ParallelDims, spec, model) -> None:
+def check_fp8(cfg: JobConfig, dims: ParallelDims, spec, model, host: FlashAttnHost) -> None:
     """`train.fp8` against the model (its experts must have an FP8 form: refused by
-    `apply_float8` on the meta model), the device and the installed torch."""
+    `apply_float8` on the meta model), the machine (`host`: its device type and CUDA
+    capability) and the installed torch."""
     apply_float8(model, spec.plan, cfg.train.fp8, spec.name)
-    # The launch's device type, whether or not this process sees one (the planner plans
-    # CUDA launches on any machine): the capability is checked where a GPU is visible.
-    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if cuda else "cpu")
-    capability = torch.cuda.get_device_capability() if cuda and torch.cuda.is_available() else None
+    device, capability = host.device_type, host.capability
     routed = match_modules(model, spec.plan.routed_experts or (), "routed_experts", False)
     problem = fp8_device_problem(
-        cfg.train.fp8, device.type, capability, compute_dtype(cfg.train, device.type), bool(routed)
+        cfg.train.fp8, device, capability, compute_dtype(cfg.train, device), bool(routed)
     )
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len // max(dims.cp, 1)
-    if not problem and device.type == "cuda" and cfg.train.fp8 == "tensorwise" and tokens % 16:
+    if not problem and device == "cuda" and cfg.train.fp8 == "tensorwise" and tokens % 16:
         problem = (
             f"train.fp8=tensorwise runs the weight gradient's GEMM over a rank's {tokens} "
             "tokens a micro-batch (train.micro_batch_size * data.seq_len / parallel.cp), "
@@ -159,7 +154,7 @@ def preflight(cfg: JobConfig, dims: ParallelDims, planned: FlashAttnHost | None 
     """Checks that need more than the config alone, before any process group exists.
     Returns the config's prepared corpora, each manifest read once, for the run's data.
     `planned`: the GPUs a plan is for (the planner, on a machine without them), against
-    which the kernel choices are judged; None: this machine, probed."""
+    which the kernel choices (flash_attn, FP8) are judged; None: this machine, probed."""
     check_sinks(cfg)
     resolve_model_args(cfg)
     if cfg.checkpoint.resume not in ("auto", "none"):
@@ -174,11 +169,13 @@ def preflight(cfg: JobConfig, dims: ParallelDims, planned: FlashAttnHost | None 
     spec = get_model_spec(cfg.model.name)
     model = meta_model(spec, cfg.model.args, cfg.peft)  # a LoRA target it lacks: refused
     check_layout(model, spec.plan, dims)
-    if cfg.parallel.cp_kernel == "flash_attn":
+    if cfg.parallel.cp_kernel == "flash_attn" or cfg.train.fp8 != "none":
+        # The machine the kernels are judged on: the planned one, else this one.
         host = planned or probe_host(resolve_device(cfg.train.device))
-        check_flash_attn(cfg, dims, spec, model, host)
-    if cfg.train.fp8 != "none":
-        check_fp8(cfg, dims, spec, model)
+        if cfg.parallel.cp_kernel == "flash_attn":
+            check_flash_attn(cfg, dims, spec, model, host)
+        if cfg.train.fp8 != "none":
+            check_fp8(cfg, dims, spec, model, host)
     if dims.pp > 1:
         pipeline_cut(cfg, spec, model)  # refuses a bad cut
         check_pipeline(

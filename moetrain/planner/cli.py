@@ -192,9 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         if per_node < world_size:
             where = "parallel.ranks_per_node, else --ranks-per-node or the --hardware preset"
             check_ep_nodes(p.ep, per_node, where)
-        # Every refusal of a real launch, on the planned GPUs (every preset is a Hopper part)
-        # with the pinned flash-attn-4, not on this machine: a plan is made before them.
-        planned = FlashAttnHost("cuda", (9, 0), FLASH_ATTN_VERSION, CUTLASS_VERSION)
+        # Every refusal of a real launch, on the machines planned: GPUs unless the config
+        # says CPU (the planner's rule: planner/shards.py), every preset a Hopper part with
+        # the pinned flash-attn-4, not this machine: a plan is made before them.
+        planned = None
+        if cfg.train.device != "cpu":
+            planned = FlashAttnHost("cuda", (9, 0), FLASH_ATTN_VERSION, CUTLASS_VERSION)
         preflight(cfg, dims, planned)
         flops = flops_per_token(cfg)
         parameters = parameter_counts(cfg)
