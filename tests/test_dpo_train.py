@@ -37,6 +37,7 @@ DPO = [
         ([*DPO, "--parallel.cp=2"], "parallel.cp=2 with train.objective=dpo is not done yet"),
         ([*DPO, "--parallel.pp=2"], "parallel.pp=2 with train.objective=dpo is not done yet"),
         ([*DPO, "--peft.method=none"], "set peft.method=lora"),
+        ([*DPO, "--peft.method=none", "--dpo.reference=base"], "dpo.reference=base is the"),
         ([*DPO, "--peft.init_from=adapters"], "peft.init_from with train.objective=dpo"),
         ([*DPO, "--data.document_mask=false"], "data.document_mask=false with train.objective"),
         ([*DPO, "--data.reset_positions=false"], "data.reset_positions=false with train."),

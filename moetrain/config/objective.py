@@ -10,6 +10,7 @@ from moetrain.models.common.args import arg
 
 OBJECTIVES = ("sft", "dpo")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+DPO_REFERENCES = ("auto", "base", "stored", "copy")
 
 
 @dataclass
@@ -41,4 +42,13 @@ class DpoSection:
         "the mean over the global batch's chosen tokens) (0 = off)",
         ge=0,
         note="0 = off",
+    )
+    reference: str = arg(
+        "auto",
+        "where the reference log-probabilities come from: base (the frozen base of "
+        "peft.method=lora, its adapters off: no second copy) | stored (computed once by a "
+        "first pass of the initial model over the pairs, kept in job.output_dir) | copy (a "
+        "second, frozen copy of the initial model, resident beside the policy) | auto (base "
+        "with LoRA, else stored)",
+        choices=DPO_REFERENCES,
     )

@@ -35,11 +35,17 @@ def objective_problems(cfg: JobConfig) -> list[str]:
                 f"{key}={getattr(p, key.split('.')[1])} with train.objective=dpo is not done "
                 f"yet ({what}); set {key}=1"
             )
-    if cfg.peft.method != "lora":
+    lora = cfg.peft.method == "lora"
+    if d.reference == "base" and not lora:
         problems.append(
-            "train.objective=dpo without LoRA needs the reference model's log-probabilities, "
-            "and only the frozen base of peft.method=lora serves as the reference yet; set "
-            "peft.method=lora"
+            "dpo.reference=base is the frozen base under LoRA's adapters, but "
+            f"peft.method={cfg.peft.method}; set peft.method=lora, or dpo.reference=stored"
+        )
+    elif d.reference in ("stored", "copy") or not lora:
+        problems.append(
+            f"dpo.reference={'stored' if d.reference == 'auto' else d.reference} (full "
+            "fine-tuning's reference) is not done yet; set peft.method=lora (its frozen base "
+            "is the reference)"
         )
     if cfg.peft.init_from:
         problems.append(
