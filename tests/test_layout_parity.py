@@ -110,10 +110,13 @@ LAYOUTS = {
     "pp2_zbv_dp2_ep2_global_aux_z_tied_selective": Layout(
         TINY, 4, [PP2, ZBV, EP2, L4, GLOBAL_AUX, Z_LOSS, TIED, AC], 2
     ),
-    # 1F1B stages in FP8 tensorwise with full checkpointing (each block's forward again).
+    # 1F1B stages in FP8 rowwise with full checkpointing (each block's forward again).
     "pp2_1f1b_full_ac_fp8": Layout(
-        TINY, 2, [PP2, L4, "--train.activation_checkpoint=full", TENSORWISE], 1
+        TINY, 2, [PP2, L4, "--train.activation_checkpoint=full", ROWWISE], 1
     ),
+    # ... and in the V schedule's backward split in input and weight passes, tensorwise (all
+    # three GEMMs of each linear in FP8), with `selective` recomputation in either pass.
+    "pp2_dualpipev_selective_fp8": Layout(TINY, 2, [PP2, DUALPIPEV, L4, AC, TENSORWISE], 1),
     # Looped stages over a ring; a tied head: the last stage's copy of the embedding.
     "pp2_interleaved_cp2_tied_selective_ac": Layout(
         TINY, 4, [PP2, "--parallel.pp_schedule=Interleaved1F1B", CP2, TIED, L4, AC], 1
