@@ -29,9 +29,11 @@ def save_chat_tokenizer(
     texts: list[str] = (),
     bos: str | None = None,
     eos: str = "<|im_end|>",
+    vocab_size: int = 300,
 ):
-    """A byte-level BPE trained on the test conversations (and `texts`), saved with
-    transformers; `specials` are single tokens, the first one the padding."""
+    """A byte-level BPE of `vocab_size` tokens trained on the test conversations (and
+    `texts`), saved with transformers; `specials` are single tokens, the first one the
+    padding."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -39,7 +41,7 @@ def save_chat_tokenizer(
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300,
+        vocab_size=vocab_size,
         special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -58,12 +60,15 @@ def save_chat_tokenizer(
     return fast
 
 
-def save_chat_model(directory: Path, seed: int = 0) -> None:
-    """The tokenizer above and a tiny random Qwen3-MoE whose vocabulary holds it."""
+def save_chat_model(
+    directory: Path, seed: int = 0, texts: list[str] = (), vocab_size: int = 300
+) -> None:
+    """The tokenizer above (trained on `texts` too) and a tiny random Qwen3-MoE whose
+    vocabulary holds it."""
     import torch
     import transformers
 
-    fast = save_chat_tokenizer(directory)
+    fast = save_chat_tokenizer(directory, texts=texts, vocab_size=vocab_size)
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=-(-len(fast) // 64) * 64,
         hidden_size=64,

@@ -46,7 +46,14 @@ LAYERS = {
 # layer or below, never above.
 PLANNER_LAYERS = {
     "hardware": ["hardware"],
-    "costs": ["a2a_cost", "pipeline_schedule", "pipeline_cost", "recompute_cost", "step_cost"],
+    "costs": [
+        "a2a_cost",
+        "objective_cost",
+        "pipeline_schedule",
+        "pipeline_cost",
+        "recompute_cost",
+        "step_cost",
+    ],
     "measurement": [
         "meta_trace",
         "footprint",

@@ -9,7 +9,8 @@
                                        special_tokens_map.json, chat_template.jinja:
                                        those present
      "eos_id": INT,                    the EOS the data was packed with
-     "chat_template": TEXT | None,     the template the chat corpora were rendered with
+     "chat_template": TEXT | None,     the template the chat (and preference) corpora were
+                                       rendered with
      "chat_template_origin": STR,      where it was read (a --chat-template file, or the
                                        prepare tokenizer's chat_template.jinja or config)
      "chat_template_kwargs": {...},    prepare's --chat-template-kwargs
@@ -115,7 +116,9 @@ def used_template(manifest: Manifest, where: str) -> tuple[str, str]:
 def _chat_template(cfg: JobConfig, corpora: Corpora) -> dict[str, Any]:
     """The template fields of the record, from the training corpora's manifests."""
     paths = [t.path for t in cfg.data.mix] or [cfg.data.path]
-    chat = [corpora[p] for p in paths if corpora[p].manifest.source.get("format") == "chat"]
+    # Preference pairs are rendered as chat renders a last answer: the same template record.
+    rendered = ("chat", "preference")
+    chat = [corpora[p] for p in paths if corpora[p].manifest.source.get("format") in rendered]
     none = {"chat_template": None, "chat_template_origin": None, "chat_template_kwargs": {}}
     if not chat:
         return {**none, "note": None}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moetrain.planner.objective_cost import ReferenceCost, reference_cost
 from moetrain.planner.shards import MODES, FsdpUnit, Measured, shard, shard_key
 from moetrain.planner.traces import trace_key, trace_layout
 from moetrain.planner.workers import resolved
@@ -53,6 +54,8 @@ class Layout:
     # the busiest expert-parallel rank's routed rows over the mean (1 without EP: a rank
     # holding every expert takes every row whatever the routing); its saved rows grow by it
     routing_imbalance: float = 1.0
+    # train.objective=dpo: what its reference adds (moetrain.planner.objective_cost)
+    reference: ReferenceCost | None = None
 
 
 # The default of `--routing-imbalance` (docs/planner.md, "Will it fit?"): 10% more routed
@@ -83,18 +86,21 @@ def measure_layout(
         for m, t in _traces(cfg, spec, dims, modes, reuse).items()
     }
     any_trace = activations[modes[0]]
+    reference = reference_cost(cfg, dims, state, grad_accum)
+    comm = _comm(units, dims, grad_accum, any_trace, reference)
     return Layout(
         cfg,
         dims,
         state,
         _fsdp_buffers(units),
-        {**_comm(units, dims, grad_accum, any_trace), "optimizer_memory": optimizer_memory(state)},
+        {**comm, "optimizer_memory": optimizer_memory(state)},
         activations,
         int(sum((u.gathered + u.grads) * u.weight for u in units)),
         any_trace.experts,
         any_trace.top_k,
         routing_groups=_routing_groups(cfg, spec),
         routing_imbalance=imbalance,
+        reference=reference,
     )
 
 
@@ -197,13 +203,19 @@ def _fsdp_buffers(units: list[FsdpUnit]) -> int:
     return root + max(groups.values(), default=0)
 
 
-def _comm(units: list[FsdpUnit], dims, grad_accum: int, trace) -> dict:
+def _comm(
+    units: list[FsdpUnit], dims, grad_accum: int, trace, reference: ReferenceCost | None = None
+) -> dict:
     """Per step, per rank. FSDP: bytes of the gathered outputs and of the reduce-scatter
     inputs (a ring algorithm moves (n-1)/n of each over the wire). EP: bytes this rank
     sends to other ranks when each expert gets an equal share (dispatch and combine, in
     forward and backward; `full` checkpointing adds the replay's forward pair). CP: the
     K/V blocks passed on (cp-1 hops forward and backward) and the fp32 dK/dV sums (cp
-    hops)."""
+    hops). `reference`: DPO's reference forward (`objective_cost`), one more all-to-all
+    pair a micro-batch, and its gathers: the step's reference forwards run before its first
+    forward, so the units kept gathered after a forward (the root; every unit under
+    fsdp_gather=step) are gathered once for them and the step's forwards alike, the others
+    once more a micro-batch; a copy's units are its own, gathered besides."""
     gathers = sum(u.gathered * (2 if u.resharded else 1) * u.weight for u in units)
     scatters = sum(u.grads * u.weight for u in units)
     leaving = (dims.ep - 1) / dims.ep
@@ -211,16 +223,21 @@ def _comm(units: list[FsdpUnit], dims, grad_accum: int, trace) -> dict:
     cp = dims.cp
     ring = 0 if cp == 1 else trace.kv * (cp - 1) * 2 + trace.kv_fp32 * cp
     gathered_once = sum(u.gathered * u.weight for u in units)  # fsdp_gather=step
+    forwards = reference.forwards if reference is not None else 0
+    own = forwards and reference.source == "copy"
+    kept = sum(u.gathered * u.weight for u in units if not u.resharded)
+    again = (gathered_once - kept) * forwards * grad_accum + (kept if own else 0)
+    a2a_pairs = 2 + forwards  # forward and backward, and the reference's forward
     return {
-        "fsdp_all_gather_once": int(gathered_once),
+        "fsdp_all_gather_once": int(gathered_once + (gathered_once if own else 0)),
         "fsdp_reduce_scatter_once": int(scatters),
-        "fsdp_all_gather": int(gathers * grad_accum),
+        "fsdp_all_gather": int(gathers * grad_accum + again),
         "fsdp_reduce_scatter": int(scatters * grad_accum),
         "hsdp_all_reduce": int(scatters / dims.fsdp_size * grad_accum)
         if dims.dp_replicate > 1
         else 0,
-        "ep_all_to_all": int(a2a_pair * 2 * grad_accum),
-        "ep_all_to_all_full_ac": int(a2a_pair * 3 * grad_accum),
+        "ep_all_to_all": int(a2a_pair * a2a_pairs * grad_accum),
+        "ep_all_to_all_full_ac": int(a2a_pair * (a2a_pairs + 1) * grad_accum),
         "cp_ring": int(ring * grad_accum),
         # full checkpointing's replay sends the forward's K/V blocks again
         "cp_ring_full_ac": int((ring + (trace.kv * (cp - 1) if cp > 1 else 0)) * grad_accum),
@@ -243,9 +260,9 @@ def optimizer_memory(state) -> int:
 def step_bytes(layout: Layout, mode: str, rank: int = 0, gather: str | None = None) -> int:
     """What the forwards and backwards of a step add to the resting state at their highest
     point: activations and gradients (all of them already, from the second micro-batch of
-    an accumulation on), and FSDP's buffers. `gather`: `parallel.fsdp_gather` (default:
-    the config's); with `step`, every unit's gathered parameters and unsharded gradients
-    instead."""
+    an accumulation on), FSDP's buffers, and DPO's reference log-probabilities held
+    through the forwards. `gather`: `parallel.fsdp_gather` (default: the config's); with
+    `step`, every unit's gathered parameters and unsharded gradients instead."""
     trace = layout.activations[mode]
     pc = layout.pipeline
     if pc is not None:  # the rank's stages: their micro-batches in flight, all units gathered
@@ -253,6 +270,7 @@ def step_bytes(layout: Layout, mode: str, rank: int = 0, gather: str | None = No
         held = pc.ranks[pp_rank].step_buffers
         return pc.activations[mode][pp_rank] + layout.state.grads[rank] + held
     margin = rows_margin(layout, mode)
+    margin += layout.reference.held if layout.reference is not None else 0
     if (gather or layout.dims.fsdp_gather(layout.cfg.parallel.fsdp_gather)) == "step":
         return trace.activations + margin + layout.fsdp_step_buffers
     if layout.comm["micro_batches"] > 1:
@@ -281,12 +299,13 @@ def update_bytes(layout: Layout, rank: int = 0) -> int:
 def peak_bytes(
     layout: Layout, mode: str, rank: int | None = None, gather: str | None = None
 ) -> int:
-    """The rank's peak: resting state plus the higher of the two phases of a step. `rank`
-    None: the highest (rank 0 holds the most, but under pipeline stages any first rank of
-    a stage group may)."""
+    """The rank's peak: resting state (with DPO's reference copy or stored table) plus the
+    higher of the two phases of a step. `rank` None: the highest (rank 0 holds the most,
+    but under pipeline stages any first rank of a stage group may)."""
     if rank is None:
         firsts = range(0, layout.dims.world_size, layout.dims.stage_ranks)
         return max(peak_bytes(layout, mode, r, gather) for r in firsts)
     s = layout.state
     working = max(step_bytes(layout, mode, rank, gather), update_bytes(layout, rank))
-    return s.params[rank] + s.optimizer[rank] + working
+    resting = layout.reference.resting[rank] if layout.reference is not None else 0
+    return s.params[rank] + s.optimizer[rank] + resting + working

@@ -6,6 +6,11 @@ from __future__ import annotations
 from moetrain.planner.hardware import RESERVE_TEXT
 from moetrain.planner.layout_cost import Layout, peak_bytes, rows_margin, step_bytes, update_bytes
 from moetrain.planner.model_counts import CAUSAL_TILE
+from moetrain.planner.objective_cost import (
+    reference_compute_line,
+    reference_memory_lines,
+    reference_report,
+)
 
 GIB = 2**30
 
@@ -104,6 +109,9 @@ def report(
     }
     if cfg.peft.method == "lora":
         out["frozen_base_dtype"] = cfg.peft.base_dtype
+    objective = reference_report(layout)
+    if objective is not None:
+        out["objective"] = objective
     if pc is not None:
         out["layout"].update(pp=dims.pp, pp_schedule=pc.schedule)
         out["pipeline"] = {
@@ -199,6 +207,8 @@ def format_report(r: dict) -> str:
         f"which adds {r['update_increase_rank0'] / unit:.2f} {name}: gradients and "
         "its temporaries)"
     )
+    if "objective" in r:  # what DPO's reference holds, in the peaks above
+        lines += reference_memory_lines(r["objective"], unit, name)
     if r["routing_imbalance"] > 1:
         lines.append(
             f"(routing imbalance {r['routing_imbalance']:g}, --routing-imbalance: the busiest "
@@ -266,8 +276,9 @@ def format_report(r: dict) -> str:
 
 def estimate_notes(estimate: dict, cfg, flops_per_token) -> list[str]:
     """What the printed estimate adds below its line: what the kernels execute of causal
-    attention, what `train.fp8` runs in FP8 and what its quantisation costs, and under
-    pipeline stages the busiest rank's load and which schedule was modelled."""
+    attention, what DPO's reference adds to the step (or its one-off pass), what
+    `train.fp8` runs in FP8 and what its quantisation costs, and under pipeline stages the
+    busiest rank's load and which schedule was modelled."""
     lines = []
     causal = getattr(flops_per_token, "causal", 1.0)
     if causal < 1:
@@ -276,6 +287,7 @@ def estimate_notes(estimate: dict, cfg, flops_per_token) -> list[str]:
             f"the {CAUSAL_TILE} x {CAUSAL_TILE} tiles above the diagonal and compute the "
             "diagonal ones whole; MFU's count takes the full product)"
         )
+    lines += reference_compute_line(estimate)
     p = estimate["precision"]
     if p["fp8"] != "none":
         lines.append(

@@ -5,7 +5,8 @@ FLOPs (`estimate`; `python -m moetrain.planner`, and `--search` ranks layouts by
 The model, per rank and step (every figure it uses is printed with the estimate):
 
 - compute: training FLOPs of the rank's tokens (the model's own `flops_per_token`, as MFU
-  counts them; `full` checkpointing adds one forward: x4/3; `selective` adds the GEMM
+  counts them; `full` checkpointing adds one forward: x4/3, and so does DPO's reference
+  forward (`objective_cost`: dpo.reference base or copy); `selective` adds the GEMM
   FLOPs its recomputed regions run again, measured: `recompute_cost`, DeepSeek-V3's MLA
   up-projections, dense GEMMs) / (peak x efficiency);
   with measured rates (`--gemm-rates FILE`, the JSON of `benchmarks/gemm_rates.py`) the
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 from moetrain.planner.a2a_cost import a2a_hidden, a2a_seconds, overlap_shares
 from moetrain.planner.hardware import GB, Hardware, link
+from moetrain.planner.objective_cost import ReferenceCost
 from moetrain.planner.pipeline_cost import pipeline_step
 from moetrain.planner.recompute_cost import recomputed_per_token
 
@@ -61,7 +63,9 @@ def estimate(
     the layout's)."""
     cfg, dims, comm = layout.cfg, layout.dims, layout.comm
     tokens = cfg.train.global_batch_size * cfg.data.seq_len  # per step, all ranks
-    replay = 4 / 3 if mode == "full" else 1.0
+    reference = layout.reference or ReferenceCost("none", 0, [], 0)
+    # a forward is a third of the training count: `full`'s replay, DPO's reference forward
+    replay = (4 / 3 if mode == "full" else 1.0) + reference.forwards / 3
     flops = flops_per_token * tokens / dims.world_size * replay
     # what `selective` runs again in backward, per token, by kind (measured)
     again = recomputed_per_token(layout.activations) if mode == "selective" else {}
@@ -119,7 +123,8 @@ def estimate(
             "precision": precision,
             **extra,
         }
-    forwards = 2 if mode == "full" else 1  # the replay's forward moves its tokens again
+    # the replay's forward and the reference's move their tokens again
+    forwards = (2 if mode == "full" else 1) + reference.forwards
     pass_s = seconds["ep_all_to_all"] / (forwards + 1)
     experts_s, shared_s = (compute_s / (forwards + 2) * h for h in hides)  # in one forward
     hidden = forwards * a2a_hidden(form, pass_s, experts_s, shared_s)
@@ -145,6 +150,26 @@ def estimate(
     }
     if by_kind is not None:
         out["compute_by_kind_s"] = {k: v + again_s.get(k, 0.0) for k, v in by_kind_s.items()}
+    out.update(_reference_figures(reference, flops_per_token, by_kind, hw, tokens, dims, fp8))
+    return out
+
+
+def _reference_figures(reference, flops_per_token, by_kind, hw, tokens, dims, fp8) -> dict:
+    """What the estimate reports of DPO's reference (`objective_cost`): the FLOPs its
+    forward adds to the rank's step, or the seconds of the stored reference's one-off
+    pass, one forward over the corpus' tokens at the step's rates."""
+    if reference.source == "none":
+        return {}
+    out = {"reference": reference.source}
+    if reference.forwards:
+        out["reference_flops_per_rank"] = (
+            float(flops_per_token) / 3 * reference.forwards * tokens / dims.world_size
+        )
+    if reference.first_pass_tokens:
+        per_rank = reference.first_pass_tokens / dims.world_size
+        seconds, _, _ = _compute_by_kind(flops_per_token, by_kind, {}, hw, per_rank, 1 / 3, fp8)
+        out["first_pass_tokens"] = reference.first_pass_tokens
+        out["first_pass_s"] = sum(seconds.values())
     return out
 
 
