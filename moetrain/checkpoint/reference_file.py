@@ -1,0 +1,103 @@
+"""`dpo.reference=stored`: the file that keeps the initial model's reference log-probabilities
+(moetrain/loop/stored_reference.py computes them) in `job.output_dir`, and the record of it
+that every checkpoint of the run carries (`trainer_state.pt`'s `dpo_reference`).
+
+Invariant: a run's reference is its initial model's, computed once before step 1 of a fresh
+run (or stage); a resume reads the file its checkpoint records, verified by sha256, and
+never computes it again (the weights are then the trained ones). A resume whose file is
+gone or changed, whose data is not the data the file covers, or whose config names another
+initial model than the one the file was computed from, is refused.
+
+The file is a safetensors file of two tensors: `keys` (int64 [N], sorted: each document's
+content fingerprint) and `sums` (float64 [N]: its reference log-probability sum), written
+beside and renamed over (a kill mid-write leaves the old file or the new one, never half).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from moetrain.config import JobConfig
+from moetrain.data.shards import file_sha256
+from moetrain.errors import CheckpointError
+from moetrain.fileio import fsync_path
+
+REFERENCE_FILE = "dpo_reference.safetensors"
+
+
+def initial_model(cfg: JobConfig) -> dict[str, Any]:
+    """The keys that name a run's initial weights, as its config gives them: the reference
+    is that model's (a seed matters only when no weights are loaded)."""
+    initial = {
+        "model.init_from_hf": cfg.model.init_from_hf,
+        "checkpoint.init_from": cfg.checkpoint.init_from,
+    }
+    if not cfg.model.init_from_hf and not cfg.checkpoint.init_from:
+        initial["train.seed"] = cfg.train.seed
+    return initial
+
+
+def write_reference(
+    output_dir: str, keys: torch.Tensor, sums: torch.Tensor, cfg: JobConfig, data: str
+) -> dict[str, Any]:
+    """Write the table (rank 0) and return the record a checkpoint keeps of it; `data`: the
+    training data's content fingerprint (`data_identity`)."""
+    path = os.path.join(output_dir, REFERENCE_FILE)
+    tmp = path + ".tmp"
+    os.makedirs(output_dir, exist_ok=True)
+    save_file({"keys": keys.cpu().contiguous(), "sums": sums.cpu().contiguous()}, tmp)
+    fsync_path(tmp)
+    os.replace(tmp, path)
+    fsync_path(output_dir)
+    return {
+        "file": REFERENCE_FILE,
+        "sha256": file_sha256(path),
+        "documents": int(keys.numel()),
+        "data": data,
+        "initial": initial_model(cfg),
+    }
+
+
+def read_reference(
+    checkpoint: str, record: dict | None, cfg: JobConfig, data: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table the resumed `checkpoint` records (`record`), verified: its file as written,
+    computed from this run's initial model and data (`data`: its content fingerprint)."""
+    fresh = "start a new job.output_dir (a fresh run computes the reference of its own start)"
+    if record is None:
+        raise CheckpointError(
+            f"{checkpoint} records no stored DPO reference (it was not trained with "
+            f"dpo.reference=stored), and a resume never computes it from trained weights; "
+            f"resume with the checkpoint's dpo.reference, or {fresh}"
+        )
+    ours = initial_model(cfg)
+    differ = [
+        f"{k}: {record['initial'].get(k)!r} at the start, {v!r} now"
+        for k, v in ours.items()
+        if record["initial"].get(k) != v
+    ]
+    if differ:
+        raise CheckpointError(
+            f"{checkpoint}'s stored DPO reference is the log-probabilities of another initial "
+            f"model than this config names ({'; '.join(differ)}); resume with the keys the run "
+            f"started with, or {fresh}"
+        )
+    if record["data"] != data:
+        raise CheckpointError(
+            f"{checkpoint}'s stored DPO reference covers other data than this run's (content "
+            f"fingerprints differ): the new pairs have no reference of the initial model; "
+            f"resume on the run's data, or {fresh}"
+        )
+    path = os.path.join(cfg.job.output_dir, record["file"])
+    if not os.path.isfile(path) or file_sha256(path) != record["sha256"]:
+        what = "is gone" if not os.path.isfile(path) else "changed since (sha256 differs)"
+        raise CheckpointError(
+            f"{path}, the stored DPO reference {checkpoint} was trained against, {what}; it is "
+            f"not computed again from trained weights: restore the file, or {fresh}"
+        )
+    table = load_file(path)
+    return table["keys"], table["sums"]
