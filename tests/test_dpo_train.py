@@ -39,7 +39,8 @@ FULL = [a for a in DPO if a != "--peft.method=lora"]  # dpo.reference=auto: stor
         ([*DPO, "--parallel.pp=2"], "parallel.pp=2 with train.objective=dpo is not done yet"),
         ([*DPO, "--peft.method=none", "--dpo.reference=base"], "dpo.reference=base is the"),
         ([*DPO, "--dpo.reference=stored"], "dpo.reference=stored with peft.method=lora: the"),
-        ([*FULL, "--dpo.reference=copy"], "dpo.reference=copy (a second resident copy of"),
+        ([*DPO, "--dpo.reference=copy"], "dpo.reference=copy with peft.method=lora: the"),
+        ([*FULL, "--dpo.reference=copy", "--parallel.pp=2"], "parallel.pp=2 with dpo.referen"),
         ([*FULL, "--parallel.cp=2"], "parallel.cp=2 with dpo.reference=stored is not done"),
         ([*FULL, "--parallel.pp=2"], "parallel.pp=2 with dpo.reference=stored is not done"),
         ([*DPO, "--peft.init_from=adapters"], "peft.init_from with train.objective=dpo"),
@@ -157,7 +158,7 @@ def _dpo_args(root) -> list[str]:
 def test_fsdp_and_ep_layouts_train_dpo_as_one_process(pairs_run, tmp_path):
     """FSDP over 4 ranks and EP 2 x FSDP with LoRA, and EP 2 x FSDP fine-tuning the whole
     model against the stored reference (its first pass shared out over the 4 ranks, the
-    table gathered), each 3 steps in one launch (accumulation 2), against a plain process
+    table gathered) and against the resident copy, each 3 steps in one launch (accumulation 2), against a plain process
     whose reference model is a separately built base (tests/dpo_parity.py): losses, rewards,
     norms, every gradient and updated parameter within 1e-5."""
     from tests.distributed import run_distributed
@@ -184,6 +185,7 @@ def test_fsdp_and_ep_layouts_train_dpo_as_one_process(pairs_run, tmp_path):
         [*argv, "--parallel.dp_shard=4"],
         [*argv, "--parallel.ep=2"],
         [*full, "--parallel.ep=2"],
+        [*full, "--parallel.ep=2", "--dpo.reference=copy"],
     ]
     run_distributed(layouts_worker, 4, runs, 3, str(tmp_path / "out.pt"))
     assert (tmp_path / "full" / "dpo_reference.safetensors").is_file()
@@ -191,8 +193,9 @@ def test_fsdp_and_ep_layouts_train_dpo_as_one_process(pairs_run, tmp_path):
     for theirs in (ref, full_ref):
         assert theirs[0]["loss"] == pytest.approx(0.6931471805599453)  # policy = reference
         assert theirs[-1]["rewards/accuracy"] > 0 and theirs[-1]["pairs"] >= 8
-    names = ("fsdp4", "ep2", "ep2 full fine-tuning, stored reference")
-    results = zip(names, torch.load(tmp_path / "out.pt"), (ref, ref, full_ref), strict=True)
+    names = ("fsdp4", "ep2", "ep2 full fine-tuning, stored reference", "ep2 full, copy")
+    expected = (ref, ref, full_ref, full_ref)  # the copy is the plain process's frozen base
+    results = zip(names, torch.load(tmp_path / "out.pt"), expected, strict=True)
     for name, records, reference in results:
         for step, (ours, theirs) in enumerate(zip(records, reference, strict=True), start=1):
             for key in FIGURES:

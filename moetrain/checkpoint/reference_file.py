@@ -8,6 +8,9 @@ never computes it again (the weights are then the trained ones). A resume whose 
 gone or changed, whose data is not the data the file covers, or whose config names another
 initial model than the one the file was computed from, is refused.
 
+Under `dpo.reference=copy` the record names the weights the copy was loaded with instead
+(`moetrain/loop/reference_copy.py`), judged by `check_initial` alike.
+
 The file is a safetensors file of two tensors: `keys` (int64 [N], sorted: each document's
 content fingerprint) and `sums` (float64 [N]: its reference log-probability sum), written
 beside and renamed over (a kill mid-write leaves the old file or the new one, never half).
@@ -22,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moetrain.config import JobConfig
+from moetrain.config.objective_checks import dpo_reference
 from moetrain.data.shards import file_sha256
 from moetrain.errors import CheckpointError
 from moetrain.fileio import fsync_path
@@ -54,6 +58,7 @@ def write_reference(
     os.replace(tmp, path)
     fsync_path(output_dir)
     return {
+        "kind": "stored",
         "file": REFERENCE_FILE,
         "sha256": file_sha256(path),
         "documents": int(keys.numel()),
@@ -62,42 +67,49 @@ def write_reference(
     }
 
 
+FRESH = "start a new job.output_dir (a fresh run computes the reference of its own start)"
+
+
+def check_initial(checkpoint: str, record: dict | None, cfg: JobConfig, what: str) -> dict:
+    """`record` (a resumed checkpoint's `dpo_reference`), refused when missing or when this
+    config names another initial model than the one its reference `what` was taken from."""
+    if record is None or record.get("kind") != dpo_reference(cfg):
+        raise CheckpointError(
+            f"{checkpoint} records no {what} (it was trained with another dpo.reference), and "
+            f"a resume never takes the reference from trained weights; resume with the "
+            f"checkpoint's dpo.reference, or {FRESH}"
+        )
+    differ = [
+        f"{k}: {record['initial'].get(k)!r} at the start, {v!r} now"
+        for k, v in initial_model(cfg).items()
+        if record["initial"].get(k) != v
+    ]
+    if differ:
+        raise CheckpointError(
+            f"{checkpoint}'s {what} is of another initial model than this config names "
+            f"({'; '.join(differ)}); resume with the keys the run started with, or {FRESH}"
+        )
+    return record
+
+
 def read_reference(
     checkpoint: str, record: dict | None, cfg: JobConfig, data: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The table the resumed `checkpoint` records (`record`), verified: its file as written,
     computed from this run's initial model and data (`data`: its content fingerprint)."""
-    fresh = "start a new job.output_dir (a fresh run computes the reference of its own start)"
-    if record is None:
-        raise CheckpointError(
-            f"{checkpoint} records no stored DPO reference (it was not trained with "
-            f"dpo.reference=stored), and a resume never computes it from trained weights; "
-            f"resume with the checkpoint's dpo.reference, or {fresh}"
-        )
-    ours = initial_model(cfg)
-    differ = [
-        f"{k}: {record['initial'].get(k)!r} at the start, {v!r} now"
-        for k, v in ours.items()
-        if record["initial"].get(k) != v
-    ]
-    if differ:
-        raise CheckpointError(
-            f"{checkpoint}'s stored DPO reference is the log-probabilities of another initial "
-            f"model than this config names ({'; '.join(differ)}); resume with the keys the run "
-            f"started with, or {fresh}"
-        )
+    record = check_initial(checkpoint, record, cfg, "stored DPO reference")
     if record["data"] != data:
         raise CheckpointError(
             f"{checkpoint}'s stored DPO reference covers other data than this run's (content "
             f"fingerprints differ): the new pairs have no reference of the initial model; "
-            f"resume on the run's data, or {fresh}"
+            f"resume on the run's data, or {FRESH}"
         )
     path = os.path.join(cfg.job.output_dir, record["file"])
     if not os.path.isfile(path) or file_sha256(path) != record["sha256"]:
         what = "is gone" if not os.path.isfile(path) else "changed since (sha256 differs)"
         raise CheckpointError(
             f"{path}, the stored DPO reference {checkpoint} was trained against, {what}; it is "
-            f"not computed again from trained weights: restore the file, or {fresh}"
+            f"not computed again from trained weights: restore the file, or {FRESH}"
         )
     table = load_file(path)
     return table["keys"], table["sums"]

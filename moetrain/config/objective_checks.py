@@ -54,17 +54,13 @@ def objective_problems(cfg: JobConfig) -> list[str]:
             "adapters is the initial model already (no pass, no second copy); set "
             "dpo.reference=base or leave it auto"
         )
-    if reference == "copy":
-        problems.append(
-            "dpo.reference=copy (a second resident copy of the initial model) is not done "
-            "yet; set dpo.reference=stored (a first pass keeps its log-probabilities)"
-        )
-    if reference == "stored":
+    if reference in ("stored", "copy"):
+        what = "the first pass's sums" if reference == "stored" else "the copy's forwards"
         for key, size in (("parallel.cp", p.cp), ("parallel.pp", p.pp)):
             if size > 1:
                 problems.append(
-                    f"{key}={size} with dpo.reference=stored is not done yet (the first "
-                    f"pass's sums over the {key.split('.')[1]} ranks); set {key}=1"
+                    f"{key}={size} with dpo.reference={reference} is not done yet ({what} "
+                    f"over the {key.split('.')[1]} ranks); set {key}=1"
                 )
     if cfg.peft.init_from:
         problems.append(

@@ -183,6 +183,11 @@ class Reference:
     def __init__(self, model: nn.Module, terms: LossTerms, document_mask: bool) -> None:
         self.model, self.terms, self.document_mask = model, terms, document_mask
 
+    def fill(self, *_run) -> list[str]:
+        """Nothing to prepare before step 1 (`dpo.reference=stored` and `copy` have: their
+        `fill` takes the trainer's model, terms, batches, state and resumed checkpoint)."""
+        return []
+
     @torch.no_grad()
     def __call__(self, batch: Batch) -> torch.Tensor:
         with adapters_disabled(self.model):

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moetrain.build.distributed import Place
 from moetrain.checkpoint.reference_file import REFERENCE_FILE, read_reference, write_reference
 from moetrain.checkpoint.resume import data_identity
 from moetrain.checkpoint.run_state import RunState
@@ -41,7 +42,8 @@ from moetrain.data.batch import IGNORE_INDEX, Batch
 from moetrain.errors import CheckpointError, DataError
 from moetrain.loop.batches import Batches
 from moetrain.loop.preference import Reference, per_document
-from moetrain.models.spec import LossTerms
+from moetrain.loop.reference_copy import ReferenceCopy
+from moetrain.models.spec import LossTerms, ModelSpec
 from moetrain.parallelisms.fsdp import reshard_all
 
 # splitmix64's increment and multipliers, as int64 (torch has no uint64 arithmetic; the
@@ -189,11 +191,15 @@ class StoredReference:
 
 
 def reference_for(
-    cfg: JobConfig, model: nn.Module, terms: LossTerms
-) -> Reference | StoredReference:
-    """What a DPO run's loss takes its reference from (`dpo.reference`)."""
-    if cfg.train.objective == "dpo" and dpo_reference(cfg) == "stored":
+    cfg: JobConfig, spec: ModelSpec, place: Place, model: nn.Module, terms: LossTerms
+) -> Reference | StoredReference | ReferenceCopy:
+    """What a DPO run's loss takes its reference from (`dpo.reference`); each is `fill`ed
+    once the model holds its weights, before step 1."""
+    kind = dpo_reference(cfg) if cfg.train.objective == "dpo" else "base"
+    if kind == "stored":
         return StoredReference()
+    if kind == "copy":
+        return ReferenceCopy(cfg, spec, place, terms)
     return Reference(model, terms, cfg.data.document_mask)
 
 

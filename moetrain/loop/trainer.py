@@ -49,7 +49,7 @@ from moetrain.loop.step import (
     on_device_path,
     step_end,
 )
-from moetrain.loop.stored_reference import StoredReference, reference_for, refuse_missing
+from moetrain.loop.stored_reference import reference_for, refuse_missing
 from moetrain.metrics.logger import MetricsLogger, peak_flops
 from moetrain.metrics.sinks import build_sinks
 from moetrain.models import get_model_spec
@@ -93,12 +93,11 @@ class Trainer:
         )
         resume_from, notes = self.checkpoints.begin()
         self.notes += notes
-        if isinstance(self.reference, StoredReference):  # the initial model's, before step 1
-            self.notes += self.reference.fill(
-                cfg, self.model, self.terms, self.batches, self.state, resume_from
-            )
-            for dispatcher in self.dispatchers:  # its EP bytes are no step's
-                dispatcher.reset_traffic()
+        # DPO's reference of the initial model, before step 1 (dpo.reference=stored, copy)
+        ready = (cfg, self.model, self.terms, self.batches, self.state, resume_from)
+        self.notes += self.reference.fill(*ready)
+        for dispatcher in self.dispatchers:  # a first pass's EP bytes are no step's
+            dispatcher.reset_traffic()
         if self.shared_embedding is not None:  # a stage's copy of the embedding, as loaded
             self.shared_embedding.sync()
         stage_loads = self.pipelined.whole_model_load if self.pipelined is not None else None
@@ -162,7 +161,8 @@ class Trainer:
             batch_group,
             moe_layers(self.parallel.whole, self.spec.plan) if self.meshes.pp is not None else 0,
         )
-        self.reference = reference_for(cfg, self.model, self.terms)  # train.objective=dpo's
+        # train.objective=dpo's reference (dpo.reference)
+        self.reference = reference_for(cfg, self.spec, self.place, self.model, self.terms)
         objective = cfg.train.objective
         self.step_loss = step_loss(
             objective, cfg.dpo, self.terms, BalanceTerms.of(cfg.moe), scope, self.reference

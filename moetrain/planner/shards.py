@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
+from moetrain.config.objective_checks import dpo_reference
+
 MODES = ("none", "selective", "full")
 
 
@@ -148,7 +150,13 @@ def shard(cfg, spec, dims, world_size: int, meshes, models: Measured | None = No
     key = ("shard", cfg.model.name, repr(cfg.model.args), repr(cfg.peft))
     model, sampled = models.copy_of(key, build) if models is not None else build()
     parallelize(model, spec.plan, meshes, dtype, cp_zigzag=True)
-    return sharded_model(model, spec.plan, cfg.train, dtype, sampled, world_size)
+    state, units = sharded_model(model, spec.plan, cfg.train, dtype, sampled, world_size)
+    if cfg.train.objective == "dpo" and dpo_reference(cfg) == "copy":
+        # DPO's reference as a second, frozen copy of every shard, resident beside the
+        # policy (moetrain/loop/reference_copy.py): no gradient, no optimizer state.
+        state.frozen = [f + p for f, p in zip(state.frozen, state.params, strict=True)]
+        state.params = [2 * p for p in state.params]
+    return state, units
 
 
 def sharded_model(model, plan, train, param_dtype, sampled, world_size: int):
