@@ -1,6 +1,7 @@
-"""`dpo.reference=stored`: the file that keeps the initial model's reference log-probabilities
-(moetrain/loop/stored_reference.py computes them) in `job.output_dir`, and the record of it
-that every checkpoint of the run carries (`trainer_state.pt`'s `dpo_reference`).
+"""Full fine-tuning's DPO reference in the checkpoints. `dpo.reference=stored`: the file that
+keeps the initial model's reference log-probabilities (moetrain/loop/stored_reference.py
+computes them) in `job.output_dir`, and the record of it that every checkpoint of the run
+carries (`trainer_state.pt`'s `dpo_reference`).
 
 Invariant: a run's reference is its initial model's, computed once before step 1 of a fresh
 run (or stage); a resume reads the file its checkpoint records, verified by sha256, and

@@ -90,7 +90,8 @@ class Batches:
                 yield self.prepare_batch(mb)
 
     def use_reference(self, reference: Callable[[Batch], torch.Tensor]) -> None:
-        """The held-out pairs' reference from now on (dpo.reference=stored's table)."""
+        """The held-out pairs' reference from now on (dpo.reference=stored's table, or
+        copy's model)."""
         if self._evaluator is not None:
             self._evaluator.reference = reference
 

@@ -19,7 +19,8 @@ step looks its documents up with `searchsorted`, without reading anything to the
 document that is not there gets NaN: the step's record counts those sides
 (`reference_missing`) and the trainer refuses the run when it reads the record (the NaN
 loss also makes the guard skip that update). The file and its record in the checkpoints:
-moetrain/checkpoint/reference_file.py.
+moetrain/checkpoint/reference_file.py. `reference_for` says which reference a DPO run uses
+(this one, `reference_copy.ReferenceCopy`, or `preference.Reference`: LoRA's base).
 """
 
 from __future__ import annotations
