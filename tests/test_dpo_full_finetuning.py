@@ -18,6 +18,8 @@ from moetrain.checkpoint.markers import read_trainer_state
 from moetrain.checkpoint.reference_file import read_reference
 from moetrain.config import load_config
 from moetrain.errors import CheckpointError, DataError
+from moetrain.loop.preflight import preflight
+from moetrain.parallelisms.dims import ParallelDims
 from moetrain.prepare.cli import main as prepare
 from tests.chat_model import save_chat_model
 from tests.dpo_parity import FIGURES, dpo_reference_run
@@ -186,6 +188,9 @@ def test_full_fine_tuning_trains_against_the_stored_first_pass_and_resumes_on_it
     data[-1] ^= 1
     stored.write_bytes(bytes(data))
     assert "changed since (sha256 differs)" in _refused(relaunch, CheckpointError)
+    cfg = load_config(relaunch)  # refused before any process group or weight: by preflight
+    with pytest.raises(CheckpointError, match="changed since"):
+        preflight(cfg, ParallelDims.of(cfg.parallel, 1))
     stored.unlink()
     assert "is gone" in _refused(relaunch, CheckpointError)
 
@@ -275,3 +280,30 @@ def test_the_planner_counts_the_reference_copy(pairs, tmp_path):
     assert stored["frozen"] == 0 and stored["params"] > 0
     assert copy["params"] == 2 * stored["params"] and copy["frozen"] == stored["params"]
     assert copy["optimizer"] == stored["optimizer"] and copy["grads"] == stored["grads"]
+
+
+def test_a_copy_resume_checks_the_weights_it_reloads(pairs, tmp_path):
+    """The record a copy's resume reloads from: refused when the weights at its path changed
+    since the run started (content fingerprint) or are gone, or the config names others."""
+    from moetrain.checkpoint.frozen_base import hf_fingerprint
+    from moetrain.checkpoint.reference_file import check_recorded, initial_model
+
+    model = tmp_path / "model"
+    shutil.copytree(pairs / "model", model)
+    argv = [*_argv(pairs, tmp_path / "run"), "--dpo.reference=copy"]
+    cfg = load_config([*argv, f"--model.init_from_hf={model}"])
+    base = {"source": "hf", "path": str(model), "fingerprint": hf_fingerprint(str(model))}
+    record = {"kind": "copy", "initial": initial_model(cfg), "base": base}
+    assert check_recorded("run/step-2", record, cfg)["base"] == base
+    other = load_config([*argv, f"--model.init_from_hf={pairs / 'model'}"])
+    with pytest.raises(CheckpointError, match="another initial model than this config"):
+        check_recorded("run/step-2", record, other)
+    weights = next(model.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="its weights changed since"):
+        check_recorded("run/step-2", record, cfg)
+    shutil.rmtree(model)
+    with pytest.raises(CheckpointError, match="and it is gone"):
+        check_recorded("run/step-2", record, cfg)

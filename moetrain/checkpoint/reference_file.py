@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from moetrain.checkpoint.frozen_base import fingerprint
 from moetrain.config import JobConfig
 from moetrain.config.objective_checks import dpo_reference
 from moetrain.data.shards import file_sha256
@@ -93,24 +94,46 @@ def check_initial(checkpoint: str, record: dict | None, cfg: JobConfig, what: st
     return record
 
 
+def check_recorded(checkpoint: str, record: dict | None, cfg: JobConfig) -> dict:
+    """What a resume of `checkpoint` (its `dpo_reference`: `record`) under this run's
+    dpo.reference=stored or copy takes its reference from, judged before any weight is read:
+    of this config's initial model, and the file (stored) or the weights (copy) as they were."""
+    if dpo_reference(cfg) == "stored":
+        record = check_initial(checkpoint, record, cfg, "stored DPO reference")
+        path = os.path.join(cfg.job.output_dir, record["file"])
+        if not os.path.isfile(path) or file_sha256(path) != record["sha256"]:
+            what = "is gone" if not os.path.isfile(path) else "changed since (sha256 differs)"
+            raise CheckpointError(
+                f"{path}, the stored DPO reference {checkpoint} was trained against, {what}; "
+                f"it is not computed again from trained weights: restore the file, or {FRESH}"
+            )
+        return record
+    record = check_initial(checkpoint, record, cfg, "reference copy's weights")
+    base = record["base"]
+    if base["source"] == "seed":
+        return record
+    where = f"{checkpoint}'s DPO reference is the model at {base['path']} as the run started"
+    if not os.path.isdir(base["path"]):
+        raise CheckpointError(f"{where}, and it is gone; restore it, or {FRESH}")
+    if fingerprint(base) != base.get("fingerprint"):
+        raise CheckpointError(
+            f"{where}, but its weights changed since (their content fingerprint differs); "
+            f"restore them, or {FRESH}"
+        )
+    return record
+
+
 def read_reference(
     checkpoint: str, record: dict | None, cfg: JobConfig, data: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The table the resumed `checkpoint` records (`record`), verified: its file as written,
     computed from this run's initial model and data (`data`: its content fingerprint)."""
-    record = check_initial(checkpoint, record, cfg, "stored DPO reference")
+    record = check_recorded(checkpoint, record, cfg)
     if record["data"] != data:
         raise CheckpointError(
             f"{checkpoint}'s stored DPO reference covers other data than this run's (content "
             f"fingerprints differ): the new pairs have no reference of the initial model; "
             f"resume on the run's data, or {FRESH}"
         )
-    path = os.path.join(cfg.job.output_dir, record["file"])
-    if not os.path.isfile(path) or file_sha256(path) != record["sha256"]:
-        what = "is gone" if not os.path.isfile(path) else "changed since (sha256 differs)"
-        raise CheckpointError(
-            f"{path}, the stored DPO reference {checkpoint} was trained against, {what}; it is "
-            f"not computed again from trained weights: restore the file, or {FRESH}"
-        )
-    table = load_file(path)
+    table = load_file(os.path.join(cfg.job.output_dir, record["file"]))
     return table["keys"], table["sums"]

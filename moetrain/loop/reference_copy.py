@@ -15,20 +15,17 @@ other weights or the files changed since.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moetrain.build.distributed import Place
 from moetrain.build.model import build_model
-from moetrain.checkpoint.frozen_base import describe, fingerprint, hf_fingerprint, load_base
-from moetrain.checkpoint.reference_file import check_initial, initial_model
+from moetrain.checkpoint.frozen_base import describe, hf_fingerprint, load_base
+from moetrain.checkpoint.reference_file import check_recorded, initial_model
 from moetrain.checkpoint.run_state import RunState
 from moetrain.config import JobConfig
 from moetrain.data.batch import Batch
-from moetrain.errors import CheckpointError
 from moetrain.loop.batches import Batches
 from moetrain.loop.preference import Reference
 from moetrain.models.spec import LossTerms, ModelSpec
@@ -74,20 +71,7 @@ class ReferenceCopy:
             state.reference = {"kind": "copy", "initial": initial_model(cfg), "base": base}
             line = f"dpo.reference=copy: a frozen copy of the initial model ({describe(base)})"
         else:
-            what = "reference copy's weights"
-            record = check_initial(resumed_from, state.reference, cfg, what)
-            base = record["base"]
-            if base["source"] != "seed" and not os.path.isdir(base["path"]):
-                raise CheckpointError(
-                    f"{resumed_from}'s DPO reference is the model at {base['path']} as the run "
-                    "started, and it is gone; restore it, or start a new job.output_dir"
-                )
-            if base["source"] != "seed" and fingerprint(base) != base.get("fingerprint"):
-                raise CheckpointError(
-                    f"{resumed_from}'s DPO reference is the model at {base['path']} as the run "
-                    "started, but its weights changed since (their content fingerprint "
-                    "differs); restore them, or start a new job.output_dir"
-                )
+            base = check_recorded(resumed_from, state.reference, cfg)["base"]
             load_base(base, self.model, self.spec, self.args, whole=self.parallel.whole)
             line = f"dpo.reference=copy: the initial model reloaded from {describe(base)}"
         batches.use_reference(self)
