@@ -1,8 +1,9 @@
 """DPO layouts against one plain process (the tests/parity.py machinery, for preference pairs).
 
 The reference shares no code with moetrain/loop/preference.py: the policy is an unsharded
-model with LoRA, the reference model a second, separately built base (the same seed's
-weights, no adapters: what `adapters_disabled` must compute), each side's log-probability
+model (with LoRA, or trained whole under peft.method=none), the reference model a second,
+separately built base (the same seed's weights, no adapters, frozen: what
+`adapters_disabled` and the stored first pass must compute), each side's log-probability
 summed (float64) in a Python loop over the sample's documents, DPO's sigmoid loss written out, the
 aux and z losses of the policy's forwards as tests/parity.py adds them, torch's own clipping
 and foreach AdamW, the global batch read through a one-rank sampler, fp32.
@@ -95,9 +96,12 @@ def dpo_reference_run(argv: list[str], steps: int) -> list[dict]:
     cfg = load_config(argv)
     spec, args, t = get_model_spec(cfg.model.name), cfg.model.args, cfg.train
     model = spec.build(args, MoEOptions(z_loss=True))
-    apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
+    lora = cfg.peft.method == "lora"
+    if lora:
+        apply_lora(model, spec.plan, cfg.peft, cfg.model.name)
     model.init_weights(t.seed)
-    init_adapters(model, t.seed)
+    if lora:
+        init_adapters(model, t.seed)
     base = spec.build(args)
     base.init_weights(t.seed)
     opt = build_optimizer(model, replace(t, optimizer_impl="foreach"))

@@ -27,6 +27,7 @@ DPO = [
     "--data.source=tokens",
     "--data.path=prepared",
 ]
+FULL = [a for a in DPO if a != "--peft.method=lora"]  # dpo.reference=auto: stored
 
 
 @pytest.mark.parametrize(
@@ -36,8 +37,12 @@ DPO = [
         ([*DPO, "--dpo.loss=ipo", "--dpo.label_smoothing=0.1"], "dpo.label_smoothing=0.1 smooths"),
         ([*DPO, "--parallel.cp=2"], "parallel.cp=2 with train.objective=dpo is not done yet"),
         ([*DPO, "--parallel.pp=2"], "parallel.pp=2 with train.objective=dpo is not done yet"),
-        ([*DPO, "--peft.method=none"], "set peft.method=lora"),
         ([*DPO, "--peft.method=none", "--dpo.reference=base"], "dpo.reference=base is the"),
+        ([*DPO, "--dpo.reference=stored"], "dpo.reference=stored with peft.method=lora: the"),
+        ([*DPO, "--dpo.reference=copy"], "dpo.reference=copy with peft.method=lora: the"),
+        ([*FULL, "--dpo.reference=copy", "--parallel.pp=2"], "parallel.pp=2 with dpo.referen"),
+        ([*FULL, "--parallel.cp=2"], "parallel.cp=2 with dpo.reference=stored is not done"),
+        ([*FULL, "--parallel.pp=2"], "parallel.pp=2 with dpo.reference=stored is not done"),
         ([*DPO, "--peft.init_from=adapters"], "peft.init_from with train.objective=dpo"),
         ([*DPO, "--data.document_mask=false"], "data.document_mask=false with train.objective"),
         ([*DPO, "--data.reset_positions=false"], "data.reset_positions=false with train."),
@@ -151,15 +156,17 @@ def _dpo_args(root) -> list[str]:
 
 @pytest.mark.slow
 def test_fsdp_and_ep_layouts_train_dpo_as_one_process(pairs_run, tmp_path):
-    """FSDP over 4 ranks and EP 2 x FSDP, each 3 steps in one launch (accumulation 2), against
-    a plain process whose reference model is a separately built base (tests/dpo_parity.py):
-    losses, rewards, norms, every gradient and updated parameter within 1e-5."""
+    """FSDP over 4 ranks and EP 2 x FSDP with LoRA, and EP 2 x FSDP fine-tuning the whole
+    model against the stored reference (its first pass shared out over the 4 ranks, the
+    table gathered) and against the resident copy, each 3 steps in one launch (accumulation 2), against a plain process
+    whose reference model is a separately built base (tests/dpo_parity.py): losses, rewards,
+    norms, every gradient and updated parameter within 1e-5."""
     from tests.distributed import run_distributed
     from tests.dpo_parity import FIGURES, dpo_reference_run, layouts_worker
     from tests.parity import TINY, assert_tensors_close
 
     tiny = [a for a in TINY if not a.startswith(("--data.seq_len", "--data.max_tokens"))]
-    argv = [
+    full = [
         *tiny,
         "--data.source=tokens",
         f"--data.path={pairs_run / 'pairs'}",
@@ -170,17 +177,27 @@ def test_fsdp_and_ep_layouts_train_dpo_as_one_process(pairs_run, tmp_path):
         "--train.objective=dpo",
         "--dpo.beta=0.5",
         "--moe.z_loss_coef=0.05",
-        "--peft.method=lora",
-        "--peft.rank=4",
         "--train.lr=3e-3",
     ]
-    runs = [[*argv, "--parallel.dp_shard=4"], [*argv, "--parallel.ep=2"]]
+    argv = [*full, "--peft.method=lora", "--peft.rank=4"]
+    full.append(f"--job.output_dir={tmp_path / 'full'}")  # dpo.reference=auto: stored
+    runs = [
+        [*argv, "--parallel.dp_shard=4"],
+        [*argv, "--parallel.ep=2"],
+        [*full, "--parallel.ep=2"],
+        [*full, "--parallel.ep=2", "--dpo.reference=copy"],
+    ]
     run_distributed(layouts_worker, 4, runs, 3, str(tmp_path / "out.pt"))
-    ref = dpo_reference_run(argv, 3)
-    assert ref[0]["loss"] == pytest.approx(0.6931471805599453)  # the policy is its reference
-    assert ref[-1]["rewards/accuracy"] > 0 and ref[-1]["pairs"] >= 8
-    for name, records in zip(("fsdp4", "ep2"), torch.load(tmp_path / "out.pt"), strict=True):
-        for step, (ours, theirs) in enumerate(zip(records, ref, strict=True), start=1):
+    assert (tmp_path / "full" / "dpo_reference.safetensors").is_file()
+    ref, full_ref = dpo_reference_run(argv, 3), dpo_reference_run(full, 3)
+    for theirs in (ref, full_ref):
+        assert theirs[0]["loss"] == pytest.approx(0.6931471805599453)  # policy = reference
+        assert theirs[-1]["rewards/accuracy"] > 0 and theirs[-1]["pairs"] >= 8
+    names = ("fsdp4", "ep2", "ep2 full fine-tuning, stored reference", "ep2 full, copy")
+    expected = (ref, ref, full_ref, full_ref)  # the copy is the plain process's frozen base
+    results = zip(names, torch.load(tmp_path / "out.pt"), expected, strict=True)
+    for name, records, reference in results:
+        for step, (ours, theirs) in enumerate(zip(records, reference, strict=True), start=1):
             for key in FIGURES:
                 # A reward is beta times a difference of two sums of hundreds of fp32
                 # log-probabilities: within 1e-5 of their size, not of the difference.

@@ -26,7 +26,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetrain.checkpoint import run_state
-from moetrain.loop import balance, guard, losses, run_report, step, trainer
+from moetrain.loop import (
+    balance,
+    guard,
+    losses,
+    preference,
+    run_report,
+    step,
+    stored_reference,
+    trainer,
+)
 from moetrain.parallelisms import clip
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -94,6 +103,12 @@ STEP_PATH = [
     losses.StepLoss.output_loss,
     losses.StepLoss.router_loss,
     losses.StepLoss.end,
+    preference.PreferenceLoss.begin,  # train.objective=dpo
+    preference.PreferenceLoss.__call__,
+    preference.PreferenceLoss.end,
+    preference.missing_sides,
+    stored_reference.ReferenceTable.__call__,  # dpo.reference=stored's lookups
+    stored_reference.document_keys,
     guard.DeviceGuard.judge,
     guard.DeviceGuard._spike,
     clip.grad_norm,

@@ -2,12 +2,8 @@
 each `dpo.reference` against counts by hand on the debug Qwen3-MoE (2 ranks, ep 2, fp32,
 micro-batch 4 x 128, global batch 16: 2 micro-batches a rank per step): base adds one
 forward's FLOPs, an all-to-all pair and an all-gather per micro-batch, and the step's
-[4, 128] fp32 log-probabilities; copy adds the same and the parameters' bytes; stored adds
-no step work, a one-off pass over the corpus and its table.
-
-NOTE: dpo.reference=copy and stored are refused by load_config until the trainer does them
-(moetrain/config/objective_checks.py); their costs are planned from the config as it will
-be, the refused keys set after loading."""
+[4, 128] float64 per-document log-probability sums; copy adds the same and the parameters'
+bytes; stored adds no step work, a one-off pass over the corpus and its table."""
 
 from __future__ import annotations
 
@@ -28,7 +24,7 @@ from tests.test_dry_run import CONFIG
 from tests.test_preference_prepare import preference_pairs
 
 B, S, MICRO_BATCHES, WORLD = 4, 128, 2, 2
-LOGPS = MICRO_BATCHES * B * S * 4  # the step's reference log-probabilities, fp32
+LOGPS = MICRO_BATCHES * B * S * 8  # the step's reference sums, a float64 per document slot
 TOKENS = 16 * S  # a step's tokens, all ranks
 DATA = ["--data.source=tokens", "--data.path=pairs", "--data.document_mask=true"]
 LAYOUT = ["--config", CONFIG, "--parallel.ep=2", *DATA]
@@ -61,9 +57,9 @@ def _resharded_gathers(layout) -> int:
 
 
 def _dpo(*argv: str, reference: str, peft: str):
-    cfg = load_config([*LAYOUT, *DPO, "--peft.method=lora", *argv])
-    cfg.dpo.reference, cfg.peft.method = reference, peft  # see the module's note
-    return cfg
+    return load_config(
+        [*LAYOUT, *DPO, f"--peft.method={peft}", f"--dpo.reference={reference}", *argv]
+    )
 
 
 def test_a_base_reference_adds_one_forward_and_the_held_log_probabilities(fake_world):
@@ -85,9 +81,9 @@ def test_a_base_reference_adds_one_forward_and_the_held_log_probabilities(fake_w
     assert dpo.comm["fsdp_all_gather_once"] == sft.comm["fsdp_all_gather_once"]
     # Memory: the step's log-probabilities, in the forwards' phase (the higher one here).
     assert step_bytes(sft, "none") > update_bytes(sft)
-    assert peak_bytes(dpo, "none") - peak_bytes(sft, "none") == LOGPS == 4_096
+    assert peak_bytes(dpo, "none") - peak_bytes(sft, "none") == LOGPS == 8_192
     printed = format_report(report(dpo, None, []))
-    assert "dpo.reference=base" in printed and "2 x [4, 128] fp32 = 0.0039 MiB" in printed
+    assert "dpo.reference=base" in printed and "2 x [4, 128] float64 = 0.0078 MiB" in printed
     notes = estimate_notes(dpo_est, dpo.cfg, flops_per_token(dpo.cfg))
     assert any(f"{forward / 1e9:,.1f} GFLOP per rank" in n for n in notes)
     assert not any("dpo" in n for n in estimate_notes(sft_est, sft.cfg, flops_per_token(sft.cfg)))
@@ -175,7 +171,7 @@ def test_the_planner_command_prints_what_dpo_adds(pairs, capsys, tmp_path):
     printed = capsys.readouterr().out
     plan = json.loads(out.read_text())
     assert plan["objective"]["reference"] == "base"
-    assert plan["objective"]["held_bytes"] == 2 * 1 * 256 * 4  # 2 micro-batches of [1, 256]
+    assert plan["objective"]["held_bytes"] == 2 * 1 * 256 * 8  # 2 micro-batches of [1, 256] sums
     assert plan["estimate"]["reference"] == "base"
     assert "dpo.reference=base: the step includes one forward of the frozen base" in printed
     assert "each micro-batch's reference log-probabilities" in printed

@@ -11,7 +11,9 @@ from typing import Any
 
 from moetrain.checkpoint.frozen_base import check_base, recorded_base
 from moetrain.checkpoint.markers import complete_checkpoints, read_trainer_state
+from moetrain.checkpoint.reference_file import check_recorded
 from moetrain.config import JobConfig, config_to_dict
+from moetrain.config.objective_checks import dpo_reference
 from moetrain.data.holdout import HOLDOUT_HASH
 from moetrain.data.packing import PackedDataset
 from moetrain.errors import CheckpointError, DataError
@@ -127,6 +129,8 @@ def check_resume(path: str, cfg: JobConfig, spec: ModelSpec) -> None:
     old_holdout(path, state, cfg)  # a checkpoint of the old hold-out hash: refused here
     if not state.get("frozen_saved", True):  # adapters alone: their base must be as it was
         check_base(path, recorded_base(path, state), cfg)
+    if cfg.train.objective == "dpo" and dpo_reference(cfg) != "base":  # full fine-tuning's
+        check_recorded(path, state.get("dpo_reference"), cfg)
 
 
 def accept_checkpoint(

@@ -117,6 +117,7 @@ class RunCheckpoints:
             notes.append(f"resuming on other data than {path}'s, as allowed")
         frozen = saved.get("frozen_saved", True)
         self.state.base = recorded_base(path, saved)  # passed on to this run's checkpoints
+        self.state.reference = saved.get("dpo_reference")  # judged by whoever reads it
         if not frozen:  # LoRA's adapters alone: the base first, from where the run took it
             check_base(path, self.state.base, cfg)
             self._init_weights()

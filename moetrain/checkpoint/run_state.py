@@ -1,6 +1,7 @@
 """What a run holds and saves besides the weights: the step, the global samples consumed,
 the bad-step guard's history, the sampler's position, the RNG, and the records a resume
-judges (the config, the data's identity, the frozen base, the tokenizer).
+judges (the config, the data's identity, the frozen base, the tokenizer, full fine-tuning's
+DPO reference).
 
 `RunState.state_dict` is the content of a checkpoint's `trainer_state.pt` (what
 `moetrain.checkpoint.resume` judges and `moetrain.checkpoint.continuation` reads), so its keys are the
@@ -42,6 +43,10 @@ class RunState:
     # The tokenizer (and chat template) the data was prepared with, for the export and
     # `moetrain.generate` (moetrain.checkpoint.tokenizer_record); rank 0's, which saves the state.
     tokenizer: dict | None = None
+    # dpo.reference=stored: the file of the initial model's reference log-probabilities, or
+    # copy: the weights the frozen copy was loaded with (moetrain.checkpoint.reference_file);
+    # what every resume takes the reference from again, never from the trained weights.
+    reference: dict | None = None
 
     def seed_step(self) -> None:
         """Seed this rank's RNG for the next step from (train.seed, step, rank).
@@ -68,6 +73,7 @@ class RunState:
             "data_identity": data_identity(self.order.dataset),
             "base": self.base,
             "tokenizer": self.tokenizer,
+            "dpo_reference": self.reference,
         }
 
     def load_state_dict(self, state: dict[str, Any], other_data: bool = False) -> None:

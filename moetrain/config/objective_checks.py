@@ -9,6 +9,13 @@ from moetrain.config.objective import DpoSection
 from moetrain.config.schema import JobConfig
 
 
+def dpo_reference(cfg: JobConfig) -> str:
+    """`dpo.reference` as a run uses it: `auto` is the frozen base under LoRA, else stored."""
+    if cfg.dpo.reference == "auto":
+        return "base" if cfg.peft.method == "lora" else "stored"
+    return cfg.dpo.reference
+
+
 def objective_problems(cfg: JobConfig) -> list[str]:
     """What `train.objective` does not combine with, each naming the key and the fix."""
     d, p = cfg.dpo, cfg.parallel
@@ -35,18 +42,26 @@ def objective_problems(cfg: JobConfig) -> list[str]:
                 f"{key}={getattr(p, key.split('.')[1])} with train.objective=dpo is not done "
                 f"yet ({what}); set {key}=1"
             )
-    lora = cfg.peft.method == "lora"
-    if d.reference == "base" and not lora:
+    lora, reference = cfg.peft.method == "lora", dpo_reference(cfg)
+    if reference == "base" and not lora:
         problems.append(
             "dpo.reference=base is the frozen base under LoRA's adapters, but "
             f"peft.method={cfg.peft.method}; set peft.method=lora, or dpo.reference=stored"
         )
-    elif d.reference in ("stored", "copy") or not lora:
+    elif reference != "base" and lora:
         problems.append(
-            f"dpo.reference={'stored' if d.reference == 'auto' else d.reference} (full "
-            "fine-tuning's reference) is not done yet; set peft.method=lora (its frozen base "
-            "is the reference)"
+            f"dpo.reference={reference} with peft.method=lora: the frozen base under the "
+            "adapters is the initial model already (no pass, no second copy); set "
+            "dpo.reference=base or leave it auto"
         )
+    if reference in ("stored", "copy"):
+        what = "the first pass's sums" if reference == "stored" else "the copy's forwards"
+        for key, size in (("parallel.cp", p.cp), ("parallel.pp", p.pp)):
+            if size > 1:
+                problems.append(
+                    f"{key}={size} with dpo.reference={reference} is not done yet ({what} "
+                    f"over the {key.split('.')[1]} ranks); set {key}=1"
+                )
     if cfg.peft.init_from:
         problems.append(
             "peft.init_from with train.objective=dpo: the reference is the frozen base with "

@@ -4,8 +4,9 @@ the evaluation reads (`moetrain.loop.evaluation`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import torch
 from torch import nn
 
 from moetrain.build.distributed import Place
@@ -17,7 +18,7 @@ from moetrain.data.run_data import build_data
 from moetrain.data.sampler import SampleOrder
 from moetrain.data.tokenizers import build_tokenizer
 from moetrain.errors import DataError
-from moetrain.loop.evaluation import Evaluator, batch_preparer
+from moetrain.loop.evaluation import Evaluator, batch_preparer, rank_micro_batches
 from moetrain.loop.run_report import data_lines, source_tokens
 from moetrain.models.spec import LossTerms
 
@@ -37,6 +38,7 @@ class Batches:
         self.cfg = cfg
         self.grad_accum = dims.grad_accum(t.global_batch_size, t.micro_batch_size)
         dp_rank, dp_size = meshes.dp_rank(), dims.dp_size
+        self._dp_rank, self._dp_size = dp_rank, dp_size
         cp_rank = meshes.world.get_local_rank("cp")
         tokenizer = build_tokenizer(cfg.data)
         # The model's vocabulary bounds every id read (the contract: moetrain/models/spec.py).
@@ -75,6 +77,23 @@ class Batches:
                 raise DataError(str(err).rstrip().rpartition("DataError: ")[2]) from None
             batches.append(self.prepare_batch(batch))
         return batches
+
+    def pair_batches(self, train: bool = True) -> Iterator[Batch]:
+        """This rank's share of every training sample (`train`) and every held-out one, in
+        micro-batches on the training device, each rank as many: what
+        `dpo.reference=stored`'s first pass reads (moetrain.loop.stored_reference)."""
+        sources = [(self.order.dataset, len(self.order.dataset))] if train else []
+        sources += [(h.dataset, h.samples) for h in self._data.held_out]
+        size = self.cfg.train.micro_batch_size
+        for dataset, samples in sources:
+            for mb in rank_micro_batches(dataset, samples, size, self._dp_rank, self._dp_size):
+                yield self.prepare_batch(mb)
+
+    def use_reference(self, reference: Callable[[Batch], torch.Tensor]) -> None:
+        """The held-out pairs' reference from now on (dpo.reference=stored's table, or
+        copy's model)."""
+        if self._evaluator is not None:
+            self._evaluator.reference = reference
 
     @property
     def has_held_out(self) -> bool:

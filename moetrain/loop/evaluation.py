@@ -8,8 +8,8 @@ adds are dropped. A run with `eval.interval=1` trains bit for bit like one witho
 
 Under `train.objective=dpo` the held-out data are pairs, and the figures those of training
 (moetrain/loop/preference.py): eval_loss the DPO loss over the held-out pairs, with
-eval_rewards/chosen, /rejected, /margins, /accuracy and eval_nll, the reference the model
-with its adapters off, as in training.
+eval_rewards/chosen, /rejected, /margins, /accuracy and eval_nll, the reference training's
+(`dpo.reference`: the model with its adapters off, or the stored sums of the first pass).
 
 Otherwise the loss is the token-weighted next-token cross-entropy over every held-out token: the sum
 of the per-token losses over all ranks, divided by the global token count (one float64
@@ -23,17 +23,19 @@ need them) and the result does not change.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import Dataset
 
 from moetrain.config.objective import DpoSection
 from moetrain.data.batch import IGNORE_INDEX, Batch
 from moetrain.data.run_data import HeldOut
+from moetrain.errors import DataError
 from moetrain.loop.losses import model_inputs, with_mtp_targets
 from moetrain.loop.preference import Reference, held_out_figures, held_out_record
 from moetrain.models.spec import LossTerms
@@ -44,6 +46,21 @@ from moetrain.parallelisms.cp_schedule import balanced_table, split_for_cp
 def _share(samples: int, dp_rank: int, dp_size: int) -> range:
     per_rank = -(-samples // dp_size)
     return range(min(dp_rank * per_rank, samples), min((dp_rank + 1) * per_rank, samples))
+
+
+def rank_micro_batches(
+    dataset: Dataset, samples: int, micro_batch_size: int, dp_rank: int, dp_size: int
+) -> Iterator[Batch]:
+    """This rank's micro-batches (CPU) of the first `samples` of `dataset`: its contiguous
+    share, padded with samples that count no token to as many micro-batches as every other
+    rank runs (FSDP, EP and CP need the same forwards on each)."""
+    per_rank = -(-samples // dp_size)
+    rounds = -(-per_rank // micro_batch_size)
+    mine = _share(samples, dp_rank, dp_size)
+    pad = _no_tokens(dataset[0])
+    for r in range(rounds):
+        at = range(mine.start + r * micro_batch_size, mine.start + (r + 1) * micro_batch_size)
+        yield Batch.stack([dataset[i] if i in mine else pad for i in at])
 
 
 class Evaluator:
@@ -64,19 +81,13 @@ class Evaluator:
         self.names = [h.name for h in held_out]
         self.prepare, self.terms, self.document_mask = prepare, terms, document_mask
         self.dpo = dpo
-        self.batches: list[list[Batch]] = []  # per source: this rank's micro-batches (CPU)
-        for h in held_out:
-            per_rank = -(-h.samples // dp_size)
-            rounds = -(-per_rank // micro_batch_size)
-            mine = [h.dataset[i] for i in _share(h.samples, dp_rank, dp_size)]
-            pad = _no_tokens(h.dataset[0])
-            mine += [pad] * (rounds * micro_batch_size - len(mine))
-            self.batches.append(
-                [
-                    Batch.stack(mine[a : a + micro_batch_size])
-                    for a in range(0, len(mine), micro_batch_size)
-                ]
-            )
+        # dpo.reference=stored: the first pass's sums (moetrain.loop.stored_reference), set
+        # once it ran; None: the model with its adapters off
+        self.reference: Callable[[Batch], torch.Tensor] | None = None
+        self.batches = [  # per source: this rank's micro-batches (CPU)
+            list(rank_micro_batches(h.dataset, h.samples, micro_batch_size, dp_rank, dp_size))
+            for h in held_out
+        ]
 
     def __call__(
         self, model: nn.Module, pipeline: Callable[[list[Batch]], torch.Tensor] | None = None
@@ -131,17 +142,22 @@ class Evaluator:
 
     def _evaluate_pairs(self, model: nn.Module) -> dict[str, float]:
         """The held-out pairs' DPO figures (one source: blends are refused with DPO)."""
-        reference = Reference(model, self.terms, self.document_mask)
+        reference = self.reference or Reference(model, self.terms, self.document_mask)
         total = torch.zeros(7, dtype=torch.float64)
         for mb in self.batches[0]:
             mb = self.prepare(mb)
-            reference_logps = reference(mb)
+            reference_sums = reference(mb)
             inputs = model_inputs(mb, self.terms, self.document_mask)
             out = model(mb.input_ids, mb.position_ids, **inputs)
-            total += held_out_figures(out, mb, reference_logps, self.dpo).cpu()
+            total += held_out_figures(out, mb, reference_sums, self.dpo).cpu()
         device = next(model.parameters()).device
         total = total.to(device)
         dist.all_reduce(total)  # every rank holds distinct pairs
+        if total.isnan().any():  # a held-out side the stored reference lacks
+            raise DataError(
+                "the held-out pairs hold a document the stored DPO reference has not: it was "
+                "computed for other [eval] data; evaluate with the [eval] keys of the run's start"
+            )
         return held_out_record(total.cpu(), self.dpo)
 
 

@@ -3,8 +3,10 @@
 A micro-batch's samples hold whole pairs (moetrain/data/conversations.py): its documents 2j
 and 2j + 1 are pair j's chosen and rejected sides, each with its answer's tokens trained. A
 side's log-probability is the sum over its trained tokens of log p(token), the policy's
-(with gradient) and the reference's (the frozen base: the same model with its LoRA adapters
-off, run without gradient before the step's first forward). With the log-ratios
+(with gradient) and the reference's (`dpo.reference`: under LoRA the frozen base, the same
+model with its adapters off, run without gradient before the step's first forward; under
+full fine-tuning the initial model's sums, stored by a first pass before step 1 and looked
+up by each document's content: moetrain/loop/stored_reference.py). With the log-ratios
 r = policy - reference of each side and the margin h = r_chosen - r_rejected, a pair's loss
 is (`[dpo]`, as TRL's DPOTrainer computes it):
 
@@ -22,6 +24,8 @@ and z losses come from the policy's forward alone: the reference forward's route
 are dropped. The record adds what a user watches (TRL's names): rewards/chosen and
 rewards/rejected (beta r, mean over pairs), rewards/margins, rewards/accuracy (the share of
 pairs whose chosen reward is the higher), and nll (the chosen answers' mean cross-entropy).
+A reference is NaN for a document it does not hold (a stored reference only): the step's
+record counts those sides (`reference_missing`), and the trainer refuses the run at once.
 """
 
 from __future__ import annotations
@@ -71,14 +75,14 @@ class PairStats:
     valid: torch.Tensor  # bool
 
     @staticmethod
-    def of(policy_logps: torch.Tensor, reference_logps: torch.Tensor, batch: Batch) -> PairStats:
-        """From per-position log-probabilities [B, S] (0 where untrained)."""
+    def of(policy_logps: torch.Tensor, reference: torch.Tensor, batch: Batch) -> PairStats:
+        """From the policy's per-position log-probabilities [B, S] (0 where untrained) and
+        the reference's per-document sums [B, W] (float64, as a `Reference` gives them)."""
         # NOTE: summed in float64: a side of a thousand tokens sums to thousands, where fp32
         # keeps only ~1e-3 of the margin, a small difference of two such sums.
         ids = batch.document_ids
         counts = per_document((batch.labels != IGNORE_INDEX).double(), ids)
         policy = per_document(policy_logps.double(), ids)
-        reference = per_document(reference_logps.double(), ids)
         tokens = _sides(counts)
         return PairStats(_sides(policy), _sides(reference), tokens, tokens[0] > 0)
 
@@ -149,11 +153,11 @@ def pair_record(sums: torch.Tensor, counts: torch.Tensor, dpo: DpoSection) -> di
 
 
 def held_out_figures(
-    out: CausalLMOutput, batch: Batch, reference_logps: torch.Tensor, dpo: DpoSection
+    out: CausalLMOutput, batch: Batch, reference: torch.Tensor, dpo: DpoSection
 ) -> torch.Tensor:
     """PAIR_FIGURES summed over a held-out micro-batch's pairs, then [pairs, chosen tokens]:
     [7] float64 (moetrain/loop/evaluation.py adds them over the ranks)."""
-    stats = PairStats.of(token_logps(out.logits, batch.labels), reference_logps, batch)
+    stats = PairStats.of(token_logps(out.logits, batch.labels), reference, batch)
     return torch.cat([pair_sums(stats, dpo).detach(), pair_counts(batch).double()])
 
 
@@ -164,19 +168,32 @@ def held_out_record(total: torch.Tensor, dpo: DpoSection) -> dict:
     return {f"eval_{k}": float(v) if k != "pairs" else int(v) for k, v in record.items()}
 
 
+def missing_sides(stats: PairStats) -> torch.Tensor:
+    """How many sides of the pairs have no reference (NaN: a stored reference without the
+    document), int64 on the device."""
+    missing = stats.reference[0].isnan().long() + stats.reference[1].isnan().long()
+    return (missing * stats.valid).sum()
+
+
 class Reference:
-    """The reference's log-probabilities of a micro-batch: the model with its LoRA adapters
-    off (the frozen base: no second copy), without gradient."""
+    """The reference's log-probability sums of a micro-batch's documents, [B, W] float64
+    (`per_document`): the model with its LoRA adapters off (the frozen base: no second copy;
+    a model without adapters as it is), without gradient."""
 
     def __init__(self, model: nn.Module, terms: LossTerms, document_mask: bool) -> None:
         self.model, self.terms, self.document_mask = model, terms, document_mask
+
+    def fill(self, *_run) -> list[str]:
+        """Nothing to prepare before step 1 (`dpo.reference=stored` and `copy` have: their
+        `fill` takes the trainer's model, terms, batches, state and resumed checkpoint)."""
+        return []
 
     @torch.no_grad()
     def __call__(self, batch: Batch) -> torch.Tensor:
         with adapters_disabled(self.model):
             inputs = model_inputs(batch, self.terms, self.document_mask)
             out = self.model(batch.input_ids, batch.position_ids, **inputs)
-        return token_logps(out.logits, batch.labels)
+        return per_document(token_logps(out.logits, batch.labels).double(), batch.document_ids)
 
 
 class PreferenceLoss(StepLoss):
@@ -212,7 +229,7 @@ class PreferenceLoss(StepLoss):
         loss = sums[0] / self._pair_divisors[0]
         if self.dpo.nll_weight:
             loss = loss + self.dpo.nll_weight * sums[1] / self._pair_divisors[1]
-        sums = sums.detach()
+        sums = torch.cat([sums.detach(), missing_sides(stats).double()[None]])
         self._pair_sums = sums if self._pair_sums is None else self._pair_sums + sums
         if out.router_stats is not None:
             loss = loss + self.router_loss(out.router_stats)
@@ -222,10 +239,11 @@ class PreferenceLoss(StepLoss):
         record = super().end()
         sums = self._pair_sums
         if sums is None:
-            sums = torch.zeros(len(PAIR_FIGURES), dtype=torch.float64, device=self.device)
+            sums = torch.zeros(len(PAIR_FIGURES) + 1, dtype=torch.float64, device=self.device)
         if dist.get_world_size() > 1:  # every rank holds distinct pairs
             dist.all_reduce(sums)
-        record.update(pair_record(sums, self.pair_counts, self.dpo))
+        record.update(pair_record(sums[:-1], self.pair_counts, self.dpo))
+        record["reference_missing"] = sums[-1]  # sides without a reference (trainer refuses)
         return record
 
 

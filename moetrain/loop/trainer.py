@@ -37,7 +37,7 @@ from moetrain.loop.batches import Batches
 from moetrain.loop.guard import StepGuard, likely_cause, loss_weights
 from moetrain.loop.losses import BalanceTerms, LossScope, model_inputs
 from moetrain.loop.pipelined import build_pipelined, moe_layers, pipeline_evaluation
-from moetrain.loop.preference import Reference, step_loss
+from moetrain.loop.preference import step_loss
 from moetrain.loop.profiling import StepProfiler
 from moetrain.loop.run_report import startup_lines, step_figures
 from moetrain.loop.step import (
@@ -49,6 +49,7 @@ from moetrain.loop.step import (
     on_device_path,
     step_end,
 )
+from moetrain.loop.stored_reference import reference_for, refuse_missing
 from moetrain.metrics.logger import MetricsLogger, peak_flops
 from moetrain.metrics.sinks import build_sinks
 from moetrain.models import get_model_spec
@@ -92,6 +93,11 @@ class Trainer:
         )
         resume_from, notes = self.checkpoints.begin()
         self.notes += notes
+        # DPO's reference of the initial model, before step 1 (dpo.reference=stored, copy)
+        ready = (cfg, self.model, self.terms, self.batches, self.state, resume_from)
+        self.notes += self.reference.fill(*ready)
+        for dispatcher in self.dispatchers:  # a first pass's EP bytes are no step's
+            dispatcher.reset_traffic()
         if self.shared_embedding is not None:  # a stage's copy of the embedding, as loaded
             self.shared_embedding.sync()
         stage_loads = self.pipelined.whole_model_load if self.pipelined is not None else None
@@ -155,10 +161,11 @@ class Trainer:
             batch_group,
             moe_layers(self.parallel.whole, self.spec.plan) if self.meshes.pp is not None else 0,
         )
-        reference = Reference(self.model, self.terms, cfg.data.document_mask)
+        # train.objective=dpo's reference (dpo.reference)
+        self.reference = reference_for(cfg, self.spec, self.place, self.model, self.terms)
         objective = cfg.train.objective
         self.step_loss = step_loss(
-            objective, cfg.dpo, self.terms, BalanceTerms.of(cfg.moe), scope, reference
+            objective, cfg.dpo, self.terms, BalanceTerms.of(cfg.moe), scope, self.reference
         )
         self._build_pipeline()
 
@@ -284,6 +291,7 @@ class Trainer:
         held-out loss of the current weights, which must be that step's."""
         cfg = self.cfg
         record = self.steps.settle(queued)
+        refuse_missing(record, queued.step)  # a stored DPO reference's lookups
         # From the previous step's end to this one's, as the device ran them (not when the
         # host read them: it reads a step once the next is queued).
         elapsed, self._last_end = queued.end.seconds_since(self._last_end), queued.end

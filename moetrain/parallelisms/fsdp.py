@@ -161,6 +161,15 @@ def set_prefetch_chains(
             block.set_modules_to_backward_prefetch(units(i - 1))
 
 
+def reshard_all(model: nn.Module) -> None:
+    """Free every FSDP unit's gathered parameters: after forwards with no backward (FSDP2
+    reshards the root unit only after backward, so until then its parameters would be the
+    gathered tensors, not the sharded ones the optimizer holds)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def gather_once_per_step(model: nn.Module, last_micro_batch: bool) -> None:
     """`parallel.fsdp_gather=step`: call before each micro-batch's forward.
 

@@ -11,11 +11,12 @@ of one packed sample, so the step's tokens are SFT's; the reference is what is a
   Nothing of it is saved for a backward: its transients (a block's, the
   logits) come and go before the policy's forward, which holds the same and its saved
   activations, so they do not raise the peak. What it leaves is each micro-batch's
-  per-position log-probabilities, [B, S] fp32, held from the step's start until that
-  micro-batch's loss: the step's micro-batches' at most, at the forwards' peak.
-- copy (a second, frozen copy of the initial model): the same forward and log-probabilities,
-  the copy's own gathers, and its parameters, sharded as the model's (the base's under
-  LoRA), resting through the run: no gradients, no optimizer state.
+  per-document log-probability sums, [B, S rounded up to even] float64, held from the
+  step's start until that micro-batch's loss: the step's micro-batches' at most, at the
+  forwards' peak.
+- copy (a second, frozen copy of the initial model, full fine-tuning's): the same forward
+  and sums, the copy's own gathers, and its parameters, sharded as the model's, resting
+  through the run: no gradients, no optimizer state.
 - stored (computed once by a first pass of the initial model over the pairs): no forward per
   step; a one-off pass of one forward over the corpus' tokens before training, and its
   table, two float64 sums a pair (chosen, rejected), on every rank.
@@ -25,8 +26,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# the per-position log-probabilities of the reference: fp32 (`preference.token_logps`)
-LOGP_BYTES = 4
+from moetrain.config.objective_checks import dpo_reference
+
+# the reference's log-probability sums of a micro-batch's documents: [B, S rounded up to
+# even] float64 (`preference.per_document`)
+LOGP_BYTES = 8
 # a stored side's log-probability: a float64 sum (`preference.PairStats`)
 STORED_SUM_BYTES = 8
 
@@ -44,12 +48,8 @@ class ReferenceCost:
 
 
 def reference_source(cfg) -> str:
-    """`dpo.reference` resolved (auto: base under LoRA, else stored); none for SFT."""
-    if cfg.train.objective != "dpo":
-        return "none"
-    if cfg.dpo.reference == "auto":
-        return "base" if cfg.peft.method == "lora" else "stored"
-    return cfg.dpo.reference
+    """`dpo.reference` as the run resolves it (`dpo_reference`); none for SFT."""
+    return dpo_reference(cfg) if cfg.train.objective == "dpo" else "none"
 
 
 def reference_cost(cfg, dims, state, grad_accum: int) -> ReferenceCost:
@@ -62,13 +62,13 @@ def reference_cost(cfg, dims, state, grad_accum: int) -> ReferenceCost:
     if source == "stored":
         tokens, pairs = _corpus_size(cfg.data.path)
         return ReferenceCost(source, 0, [pairs * 2 * STORED_SUM_BYTES] * world, 0, tokens, pairs)
-    tokens = cfg.train.micro_batch_size * (cfg.data.seq_len // dims.cp)
-    held = grad_accum * tokens * LOGP_BYTES
+    columns = cfg.data.seq_len // dims.cp
+    columns += columns % 2  # a document slot per position, pairs of them
+    held = grad_accum * cfg.train.micro_batch_size * columns * LOGP_BYTES
     if source == "base":
         return ReferenceCost(source, 1, [0] * world, held)
-    # copy: the initial model sharded as the policy; under LoRA that is its frozen base
-    copied = state.frozen if cfg.peft.method == "lora" else state.params
-    return ReferenceCost(source, 1, list(copied), held)
+    # copy (full fine-tuning's: refused under LoRA): the initial model sharded as the policy
+    return ReferenceCost(source, 1, list(state.params), held)
 
 
 def _corpus_size(path: str) -> tuple[int, int]:
@@ -112,8 +112,8 @@ def reference_memory_lines(r: dict, unit: float, name: str) -> list[str]:
     b, s = r["micro_batch"]
     line = (
         head + f"each micro-batch's reference log-probabilities, held from the step's start "
-        f"to its loss: {r['micro_batches']} x [{b}, {s}] fp32 = {r['held_bytes'] / unit:.4f} "
-        f"{name} at the forwards' peak; the reference forward saves nothing for backward, its "
+        f"to its loss: {r['micro_batches']} x [{b}, {s + s % 2}] float64 = "
+        f"{r['held_bytes'] / unit:.4f} {name} at the forwards' peak; the reference forward saves nothing for backward, its "
         "transients stay under the policy forward's peak"
     )
     if source == "copy":
