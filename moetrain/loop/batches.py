@@ -61,6 +61,7 @@ class Batches:
                 terms,
                 cfg.data.document_mask,
                 cfg.dpo if cfg.train.objective == "dpo" else None,
+                meshes.world.get_group("cp"),
             )
 
     def next_micro_batches(self) -> list[Batch]:

@@ -9,7 +9,9 @@ adds are dropped. A run with `eval.interval=1` trains bit for bit like one witho
 Under `train.objective=dpo` the held-out data are pairs, and the figures those of training
 (moetrain/loop/preference.py): eval_loss the DPO loss over the held-out pairs, with
 eval_rewards/chosen, /rejected, /margins, /accuracy and eval_nll, the reference the model
-with its adapters off, as in training.
+with its adapters off, as in training: under CP each document's sums completed over the cp
+ranks, each pair counted on the first of them; under pipeline stages both forwards through
+the stages (`StagedForward.logps`).
 
 Otherwise the loss is the token-weighted next-token cross-entropy over every held-out token: the sum
 of the per-token losses over all ranks, divided by the global token count (one float64
@@ -25,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,7 +38,7 @@ from moetrain.config.objective import DpoSection
 from moetrain.data.batch import IGNORE_INDEX, Batch
 from moetrain.data.run_data import HeldOut
 from moetrain.loop.losses import model_inputs, with_mtp_targets
-from moetrain.loop.preference import Reference, held_out_figures, held_out_record
+from moetrain.loop.preference import ModelLogps, held_out_figures, held_out_record
 from moetrain.models.spec import LossTerms
 from moetrain.parallelisms.context_parallel import ContextParallelAttention, use_cp_table
 from moetrain.parallelisms.cp_schedule import balanced_table, split_for_cp
@@ -44,6 +47,19 @@ from moetrain.parallelisms.cp_schedule import balanced_table, split_for_cp
 def _share(samples: int, dp_rank: int, dp_size: int) -> range:
     per_rank = -(-samples // dp_size)
     return range(min(dp_rank * per_rank, samples), min((dp_rank + 1) * per_rank, samples))
+
+
+class StagedForward(Protocol):
+    """Under pipeline stages, what runs held-out micro-batches through them forward only
+    (moetrain/loop/pipelined.py `pipeline_evaluation`)."""
+
+    def __call__(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """This rank's [cross-entropy sum, tokens] (float64; zeros but on the last stage's
+        ranks)."""
+
+    def logps(self, micro_batches: list[Batch], adapters_off: bool) -> list[torch.Tensor]:
+        """Each micro-batch's per-position log-probabilities (the last stage's ranks; none
+        on the others), `adapters_off`: the reference's (moetrain/loop/preference.py)."""
 
 
 class Evaluator:
@@ -57,13 +73,15 @@ class Evaluator:
         terms: LossTerms,
         document_mask: bool,
         dpo: DpoSection | None = None,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> None:
         """`prepare`: a micro-batch as the model takes it on this rank (device, MTP inputs,
         this rank's part of each sequence under CP): the same path as training's. `dpo`:
-        train.objective=dpo's section (held-out pairs)."""
+        train.objective=dpo's section (held-out pairs); `cp_group`: the ranks holding the
+        other parts of this rank's sequences (a pair's figures need the whole sequences)."""
         self.names = [h.name for h in held_out]
         self.prepare, self.terms, self.document_mask = prepare, terms, document_mask
-        self.dpo = dpo
+        self.dpo, self.cp_group = dpo, cp_group
         self.batches: list[list[Batch]] = []  # per source: this rank's micro-batches (CPU)
         for h in held_out:
             per_rank = -(-h.samples // dp_size)
@@ -78,12 +96,9 @@ class Evaluator:
                 ]
             )
 
-    def __call__(
-        self, model: nn.Module, pipeline: Callable[[list[Batch]], torch.Tensor] | None = None
-    ) -> dict[str, float]:
-        """`pipeline`: under pipeline stages, what runs a source's micro-batches through them
-        and returns this rank's [cross-entropy sum, tokens] (float64; zeros but on the last
-        stage's ranks). In eval mode (no dropout: no random draws), then back as it was."""
+    def __call__(self, model: nn.Module, pipeline: StagedForward | None = None) -> dict[str, float]:
+        """`pipeline`: under pipeline stages, what runs a source's micro-batches through
+        them. In eval mode (no dropout: no random draws), then back as it was."""
         modes = {m: m.training for m in model.modules()}
         model.eval()
         try:
@@ -93,11 +108,9 @@ class Evaluator:
                 module.train(training)
 
     @torch.no_grad()
-    def _evaluate(
-        self, model: nn.Module, pipeline: Callable[[list[Batch]], torch.Tensor] | None
-    ) -> dict[str, float]:
+    def _evaluate(self, model: nn.Module, pipeline: StagedForward | None) -> dict[str, float]:
         if self.dpo is not None:
-            return self._evaluate_pairs(model)
+            return self._evaluate_pairs(model, pipeline)
         sums = []  # per source: [cross-entropy sum, tokens], float64
         rings = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
         for batches in self.batches:
@@ -129,19 +142,20 @@ class Evaluator:
                 record[f"eval_loss/{name}"] = ce / tokens
         return record
 
-    def _evaluate_pairs(self, model: nn.Module) -> dict[str, float]:
+    def _evaluate_pairs(self, model: nn.Module, pipeline: StagedForward | None) -> dict:
         """The held-out pairs' DPO figures (one source: blends are refused with DPO)."""
-        reference = Reference(model, self.terms, self.document_mask)
-        total = torch.zeros(7, dtype=torch.float64)
-        for mb in self.batches[0]:
-            mb = self.prepare(mb)
-            reference_logps = reference(mb)
-            inputs = model_inputs(mb, self.terms, self.document_mask)
-            out = model(mb.input_ids, mb.position_ids, **inputs)
-            total += held_out_figures(out, mb, reference_logps, self.dpo).cpu()
+        logps = (
+            pipeline.logps
+            if pipeline is not None
+            else ModelLogps(model, self.terms, self.document_mask)
+        )
+        batches = [self.prepare(mb) for mb in self.batches[0]]
+        reference = logps(batches, True)
+        policy = logps(batches, False)
+        total = held_out_figures(policy, reference, batches, self.dpo, self.cp_group)
         device = next(model.parameters()).device
         total = total.to(device)
-        dist.all_reduce(total)  # every rank holds distinct pairs
+        dist.all_reduce(total)  # every pair on one rank (the first of its cp ranks)
         return held_out_record(total.cpu(), self.dpo)
 
 
