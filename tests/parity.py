@@ -195,7 +195,7 @@ def layout_worker(
             counter.remote = counter.remote_pairs = counter.remote_node_assignments = 0
         records.append(out)
     if dims.pp > 1:  # each rank holds its stages' tensors: the union is the model
-        _merge_stages(records, world)
+        merge_stages(records, world)
     gathered = [None] * world
     dist.all_gather_object(
         gathered,
@@ -212,9 +212,11 @@ def layout_worker(
         torch.save({"records": records, "per_rank": gathered}, out_path)
 
 
-def _merge_stages(records: list[dict], world: int) -> None:
-    """Every record's per-tensor dicts and names, merged over the ranks (pipeline stages)."""
-    keys = ("grads", "params", "buffers")
+def merge_stages(
+    records: list[dict], world: int, keys: tuple[str, ...] = ("grads", "params", "buffers")
+) -> None:
+    """Every record's per-tensor dicts `keys` and names, merged over the ranks (pipeline
+    stages)."""
     for record in records:
         parts = [None] * world
         dist.all_gather_object(parts, {k: record[k] for k in (*keys, "optimized")})

@@ -71,7 +71,7 @@ def _argv(root, out) -> list[str]:
 def _trained(argv: list[str]):
     """(notes, history, final parameters, stored table, the table the final weights would
     give) of a one-rank run of `argv` (the tables: None under dpo.reference=copy)."""
-    from moetrain.loop.preference import Reference
+    from moetrain.loop.preference import ModelLogps, Reference
     from moetrain.loop.stored_reference import StoredReference, first_pass
 
     _, trainer = build_trainer(argv, 1)
@@ -84,7 +84,7 @@ def _trained(argv: list[str]):
         }
         if table is None:
             return trainer.notes, history, params, None, None
-        reference = Reference(trainer.model, trainer.terms, True)
+        reference = Reference(ModelLogps(trainer.model, trainer.terms, True))
         after = first_pass(reference, trainer.batches.pair_batches()).sums
         return trainer.notes, history, params, (table.keys.clone(), table.sums.clone()), after
     finally:

@@ -141,8 +141,9 @@ def _ours(case: dict, logits: torch.Tensor, dpo: DpoSection) -> torch.Tensor:
     batch, packed, refs = _packed(case, logits)
     dims = ParallelDims.resolve(1, -1, 1, 1, 1)
     scope = LossScope(dims, None, 2, 1, torch.device("cpu"))
-    sums = per_document(refs.double(), batch.document_ids)  # a reference's per-document sums
-    loss = PreferenceLoss(LossTerms(), BalanceTerms(), scope, dpo, lambda _: sums)
+    width = batch.labels.shape[1]
+    sums = per_document(refs.double(), batch.document_ids, width)  # a reference's sums
+    loss = PreferenceLoss(LossTerms(), BalanceTerms(), scope, dpo, lambda mbs, _: [sums])
     loss.begin([batch])
     value = loss(CausalLMOutput(packed, None), batch)
     record = loss.end()
@@ -185,13 +186,13 @@ def test_each_loss_is_what_its_name_says_at_a_margin_of_zero(one_rank):
     batch, packed, _ = _packed(case, case["logits"])
     token = torch.log_softmax(packed.float(), -1).gather(-1, batch.labels.clamp(min=0)[..., None])
     refs = torch.where(batch.labels != IGNORE_INDEX, token[..., 0], 0.0)  # the policy itself
-    sums = per_document(refs.double(), batch.document_ids)
+    sums = per_document(refs.double(), batch.document_ids, batch.labels.shape[1])
     expected = {"sigmoid": 0.6931471805599453, "ipo": 1 / (2 * 0.25) ** 2, "hinge": 1.0}
     for name, value in expected.items():
         dims = ParallelDims.resolve(1, -1, 1, 1, 1)
         scope = LossScope(dims, None, 2, 1, torch.device("cpu"))
         dpo = DpoSection(beta=0.25, loss=name)
-        loss = PreferenceLoss(LossTerms(), BalanceTerms(), scope, dpo, lambda _: sums)
+        loss = PreferenceLoss(LossTerms(), BalanceTerms(), scope, dpo, lambda mbs, _: [sums])
         loss.begin([batch])
         loss(CausalLMOutput(packed, None), batch)
         record = loss.end()

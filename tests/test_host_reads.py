@@ -105,7 +105,10 @@ STEP_PATH = [
     losses.StepLoss.end,
     preference.PreferenceLoss.begin,  # train.objective=dpo
     preference.PreferenceLoss.__call__,
+    preference.PreferenceLoss.output_loss,
     preference.PreferenceLoss.end,
+    preference.Reference.__call__,
+    preference.whole_sequences,
     preference.missing_sides,
     stored_reference.ReferenceTable.__call__,  # dpo.reference=stored's lookups
     stored_reference.document_keys,

@@ -18,7 +18,7 @@ def dpo_reference(cfg: JobConfig) -> str:
 
 def objective_problems(cfg: JobConfig) -> list[str]:
     """What `train.objective` does not combine with, each naming the key and the fix."""
-    d, p = cfg.dpo, cfg.parallel
+    d = cfg.dpo
     if cfg.train.objective != "dpo":
         changed = [f.name for f in fields(d) if getattr(d, f.name) != getattr(DpoSection(), f.name)]
         return [
@@ -32,16 +32,7 @@ def objective_problems(cfg: JobConfig) -> list[str]:
             f"dpo.label_smoothing={d.label_smoothing} smooths the sigmoid loss, but "
             f"dpo.loss={d.loss}; set dpo.loss=sigmoid or dpo.label_smoothing=0"
         )
-    not_yet = (
-        ("parallel.cp", p.cp > 1, "per-document sums over the ring's ranks"),
-        ("parallel.pp", p.pp > 1, "the pair loss on the last stage"),
-    )
-    for key, value, what in not_yet:
-        if value:
-            problems.append(
-                f"{key}={getattr(p, key.split('.')[1])} with train.objective=dpo is not done "
-                f"yet ({what}); set {key}=1"
-            )
+    p = cfg.parallel
     lora, reference = cfg.peft.method == "lora", dpo_reference(cfg)
     if reference == "base" and not lora:
         problems.append(

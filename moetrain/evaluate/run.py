@@ -75,7 +75,7 @@ def evaluate_weights(cfg: JobConfig, dims: ParallelDims, checkpoint: str | None)
             SharedEmbedding(
                 parallel.stages, embedding_names(parallel.whole, spec.plan), None
             ).sync()
-        stages = pipeline_evaluation(cfg, parallel, meshes, device, terms)  # None: pp=1
+        stages = pipeline_evaluation(cfg, parallel, meshes, device, terms, model)  # pp=1: None
         record = {"weights": source, **evaluator(model, stages)}
         dist.barrier()
         return record if dist.get_rank() == 0 else None

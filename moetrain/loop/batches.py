@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-import torch
 from torch import nn
 
 from moetrain.build.distributed import Place
@@ -19,6 +18,7 @@ from moetrain.data.sampler import SampleOrder
 from moetrain.data.tokenizers import build_tokenizer
 from moetrain.errors import DataError
 from moetrain.loop.evaluation import Evaluator, batch_preparer, rank_micro_batches
+from moetrain.loop.preference import ReferenceSums
 from moetrain.loop.run_report import data_lines, source_tokens
 from moetrain.models.spec import LossTerms
 
@@ -63,6 +63,7 @@ class Batches:
                 terms,
                 cfg.data.document_mask,
                 cfg.dpo if cfg.train.objective == "dpo" else None,
+                meshes.world.get_group("cp"),
             )
 
     def next_micro_batches(self) -> list[Batch]:
@@ -89,7 +90,7 @@ class Batches:
             for mb in rank_micro_batches(dataset, samples, size, self._dp_rank, self._dp_size):
                 yield self.prepare_batch(mb)
 
-    def use_reference(self, reference: Callable[[Batch], torch.Tensor]) -> None:
+    def use_reference(self, reference: ReferenceSums) -> None:
         """The held-out pairs' reference from now on (dpo.reference=stored's table, or
         copy's model)."""
         if self._evaluator is not None:

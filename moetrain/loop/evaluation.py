@@ -9,7 +9,10 @@ adds are dropped. A run with `eval.interval=1` trains bit for bit like one witho
 Under `train.objective=dpo` the held-out data are pairs, and the figures those of training
 (moetrain/loop/preference.py): eval_loss the DPO loss over the held-out pairs, with
 eval_rewards/chosen, /rejected, /margins, /accuracy and eval_nll, the reference training's
-(`dpo.reference`: the model with its adapters off, or the stored sums of the first pass).
+(`dpo.reference`: the model with its adapters off, the stored sums of the first pass, or
+the frozen copy): under CP each document's sums completed over the cp ranks, each pair
+counted on the first of them; under pipeline stages both forwards through the stages
+(`StagedForward.logps`).
 
 Otherwise the loss is the token-weighted next-token cross-entropy over every held-out token: the sum
 of the per-token losses over all ranks, divided by the global token count (one float64
@@ -25,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,7 +41,14 @@ from moetrain.data.batch import IGNORE_INDEX, Batch
 from moetrain.data.run_data import HeldOut
 from moetrain.errors import DataError
 from moetrain.loop.losses import model_inputs, with_mtp_targets
-from moetrain.loop.preference import Reference, held_out_figures, held_out_record
+from moetrain.loop.preference import (
+    ModelLogps,
+    Reference,
+    ReferenceSums,
+    document_width,
+    held_out_figures,
+    held_out_record,
+)
 from moetrain.models.spec import LossTerms
 from moetrain.parallelisms.context_parallel import ContextParallelAttention, use_cp_table
 from moetrain.parallelisms.cp_schedule import balanced_table, split_for_cp
@@ -63,6 +74,19 @@ def rank_micro_batches(
         yield Batch.stack([dataset[i] if i in mine else pad for i in at])
 
 
+class StagedForward(Protocol):
+    """Under pipeline stages, what runs held-out micro-batches through them forward only
+    (moetrain/loop/pipelined.py `pipeline_evaluation`)."""
+
+    def __call__(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """This rank's [cross-entropy sum, tokens] (float64; zeros but on the last stage's
+        ranks)."""
+
+    def logps(self, micro_batches: list[Batch], adapters_off: bool) -> list[torch.Tensor]:
+        """Each micro-batch's per-position log-probabilities (the last stage's ranks; none
+        on the others), `adapters_off`: the reference's (moetrain/loop/preference.py)."""
+
+
 class Evaluator:
     def __init__(
         self,
@@ -74,27 +98,26 @@ class Evaluator:
         terms: LossTerms,
         document_mask: bool,
         dpo: DpoSection | None = None,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> None:
         """`prepare`: a micro-batch as the model takes it on this rank (device, MTP inputs,
         this rank's part of each sequence under CP): the same path as training's. `dpo`:
-        train.objective=dpo's section (held-out pairs)."""
+        train.objective=dpo's section (held-out pairs); `cp_group`: the ranks holding the
+        other parts of this rank's sequences (a pair's figures need the whole sequences)."""
         self.names = [h.name for h in held_out]
         self.prepare, self.terms, self.document_mask = prepare, terms, document_mask
-        self.dpo = dpo
-        # dpo.reference=stored: the first pass's sums (moetrain.loop.stored_reference), set
-        # once it ran; None: the model with its adapters off
-        self.reference: Callable[[Batch], torch.Tensor] | None = None
+        self.dpo, self.cp_group = dpo, cp_group
+        # dpo.reference=stored or copy (moetrain.loop.stored_reference), set once filled;
+        # None: the model with its adapters off
+        self.reference: ReferenceSums | None = None
         self.batches = [  # per source: this rank's micro-batches (CPU)
             list(rank_micro_batches(h.dataset, h.samples, micro_batch_size, dp_rank, dp_size))
             for h in held_out
         ]
 
-    def __call__(
-        self, model: nn.Module, pipeline: Callable[[list[Batch]], torch.Tensor] | None = None
-    ) -> dict[str, float]:
-        """`pipeline`: under pipeline stages, what runs a source's micro-batches through them
-        and returns this rank's [cross-entropy sum, tokens] (float64; zeros but on the last
-        stage's ranks). In eval mode (no dropout: no random draws), then back as it was."""
+    def __call__(self, model: nn.Module, pipeline: StagedForward | None = None) -> dict[str, float]:
+        """`pipeline`: under pipeline stages, what runs a source's micro-batches through
+        them. In eval mode (no dropout: no random draws), then back as it was."""
         modes = {m: m.training for m in model.modules()}
         model.eval()
         try:
@@ -104,11 +127,9 @@ class Evaluator:
                 module.train(training)
 
     @torch.no_grad()
-    def _evaluate(
-        self, model: nn.Module, pipeline: Callable[[list[Batch]], torch.Tensor] | None
-    ) -> dict[str, float]:
+    def _evaluate(self, model: nn.Module, pipeline: StagedForward | None) -> dict[str, float]:
         if self.dpo is not None:
-            return self._evaluate_pairs(model)
+            return self._evaluate_pairs(model, pipeline)
         sums = []  # per source: [cross-entropy sum, tokens], float64
         rings = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
         for batches in self.batches:
@@ -140,19 +161,21 @@ class Evaluator:
                 record[f"eval_loss/{name}"] = ce / tokens
         return record
 
-    def _evaluate_pairs(self, model: nn.Module) -> dict[str, float]:
+    def _evaluate_pairs(self, model: nn.Module, pipeline: StagedForward | None) -> dict:
         """The held-out pairs' DPO figures (one source: blends are refused with DPO)."""
-        reference = self.reference or Reference(model, self.terms, self.document_mask)
-        total = torch.zeros(7, dtype=torch.float64)
-        for mb in self.batches[0]:
-            mb = self.prepare(mb)
-            reference_sums = reference(mb)
-            inputs = model_inputs(mb, self.terms, self.document_mask)
-            out = model(mb.input_ids, mb.position_ids, **inputs)
-            total += held_out_figures(out, mb, reference_sums, self.dpo).cpu()
+        logps = (
+            pipeline.logps
+            if pipeline is not None
+            else ModelLogps(model, self.terms, self.document_mask)
+        )
+        batches = [self.prepare(mb) for mb in self.batches[0]]
+        reference = self.reference or Reference(logps)
+        references = reference(batches, document_width(batches, self.cp_group))
+        policy = logps(batches, False)
+        total = held_out_figures(policy, references, batches, self.dpo, self.cp_group)
         device = next(model.parameters()).device
         total = total.to(device)
-        dist.all_reduce(total)  # every rank holds distinct pairs
+        dist.all_reduce(total)  # every pair on one rank (the first of its cp ranks)
         if total.isnan().any():  # a held-out side the stored reference lacks
             raise DataError(
                 "the held-out pairs hold a document the stored DPO reference has not: it was "

@@ -5,16 +5,18 @@ and the whole model's expert load (moetrain/parallelisms/pipeline.py has the sta
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from moetrain.build.lora import adapters_disabled
 from moetrain.config import JobConfig
 from moetrain.data.batch import IGNORE_INDEX, Batch
 from moetrain.loop.evaluation import token_loss_sum64
 from moetrain.loop.losses import StepLoss, model_inputs
+from moetrain.loop.preference import token_logps
 from moetrain.models.common.plan import ParallelPlan
 from moetrain.models.spec import LossTerms
 from moetrain.parallelisms.dims import ParallelDims, stage_rank
@@ -181,13 +183,48 @@ def stacked(
     return cat("input_ids"), kwargs, cat("labels")
 
 
+class StagedEvaluation:
+    """Forward only through this rank's stages (moetrain/parallelisms/pipeline_forward.py):
+    what `Evaluator` runs held-out micro-batches with (`StagedForward`), and the DPO
+    reference's log-probabilities in training (`logps`, a `Logps`)."""
+
+    def __init__(
+        self, forward: ForwardOnly, model: nn.Module, terms: LossTerms, document_mask: bool
+    ) -> None:
+        """`model`: this rank's stages as one module (their LoRA adapters)."""
+        self.forward, self.model = forward, model
+        self.terms, self.document_mask = terms, document_mask
+
+    def __call__(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """This rank's [cross-entropy sum, tokens] (float64), counted on the last stage's
+        ranks alone (zeros on the others)."""
+        ids, kwargs, labels = stacked(micro_batches, self.terms, self.document_mask)
+        losses = self.forward(ids, labels, len(micro_batches), _eval_loss, **kwargs)
+        total = torch.zeros(2, dtype=torch.float64)
+        if self.forward.has_last:
+            total[0] = sum(loss.cpu() for loss in losses)
+            total[1] = (labels != IGNORE_INDEX).sum().cpu()
+        return total
+
+    def logps(self, micro_batches: list[Batch], adapters_off: bool) -> list[torch.Tensor]:
+        """Each micro-batch's per-position log-probabilities on the last stage's ranks (none
+        on the others); `adapters_off`: every stage of every rank runs its frozen base (each
+        rank turns off its own stages' adapters), the reference of train.objective=dpo."""
+        ids, kwargs, labels = stacked(micro_batches, self.terms, self.document_mask)
+        with adapters_disabled(self.model) if adapters_off else contextlib.nullcontext():
+            return self.forward(ids, labels, len(micro_batches), _logps, **kwargs)
+
+
 def pipeline_evaluation(
-    cfg: JobConfig, parallel: Parallelized, meshes: Meshes, device: torch.device, terms: LossTerms
-) -> Callable[[list[Batch]], torch.Tensor] | None:
-    """Under pipeline stages (None without): what `Evaluator` runs a source's held-out
-    micro-batches with, forward only through the stages (moetrain/parallelisms/pipeline_forward.py):
-    this rank's [cross-entropy sum, tokens] (float64), counted on the last stage's ranks
-    alone (zeros on the others)."""
+    cfg: JobConfig,
+    parallel: Parallelized,
+    meshes: Meshes,
+    device: torch.device,
+    terms: LossTerms,
+    model: nn.Module,
+) -> StagedEvaluation | None:
+    """Under pipeline stages (None without): the stages forward only (`StagedEvaluation`);
+    `model`: this rank's stages as one module."""
     if meshes.pp is None:
         return None
     forward = ForwardOnly(
@@ -199,20 +236,15 @@ def pipeline_evaluation(
         device,
         parallel.stage_metas,
     )
-
-    def run(micro_batches: list[Batch]) -> torch.Tensor:
-        ids, kwargs, labels = stacked(micro_batches, terms, cfg.data.document_mask)
-        losses = forward(ids, labels, len(micro_batches), _eval_loss, **kwargs)
-        total = torch.zeros(2, dtype=torch.float64)
-        if forward.has_last:
-            total[0] = sum(loss.cpu() for loss in losses)
-            total[1] = (labels != IGNORE_INDEX).sum().cpu()
-        return total
-
-    return run
+    return StagedEvaluation(forward, model, terms, cfg.data.document_mask)
 
 
 def _eval_loss(output, labels: torch.Tensor) -> torch.Tensor:
     """The last stage's held-out loss of one micro-batch: its float64 cross-entropy sum."""
     logits = output[0] if isinstance(output, tuple) else output
     return token_loss_sum64(logits, labels)
+
+
+def _logps(output, labels: torch.Tensor) -> torch.Tensor:
+    """The last stage's per-position log-probabilities of one micro-batch."""
+    return token_logps(output[0] if isinstance(output, tuple) else output, labels)

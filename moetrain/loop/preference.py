@@ -19,7 +19,10 @@ plus, with `dpo.nll_weight` (RPO), that weight times the chosen answers' next-to
 cross-entropy, averaged over the global batch's chosen tokens. The step's loss is the mean
 over the global batch's pairs: each forward adds its pairs' losses divided by the global pair
 count (counted in `begin`, one all-reduce), so the gradients are one device's on the whole
-batch for any data-parallel or expert-parallel layout ("One device's numbers"). The MoE aux
+batch for any data-parallel or expert-parallel layout ("One device's numbers"). Under context
+parallelism each document's sums are completed over the cp ranks before the pair loss
+(`whole_sequences`); under pipeline stages the last stage computes the loss and the
+reference runs through the stages forward only (moetrain/loop/pipelined.py). The MoE aux
 and z losses come from the policy's forward alone: the reference forward's router statistics
 are dropped. The record adds what a user watches (TRL's names): rewards/chosen and
 rewards/rejected (beta r, mean over pairs), rewards/margins, rewards/accuracy (the share of
@@ -30,6 +33,7 @@ record counts those sides (`reference_missing`), and the trainer refuses the run
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +48,7 @@ from moetrain.data.batch import IGNORE_INDEX, Batch
 from moetrain.loop.losses import BalanceTerms, LossScope, StepLoss, model_inputs
 from moetrain.models.common.output import CausalLMOutput
 from moetrain.models.spec import LossTerms
+from moetrain.parallelisms.context_parallel import ContextParallelAttention, use_cp_table
 
 # The figures a step (or an evaluation) sums over its pairs, in this order.
 PAIR_FIGURES = ("loss", "nll", "chosen", "rejected", "accuracy")
@@ -57,12 +62,43 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return -ce.view(labels.shape)
 
 
-def per_document(values: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
-    """values [B, S] summed by document of their sample: [B, W], W = S rounded up to even
-    (a sample holds at most S documents), column d the sum over document d's positions."""
-    width = values.shape[1] + values.shape[1] % 2
+def per_document(values: torch.Tensor, document_ids: torch.Tensor, width: int) -> torch.Tensor:
+    """values [B, S] summed by document of their sample: [B, W], W = `width` rounded up to
+    even (at least the whole sequence's length: a sample holds at most that many documents,
+    and under CP a rank's part of a sample keeps the whole sample's document ids), column d
+    the sum over document d's positions."""
+    width += width % 2
     sums = torch.zeros(values.shape[0], width, dtype=values.dtype, device=values.device)
     return sums.scatter_add(1, document_ids, values)
+
+
+def trained_tokens(batch: Batch, width: int) -> torch.Tensor:
+    """Each document's trained tokens [B, W] (float64, exact) of this rank's part."""
+    return per_document((batch.labels != IGNORE_INDEX).double(), batch.document_ids, width)
+
+
+def logp_sums(logps: torch.Tensor, batch: Batch, width: int) -> torch.Tensor:
+    """Each document's log-probability sum [B, W] of this rank's part (float64).
+
+    NOTE: summed in float64: a side of a thousand tokens sums to thousands, where fp32
+    keeps only ~1e-3 of the margin, a small difference of two such sums."""
+    return per_document(logps.double(), batch.document_ids, width)
+
+
+def whole_sequences(parts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Per-document sums [..., W] of this rank's parts of its sequences -> of the whole
+    sequences: summed over the cp ranks `group` that hold their other parts (the input
+    when there are none). With gradient, the value is the whole's and the gradient that of
+    this rank's part: the pair loss L(S) is not linear in the sums S = sum over ranks of
+    s_r, and each rank's backward then gives dL/dS * ds_r, which the gradient reduction
+    over the cp ranks (a sum, as for every loss share) adds up to dL/dS * dS."""
+    if group is None or dist.get_world_size(group) == 1:
+        return parts
+    whole = parts.detach().clone()
+    dist.all_reduce(whole, group=group)
+    if not parts.requires_grad:
+        return whole
+    return whole + (parts - parts.detach())  # (x - x is exactly 0: the value stays S)
 
 
 @dataclass(frozen=True)
@@ -75,16 +111,11 @@ class PairStats:
     valid: torch.Tensor  # bool
 
     @staticmethod
-    def of(policy_logps: torch.Tensor, reference: torch.Tensor, batch: Batch) -> PairStats:
-        """From the policy's per-position log-probabilities [B, S] (0 where untrained) and
-        the reference's per-document sums [B, W] (float64, as a `Reference` gives them)."""
-        # NOTE: summed in float64: a side of a thousand tokens sums to thousands, where fp32
-        # keeps only ~1e-3 of the margin, a small difference of two such sums.
-        ids = batch.document_ids
-        counts = per_document((batch.labels != IGNORE_INDEX).double(), ids)
-        policy = per_document(policy_logps.double(), ids)
-        tokens = _sides(counts)
-        return PairStats(_sides(policy), _sides(reference), tokens, tokens[0] > 0)
+    def of(policy: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor) -> PairStats:
+        """From per-document sums [B, W] of whole sequences (`whole_sequences`): the
+        policy's and the reference's log-probabilities, the trained tokens."""
+        sides = _sides(tokens)
+        return PairStats(_sides(policy), _sides(reference), sides, sides[0] > 0)
 
 
 def _sides(per_doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,11 +159,17 @@ def pair_sums(stats: PairStats, dpo: DpoSection) -> torch.Tensor:
     )
 
 
-def pair_counts(batch: Batch) -> torch.Tensor:
-    """[pairs, chosen tokens] of one micro-batch, int64."""
-    counts = per_document((batch.labels != IGNORE_INDEX).long(), batch.document_ids)
-    chosen, _ = _sides(counts)
-    return torch.stack([(chosen > 0).sum(), chosen.sum()])
+def pair_counts(tokens: torch.Tensor) -> torch.Tensor:
+    """[pairs, chosen tokens] of one micro-batch, int64, from its documents' trained tokens
+    [B, W] over whole sequences (`trained_tokens`, `whole_sequences`)."""
+    chosen, _ = _sides(tokens)
+    return torch.stack([(chosen > 0).sum(), chosen.sum().long()])
+
+
+def counted_once(group: dist.ProcessGroup | None) -> bool:
+    """Whether this rank adds a sequence's figures: its first cp rank (`group`) alone, as
+    every cp rank holds the whole sequences' sums after `whole_sequences`."""
+    return group is None or dist.get_rank(group) == 0
 
 
 def pair_record(sums: torch.Tensor, counts: torch.Tensor, dpo: DpoSection) -> dict:
@@ -153,12 +190,41 @@ def pair_record(sums: torch.Tensor, counts: torch.Tensor, dpo: DpoSection) -> di
 
 
 def held_out_figures(
-    out: CausalLMOutput, batch: Batch, reference: torch.Tensor, dpo: DpoSection
+    policy: list[torch.Tensor],
+    reference: list[torch.Tensor],
+    micro_batches: list[Batch],
+    dpo: DpoSection,
+    cp_group: dist.ProcessGroup | None,
 ) -> torch.Tensor:
-    """PAIR_FIGURES summed over a held-out micro-batch's pairs, then [pairs, chosen tokens]:
-    [7] float64 (moetrain/loop/evaluation.py adds them over the ranks)."""
-    stats = PairStats.of(token_logps(out.logits, batch.labels), reference, batch)
-    return torch.cat([pair_sums(stats, dpo).detach(), pair_counts(batch).double()])
+    """PAIR_FIGURES summed over held-out micro-batches' pairs, then [pairs, chosen tokens]:
+    [7] float64, from this rank's per-position log-probabilities of the policy and the
+    reference's per-document sums of its parts (`document_width` wide) of each micro-batch
+    (none: a pipeline rank without the last stage, zeros); each pair counted once over the
+    cp ranks `cp_group` (moetrain/loop/evaluation.py adds the figures over the ranks)."""
+    total = torch.zeros(len(PAIR_FIGURES) + 2, dtype=torch.float64)
+    if not policy:
+        return total
+    width = document_width(micro_batches, cp_group)
+    parts = torch.stack(
+        [
+            torch.stack([logp_sums(p, mb, width), r, trained_tokens(mb, width)])
+            for p, r, mb in zip(policy, reference, micro_batches, strict=True)
+        ]
+    )  # [micro-batches, 3, B, W]
+    whole = whole_sequences(parts, cp_group)
+    if not counted_once(cp_group):
+        return total
+    for policy_sums, reference_sums, tokens in whole:
+        stats = PairStats.of(policy_sums, reference_sums, tokens)
+        total += torch.cat([pair_sums(stats, dpo), pair_counts(tokens).double()]).cpu()
+    return total
+
+
+def document_width(micro_batches: list[Batch], cp_group: dist.ProcessGroup | None) -> int:
+    """The per-document sums' width of `micro_batches` (this rank's parts of their sequences
+    under CP, `cp_group`): the whole sequences' length, as their document ids run to it."""
+    ranks = 1 if cp_group is None else dist.get_world_size(cp_group)
+    return micro_batches[0].labels.shape[1] * ranks
 
 
 def held_out_record(total: torch.Tensor, dpo: DpoSection) -> dict:
@@ -175,31 +241,67 @@ def missing_sides(stats: PairStats) -> torch.Tensor:
     return (missing * stats.valid).sum()
 
 
-class Reference:
-    """The reference's log-probability sums of a micro-batch's documents, [B, W] float64
-    (`per_document`): the model with its LoRA adapters off (the frozen base: no second copy;
-    a model without adapters as it is), without gradient."""
+# this rank's per-position log-probabilities [B, S] (0 where untrained) of each of
+# `micro_batches`, without gradient; `adapters_off`: the frozen base's. Empty on a pipeline
+# rank without the last stage (moetrain/loop/pipelined.py `StagedEvaluation.logps`).
+Logps = Callable[[list[Batch], bool], list[torch.Tensor]]
+# What a `PreferenceLoss` and the evaluation take the reference from: each of `micro_batches`'
+# per-document log-probability sums [B, W] float64 (W: `document_width`) of this rank's parts
+# of its sequences; empty on a pipeline rank without the last stage. A `Reference`, or
+# `dpo.reference=stored` / `copy` (moetrain/loop/stored_reference.py, reference_copy.py).
+ReferenceSums = Callable[[list[Batch], int], list[torch.Tensor]]
+
+
+class ModelLogps:
+    """`Logps` of the model's forward on this rank (its parts of the sequences under CP)."""
 
     def __init__(self, model: nn.Module, terms: LossTerms, document_mask: bool) -> None:
         self.model, self.terms, self.document_mask = model, terms, document_mask
+        self.rings = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
+
+    @torch.no_grad()
+    def __call__(self, micro_batches: list[Batch], adapters_off: bool) -> list[torch.Tensor]:
+        logps = []
+        with adapters_disabled(self.model) if adapters_off else contextlib.nullcontext():
+            for mb in micro_batches:
+                if mb.cp_table is not None:  # cp_layout=balanced: this micro-batch's chunks
+                    use_cp_table(self.rings, mb.cp_table)
+                inputs = model_inputs(mb, self.terms, self.document_mask)
+                out = self.model(mb.input_ids, mb.position_ids, **inputs)
+                logps.append(token_logps(out.logits, mb.labels))
+        return logps
+
+
+class Reference:
+    """`dpo.reference=base` (`ReferenceSums`): the model with its LoRA adapters off (the
+    frozen base: no second copy; a model without adapters as it is), through `logps` (this
+    rank's forward, or the pipeline stages' forward only)."""
+
+    def __init__(self, logps: Logps) -> None:
+        self.logps = logps
 
     def fill(self, *_run) -> list[str]:
         """Nothing to prepare before step 1 (`dpo.reference=stored` and `copy` have: their
         `fill` takes the trainer's model, terms, batches, state and resumed checkpoint)."""
         return []
 
-    @torch.no_grad()
-    def __call__(self, batch: Batch) -> torch.Tensor:
-        with adapters_disabled(self.model):
-            inputs = model_inputs(batch, self.terms, self.document_mask)
-            out = self.model(batch.input_ids, batch.position_ids, **inputs)
-        return per_document(token_logps(out.logits, batch.labels).double(), batch.document_ids)
+    def __call__(self, micro_batches: list[Batch], width: int) -> list[torch.Tensor]:
+        logps = self.logps(micro_batches, True)
+        if not logps:  # a pipeline rank without the last stage
+            return []
+        return [logp_sums(lp, mb, width) for lp, mb in zip(logps, micro_batches, strict=True)]
 
 
 class PreferenceLoss(StepLoss):
-    """`StepLoss` for `train.objective=dpo` (see the module): `begin` counts the global
-    batch's pairs and runs the reference over this rank's micro-batches; each forward's
-    share is its pairs' losses over the global count; `end` adds the pair figures."""
+    """`StepLoss` for `train.objective=dpo` (see the module): `begin` runs the reference
+    over this rank's micro-batches and counts the global batch's pairs; each forward's
+    share is its pairs' losses over the global count; `end` adds the pair figures.
+
+    Under CP each forward's per-document sums are completed over the cp ranks before the
+    pair loss (`whole_sequences`), and a sequence's figures and pairs count on its first cp
+    rank alone. Under pipeline stages the last stage computes the loss of each micro-batch
+    (`output_loss`, as the schedule calls it: in the step's order) and the reference runs
+    through the stages forward only; a stage's routers add their aux and z shares."""
 
     def __init__(
         self,
@@ -207,32 +309,62 @@ class PreferenceLoss(StepLoss):
         balance: BalanceTerms,
         scope: LossScope,
         dpo: DpoSection,
-        reference: Callable[[Batch], torch.Tensor],
+        reference: ReferenceSums,
     ) -> None:
         super().__init__(terms, balance, scope)
         self.dpo, self.reference = dpo, reference
 
     def begin(self, micro_batches: list[Batch]) -> None:
         super().begin(micro_batches)
-        counts = torch.stack([pair_counts(mb) for mb in micro_batches]).sum(0)
+        group = self.scope.cp_group
+        self._width = micro_batches[0].labels.shape[1] * self.scope.dims.cp
+        parts = [torch.stack([trained_tokens(mb, self._width) for mb in micro_batches])]
+        references = self.reference(micro_batches, self._width)  # the last stage's ranks
+        if references:
+            parts.append(torch.stack(references))
+        whole = whole_sequences(torch.stack(parts), group)  # [1 or 2, micro-batches, B, W]
+        tokens = whole[0]
+        counts = torch.stack([pair_counts(t) for t in tokens]).sum(0)
+        self._counted = counted_once(group)
+        if not self._counted:
+            counts = torch.zeros_like(counts)
         if dist.get_world_size(self.scope.batch_group) > 1:
             dist.all_reduce(counts, group=self.scope.batch_group)
         self.pair_counts = counts
         self._pair_divisors = counts.clamp(min=1).double()
-        self._references = [self.reference(mb) for mb in micro_batches]
+        # per micro-batch, in the step's order: (its batch, its reference's sums, its tokens)
+        reference = whole[1] if references else [None] * len(micro_batches)
+        self._pending = list(zip(micro_batches, reference, tokens, strict=True))
         self._pair_sums: torch.Tensor | None = None
 
     def __call__(self, out: CausalLMOutput, batch: Batch) -> torch.Tensor:
-        reference = self._references.pop(0)  # this micro-batch's, in the step's order
-        stats = PairStats.of(token_logps(out.logits, batch.labels), reference, batch)
+        loss = self.output_loss(out.logits, out.mtp_logits, batch.labels, batch.mtp_labels)
+        if out.router_stats is not None:
+            loss = loss + self.router_loss(out.router_stats)
+        return loss
+
+    def output_loss(
+        self,
+        logits: torch.Tensor,
+        mtp_logits: list[torch.Tensor] | None,
+        labels: torch.Tensor,
+        mtp_labels: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The pair loss share of the step's next micro-batch (the last stage's, under
+        pipeline stages), from its logits."""
+        batch, reference, tokens = self._pending.pop(0)
+        if labels.shape != batch.labels.shape:
+            raise ValueError(f"micro-batch of {tuple(labels.shape)} labels, expected the next")
+        parts = logp_sums(token_logps(logits, labels), batch, self._width)
+        policy = whole_sequences(parts, self.scope.cp_group)
+        stats = PairStats.of(policy, reference, tokens)
         sums = pair_sums(stats, self.dpo)
         loss = sums[0] / self._pair_divisors[0]
         if self.dpo.nll_weight:
             loss = loss + self.dpo.nll_weight * sums[1] / self._pair_divisors[1]
-        sums = torch.cat([sums.detach(), missing_sides(stats).double()[None]])
-        self._pair_sums = sums if self._pair_sums is None else self._pair_sums + sums
-        if out.router_stats is not None:
-            loss = loss + self.router_loss(out.router_stats)
+        if self._counted:
+            sums = torch.cat([sums.detach(), missing_sides(stats).double()[None]])
+            self._pair_sums = sums if self._pair_sums is None else self._pair_sums + sums
         return loss
 
     def end(self) -> dict:
@@ -240,7 +372,7 @@ class PreferenceLoss(StepLoss):
         sums = self._pair_sums
         if sums is None:
             sums = torch.zeros(len(PAIR_FIGURES) + 1, dtype=torch.float64, device=self.device)
-        if dist.get_world_size() > 1:  # every rank holds distinct pairs
+        if dist.get_world_size() > 1:  # every pair on one rank (its first cp rank)
             dist.all_reduce(sums)
         record.update(pair_record(sums[:-1], self.pair_counts, self.dpo))
         record["reference_missing"] = sums[-1]  # sides without a reference (trainer refuses)
@@ -253,9 +385,9 @@ def step_loss(
     terms: LossTerms,
     balance: BalanceTerms,
     scope: LossScope,
-    reference: Callable[[Batch], torch.Tensor],
+    reference: ReferenceSums,
 ) -> StepLoss:
-    """The step's loss for `train.objective`."""
+    """The step's loss for `train.objective`; `reference`: the DPO reference's sums."""
     if objective == "dpo":
         return PreferenceLoss(terms, balance, scope, dpo, reference)
     return StepLoss(terms, balance, scope)

@@ -27,7 +27,7 @@ from moetrain.checkpoint.run_state import RunState
 from moetrain.config import JobConfig
 from moetrain.data.batch import Batch
 from moetrain.loop.batches import Batches
-from moetrain.loop.preference import Reference
+from moetrain.loop.preference import ModelLogps, Reference
 from moetrain.models.spec import LossTerms, ModelSpec
 
 
@@ -37,16 +37,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class ReferenceCopy:
     """The frozen copy (built now, filled by `fill` once the policy holds its weights); called
-    on a micro-batch, its documents' sums as `Reference` gives them."""
+    on micro-batches, their documents' sums as `Reference` gives them."""
 
     def __init__(self, cfg: JobConfig, spec: ModelSpec, place: Place, terms: LossTerms) -> None:
         self.spec, self.args = spec, cfg.model.args
         self.model, self.parallel = build_model(cfg, spec, place.dims, place.meshes, place.device)
         self.model.requires_grad_(False)
-        self.reference = Reference(self.model, terms, cfg.data.document_mask)
+        self.reference = Reference(ModelLogps(self.model, terms, cfg.data.document_mask))
 
-    def __call__(self, batch: Batch) -> torch.Tensor:
-        return self.reference(batch)
+    def __call__(self, micro_batches: list[Batch], width: int) -> list[torch.Tensor]:
+        return self.reference(micro_batches, width)
 
     @torch.no_grad()
     def fill(

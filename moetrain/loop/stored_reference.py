@@ -42,7 +42,7 @@ from moetrain.config.objective_checks import dpo_reference
 from moetrain.data.batch import IGNORE_INDEX, Batch
 from moetrain.errors import CheckpointError, DataError
 from moetrain.loop.batches import Batches
-from moetrain.loop.preference import Reference, per_document
+from moetrain.loop.preference import Logps, ModelLogps, Reference, per_document
 from moetrain.loop.reference_copy import ReferenceCopy
 from moetrain.models.spec import LossTerms, ModelSpec
 from moetrain.parallelisms.fsdp import reshard_all
@@ -68,16 +68,18 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def document_keys(batch: Batch) -> torch.Tensor:
-    """Each document's content fingerprint, [B, W] int64 (`per_document`'s layout)."""
+    """Each document's content fingerprint, [B, W] int64 (`per_document`'s layout, W the
+    sequence's length: whole sequences, as `dpo.reference=stored` runs without CP)."""
     h = _mix(batch.input_ids + _GOLDEN)
     h = _mix(h ^ batch.labels)
     h = _mix(h ^ batch.position_ids)
-    return per_document(h, batch.document_ids)
+    return per_document(h, batch.document_ids, batch.labels.shape[1])
 
 
 def _trained(batch: Batch) -> torch.Tensor:
     """Which documents of `per_document`'s layout have trained tokens, [B, W] bool."""
-    return per_document((batch.labels != IGNORE_INDEX).long(), batch.document_ids) > 0
+    trained = (batch.labels != IGNORE_INDEX).long()
+    return per_document(trained, batch.document_ids, batch.labels.shape[1]) > 0
 
 
 class ReferenceTable:
@@ -103,7 +105,7 @@ def first_pass(reference: Reference, micro_batches: Iterable[Batch]) -> Referenc
     for mb in micro_batches:
         trained = _trained(mb)
         keys.append(document_keys(mb)[trained])
-        sums.append(reference(mb)[trained])
+        sums.append(reference([mb], mb.labels.shape[1])[0][trained])
     return _unique(*(_gathered(torch.cat(t)) for t in (keys, sums)))
 
 
@@ -146,9 +148,10 @@ class StoredReference:
     def __init__(self) -> None:
         self.table: ReferenceTable | None = None
 
-    def __call__(self, batch: Batch) -> torch.Tensor:
+    def __call__(self, micro_batches: list[Batch], width: int) -> list[torch.Tensor]:
         assert self.table is not None, "StoredReference.fill runs before step 1"
-        return self.table(batch)
+        assert all(mb.labels.shape[1] == width - width % 2 for mb in micro_batches), "no CP"
+        return [self.table(mb) for mb in micro_batches]
 
     def fill(
         self,
@@ -176,7 +179,7 @@ class StoredReference:
             line = f"dpo.reference=stored: {path} as {resumed_from} records it"
         else:
             start = time.perf_counter()
-            reference = Reference(model, terms, cfg.data.document_mask)
+            reference = Reference(ModelLogps(model, terms, cfg.data.document_mask))
             self.table = first_pass(reference, batches.pair_batches())
             reshard_all(model)  # as before the pass: the sharded parameters
             keys, sums = self.table.keys, self.table.sums
@@ -192,16 +195,17 @@ class StoredReference:
 
 
 def reference_for(
-    cfg: JobConfig, spec: ModelSpec, place: Place, model: nn.Module, terms: LossTerms
+    cfg: JobConfig, spec: ModelSpec, place: Place, terms: LossTerms, logps: Logps
 ) -> Reference | StoredReference | ReferenceCopy:
-    """What a DPO run's loss takes its reference from (`dpo.reference`); each is `fill`ed
-    once the model holds its weights, before step 1."""
+    """What a DPO run's loss takes its reference from (`dpo.reference`; `logps`: the
+    policy's forward, which `base` runs with the adapters off); each is `fill`ed once the
+    model holds its weights, before step 1."""
     kind = dpo_reference(cfg) if cfg.train.objective == "dpo" else "base"
     if kind == "stored":
         return StoredReference()
     if kind == "copy":
         return ReferenceCopy(cfg, spec, place, terms)
-    return Reference(model, terms, cfg.data.document_mask)
+    return Reference(logps)
 
 
 def refuse_missing(record: dict, step: int) -> None:

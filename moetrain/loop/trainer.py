@@ -37,7 +37,7 @@ from moetrain.loop.batches import Batches
 from moetrain.loop.guard import StepGuard, likely_cause, loss_weights
 from moetrain.loop.losses import BalanceTerms, LossScope, model_inputs
 from moetrain.loop.pipelined import build_pipelined, moe_layers, pipeline_evaluation
-from moetrain.loop.preference import step_loss
+from moetrain.loop.preference import ModelLogps, step_loss
 from moetrain.loop.profiling import StepProfiler
 from moetrain.loop.run_report import startup_lines, step_figures
 from moetrain.loop.step import (
@@ -161,8 +161,19 @@ class Trainer:
             batch_group,
             moe_layers(self.parallel.whole, self.spec.plan) if self.meshes.pp is not None else 0,
         )
+        # Under pipeline stages, the held-out loss of a source's micro-batches through them
+        # forward only (moetrain.loop.evaluation), which the DPO reference runs too.
+        self.forward_only = pipeline_evaluation(
+            cfg, self.parallel, self.meshes, self.device, self.terms, self.model
+        )
+        staged = self.forward_only
+        logps = (
+            staged.logps
+            if staged is not None
+            else ModelLogps(self.model, self.terms, cfg.data.document_mask)
+        )
         # train.objective=dpo's reference (dpo.reference)
-        self.reference = reference_for(cfg, self.spec, self.place, self.model, self.terms)
+        self.reference = reference_for(cfg, self.spec, self.place, self.terms, logps)
         objective = cfg.train.objective
         self.step_loss = step_loss(
             objective, cfg.dpo, self.terms, BalanceTerms.of(cfg.moe), scope, self.reference
@@ -170,13 +181,11 @@ class Trainer:
         self._build_pipeline()
 
     def _build_pipeline(self) -> None:
-        """Under pipeline stages (none without): the schedule over this rank's stages, the
-        embedding copies a head may read, the held-out loss forward only; and which
-        parameters the gradient norm counts: each once, not a stage's copy."""
+        """Under pipeline stages (none without): the schedule over this rank's stages and the
+        embedding copies a head may read; and which parameters the gradient norm counts:
+        each once, not a stage's copy."""
         cfg, parallel, meshes, device = self.cfg, self.parallel, self.meshes, self.device
         terms = self.terms
-        # the held-out loss of a source's micro-batches through the stages (moetrain.loop.evaluation)
-        self.forward_only = pipeline_evaluation(cfg, parallel, meshes, device, terms)
         self.pipelined, self.shared_embedding = build_pipelined(
             cfg,
             parallel,

@@ -8,9 +8,12 @@ backward"). So every schedule evaluates the same plain way: stage by stage in mo
 each stage's micro-batches in order, the hidden states sent point to point to the rank of
 the next stage (or handed over in place when that stage is on this rank too, the V's turn).
 
-Every rank posts its sends and receives in that one global order (stage, micro-batch),
-which no backend can deadlock, and a stage starts on a micro-batch as soon as the previous
-stage sends it, so stages of different ranks overlap as in a forward-only 1F1B.
+Every rank posts its sends and receives in that one global order (stage, micro-batch) and
+waits for a stage's sends at its end: a stage's sends are received once the next stage's
+rank has finished its earlier stages, which by the same argument finish, so no backend can
+deadlock (even one whose send waits for its receive, as gloo's does). A stage starts on a
+micro-batch as soon as the previous stage sends it, so stages of different ranks overlap
+as in a forward-only 1F1B.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class ForwardOnly:
             for index, stage in sorted(self.stages.items()):
                 stage.router_loss = None
                 here = self.rank_of[index]
-                sending = None
+                sending = []
                 for m in range(micro_batches):
                     part = slice(m * rows, (m + 1) * rows)
                     if index == 0:
@@ -85,14 +88,18 @@ class ForwardOnly:
                     elif self.rank_of[index + 1] == here:
                         handed[m] = out
                     else:
-                        # NOTE: one send in flight: all of a stage's outputs at once would be
-                        # the hidden states of the whole held-out batch.
-                        if sending is not None:
-                            sending.wait()
+                        # NOTE: waited for at the stage's end, not before the next send: the
+                        # next stage's rank may still be running an earlier stage, whose
+                        # inputs this rank sends after this stage (a looped schedule's rank
+                        # 1 waiting on stage 1's first send to rank 0, still sending stage
+                        # 0's third micro-batch, which rank 1 receives only after: a
+                        # deadlock from 3 micro-batches). A stage's outputs are the hidden
+                        # states of its micro-batches, as the training schedules hold.
                         dst = self.rank_of[index + 1]
-                        sending = dist.isend(out.contiguous(), group=self.group, group_dst=dst)
-                if sending is not None:
-                    sending.wait()
+                        send = dist.isend(out.contiguous(), group=self.group, group_dst=dst)
+                        sending.append(send)
+                for send in sending:
+                    send.wait()
         finally:
             for i, stage in self.stages.items():
                 stage.router_loss = routers[i]
