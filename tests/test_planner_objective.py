@@ -175,3 +175,29 @@ def test_the_planner_command_prints_what_dpo_adds(pairs, capsys, tmp_path):
     assert plan["estimate"]["reference"] == "base"
     assert "dpo.reference=base: the step includes one forward of the frozen base" in printed
     assert "each micro-batch's reference log-probabilities" in printed
+
+
+def test_under_pipeline_stages_the_reference_runs_forward_only_before_the_schedule(fake_world):
+    """dpo.reference=base with 2 pipeline stages (1F1B, a stage a rank): the schedule's span
+    is SFT's (the reference's forwards are not in its actions), and the reference's pass
+    before it is n micro-batches through the busier stage's forward plus the fill, one
+    forward of it (pp - 1 = 1): (n + 1) x its forward, a third of its compute per
+    micro-batch."""
+    pp = ["--parallel.pp=2", "--model.num_hidden_layers=4", "--peft.method=lora", *DATA]
+    pp += ["--train.micro_batch_size=1"]
+    layout = ["--config", CONFIG, *pp]
+    sft, sft_est = _plan(load_config(layout))
+    dpo, dpo_est = _plan(load_config([*layout, *DPO]))
+    n = sft.pipeline.micro_batches
+    assert sft_est["reference_pass_s"] == 0
+    assert dpo_est["pipeline_span_s"] == pytest.approx(sft_est["pipeline_span_s"])
+    forward = sft_est["compute_s"] / 3 / n  # the busier stage's forward of one micro-batch
+    assert dpo_est["reference_pass_s"] == pytest.approx((n + 1) * forward)
+    # (one stage group, no FSDP: nothing else moves)
+    assert dpo_est["step_s"] - sft_est["step_s"] == pytest.approx(dpo_est["reference_pass_s"])
+    # the step's sums held by the last stage (rank 1), the micro-batches' [1, 128] float64
+    assert dpo.reference.held == n * 1 * 128 * 8
+    assert peak_bytes(dpo, "none", 1) - peak_bytes(sft, "none", 1) == dpo.reference.held
+    assert peak_bytes(dpo, "none", 0) == peak_bytes(sft, "none", 0)
+    notes = estimate_notes(dpo_est, dpo.cfg, flops_per_token(dpo.cfg))
+    assert any("a forward-only pass before the schedule" in n for n in notes)

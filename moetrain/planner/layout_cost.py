@@ -148,7 +148,10 @@ def _measure_stages(cfg, spec, dims, modes, reuse: Measured, imbalance: float) -
             for f in ("params", "grads", "optimizer", "update", "frozen")
         )
     )
-    whole = _comm([], dims, pc.micro_batches, traces[modes[0]])  # all layers, no FSDP
+    # DPO's reference: its forward's all-to-all pair, its sums held by the last stage's
+    # ranks (`step_bytes`); the stages' units stay gathered, no gather again
+    reference = reference_cost(cfg, dims, state, pc.micro_batches)
+    whole = _comm([], dims, pc.micro_batches, traces[modes[0]], reference)  # no FSDP
     busiest = max(sum(pc.moe_share[s] for s in r.stages) for r in pc.ranks)
     ring = max(sum(pc.core_share[s] for s in r.stages) for r in pc.ranks)
     gathered = max(r.gathered for r in pc.ranks)
@@ -181,6 +184,7 @@ def _measure_stages(cfg, spec, dims, modes, reuse: Measured, imbalance: float) -
         pc,
         _routing_groups(cfg, spec),
         imbalance,
+        reference,
     )
 
 
@@ -268,6 +272,9 @@ def step_bytes(layout: Layout, mode: str, rank: int = 0, gather: str | None = No
     if pc is not None:  # the rank's stages: their micro-batches in flight, all units gathered
         pp_rank = rank // layout.dims.stage_ranks
         held = pc.ranks[pp_rank].step_buffers
+        last = max(s for r in pc.ranks for s in r.stages)
+        if layout.reference is not None and last in pc.ranks[pp_rank].stages:
+            held += layout.reference.held  # the last stage's, which computes the loss
         return pc.activations[mode][pp_rank] + layout.state.grads[rank] + held
     margin = rows_margin(layout, mode)
     margin += layout.reference.held if layout.reference is not None else 0

@@ -136,10 +136,17 @@ def reference_compute_line(estimate: dict) -> list[str]:
         ]
     if source in ("base", "copy"):
         what = "the frozen base" if source == "base" else "the frozen copy"
+        staged = estimate.get("reference_pass_s")
+        where = (
+            f"; under pipeline stages a forward-only pass before the schedule, {staged:.3f} s "
+            "with its fill"
+            if staged
+            else ""
+        )
         return [
             f"(dpo.reference={source}: the step includes one forward of {what} without "
             f"gradient, {estimate['reference_flops_per_rank'] / 1e9:,.1f} GFLOP per rank (a "
             "third of the training count), its EP all-to-all pair a micro-batch, and its FSDP "
-            "all-gathers: in the per-step bytes above)"
+            f"all-gathers: in the per-step bytes above{where})"
         ]
     return []

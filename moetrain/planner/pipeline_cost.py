@@ -14,6 +14,11 @@
   run under the compute. The step is the last action's end plus the FSDP traffic compute
   does not hide: the gathers beyond the first forward, the reduction after the last
   backward. The bubble is the busiest rank's idle time.
+- DPO's reference (`reference_forwards`: dpo.reference=base) runs before the schedule, the
+  step's micro-batches through the stages forward only (moetrain/loop/pipelined.py
+  `StagedEvaluation.logps`): each rank runs its stages' forwards of every micro-batch, the
+  last stage's first forward waiting for the others' (the fill): n x the busiest rank's
+  stage forwards + (pp - 1) x the longest stage forward.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ def pipeline_step(
     form="none",
     recompute_s: float = 0.0,
     fp8_s: float = 0.0,
+    reference_forwards: int = 0,
 ) -> tuple[float, dict]:
     """(step seconds, what else the estimate reports) of a layout with pipeline stages.
     `compute_s`: the training compute of a rank's share of the step as if the ranks were
@@ -42,7 +48,9 @@ def pipeline_step(
     (parallel.ep_overlap); `recompute_s`: what `selective` runs again, on the same
     footing as `compute_s` (not in it), in the input backward of each stage by its share;
     `fp8_s`: of `compute_s`, the FP8 GEMMs' (train.fp8), which a stage takes by its share
-    of them, and the rest by its share of the rest (in bf16 the FLOPs' shares)."""
+    of them, and the rest by its share of the rest (in bf16 the FLOPs' shares);
+    `reference_forwards`: DPO's reference forwards per micro-batch, in `compute_s` (a third
+    of the training compute each), run forward only before the schedule."""
     pc, dims = layout.pipeline, layout.dims
     shares = pc.flops_share
     if fp8_s:  # the head, the routers and attention stay in bf16: their stages weigh more
@@ -53,7 +61,7 @@ def pipeline_step(
         ]
     trace = layout.activations[mode]
     n, full = pc.micro_batches, mode == "full"
-    replay = 4 / 3 if full else 1.0
+    replay = (4 / 3 if full else 1.0) + reference_forwards / 3
     # one micro-batch through the whole model, on one rank of a stage group
     third = compute_s / replay * dims.pp / n / 3
     again = recompute_s * dims.pp / n  # one micro-batch's rebuilds, the whole model's
@@ -99,11 +107,12 @@ def pipeline_step(
     exposed = max(0.0, gather_s - durations["F"][0]) + reduce_s + seconds["hsdp"]
     busiest = max(range(dims.pp), key=lambda r: busy[r])
     mine = pc.ranks[busiest].stages
-    return span + exposed, {
-        "compute_s": sum(
-            shares[s] * third * (3 + (1 if full else 0)) + rhos[s] * again for s in mine
-        )
-        * n,
+    forwards = [sum(durations["F"][s] for s in r.stages) for r in pc.ranks]
+    reference_s = (n * max(forwards) + (dims.pp - 1) * max(durations["F"])) * reference_forwards
+    per_micro_batch = 3 + (1 if full else 0) + reference_forwards
+    return span + exposed + reference_s, {
+        "compute_s": sum(shares[s] * third * per_micro_batch + rhos[s] * again for s in mine) * n,
+        "reference_pass_s": reference_s,
         "exposed_background_s": exposed,
         "pipeline_span_s": span,
         "bubble_s": span - busy[busiest],

@@ -105,7 +105,16 @@ def estimate(
     optimizer_s = comm["optimizer_memory"] / (hw.memory_gbps * GB)
     if layout.pipeline is not None:
         step_s, extra = pipeline_step(
-            layout, mode, compute_s, seconds, hw, hides, form, recompute_s, fp8_s
+            layout,
+            mode,
+            compute_s,
+            seconds,
+            hw,
+            hides,
+            form,
+            recompute_s,
+            fp8_s,
+            reference.forwards,
         )
         step_s += optimizer_s
         return {
@@ -122,6 +131,7 @@ def estimate(
             "recomputed_flops_per_token": sum(again.values()),
             "precision": precision,
             **extra,
+            **_reference_figures(reference, flops_per_token, by_kind, hw, tokens, dims, fp8),
         }
     # the replay's forward and the reference's move their tokens again
     forwards = (2 if mode == "full" else 1) + reference.forwards
