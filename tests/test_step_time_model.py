@@ -233,6 +233,7 @@ def _layout(r: dict, tokens: int) -> SimpleNamespace:
         top_k=r["top_k"],
         pipeline=None,
         routing_groups=None,  # Qwen3-MoE routes over all its experts
+        reference=None,  # train.objective=sft: no DPO reference
     )
 
 
