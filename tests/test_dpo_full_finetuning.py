@@ -20,11 +20,10 @@ from moetrain.config import load_config
 from moetrain.errors import CheckpointError, DataError
 from moetrain.loop.preflight import preflight
 from moetrain.parallelisms.dims import ParallelDims
-from moetrain.prepare.cli import main as prepare
 from tests.chat_model import save_chat_model
 from tests.dpo_parity import FIGURES, dpo_reference_run
 from tests.parity import TINY, build_trainer
-from tests.test_preference_prepare import preference_pairs
+from tests.test_preference_prepare import preference_pairs, prepare_pairs
 
 STEPS = 4
 HELD_SAMPLES = 2
@@ -34,15 +33,9 @@ HELD_SAMPLES = 2
 def pairs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo_stored")
     save_chat_model(root / "model")
-    (root / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preference_pairs(40)))
-    argv = ["--source", "jsonl", "--format", "preference", "--path", str(root / "p.jsonl")]
-    argv += ["--tokenizer", str(root / "model"), "--workers", "1", "--out", str(root / "pairs")]
-    assert prepare(argv) == 0
+    prepare_pairs(preference_pairs(40), root / "model", root / "pairs")
     held = preference_pairs(48)[40:]  # other prompts than the training pairs'
-    (root / "h.jsonl").write_text("".join(json.dumps(p) + "\n" for p in held))
-    argv = ["--source", "jsonl", "--format", "preference", "--path", str(root / "h.jsonl")]
-    argv += ["--tokenizer", str(root / "model"), "--workers", "1", "--out", str(root / "held")]
-    assert prepare(argv) == 0
+    prepare_pairs(held, root / "model", root / "held")
     return root
 
 

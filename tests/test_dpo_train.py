@@ -17,7 +17,7 @@ from moetrain.models import get_model_spec
 from moetrain.models.common.lora import is_adapter
 from moetrain.prepare.cli import main as prepare
 from tests.chat_model import save_chat_model
-from tests.test_preference_prepare import preference_pairs
+from tests.test_preference_prepare import preference_pairs, prepare_pairs
 
 BASE = ["--config=configs/debug_qwen3_moe.toml"]
 DPO = [
@@ -84,20 +84,7 @@ def test_adapters_off_is_the_base_and_back_on_after():
 def pairs_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
     save_chat_model(root / "model")
-    (root / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preference_pairs(40)))
-    argv = [
-        "--source",
-        "jsonl",
-        "--format",
-        "preference",
-        "--path",
-        str(root / "p.jsonl"),
-        "--tokenizer",
-        str(root / "model"),
-        "--workers",
-        "1",
-    ]
-    assert prepare([*argv, "--out", str(root / "pairs")]) == 0
+    prepare_pairs(preference_pairs(40), root / "model", root / "pairs")
     chosen = [{"messages": p["prompt"] + p["chosen"]} for p in preference_pairs(40)]
     (root / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chosen))
     argv = [

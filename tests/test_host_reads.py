@@ -104,7 +104,6 @@ STEP_PATH = [
     losses.StepLoss.router_loss,
     losses.StepLoss.end,
     preference.PreferenceLoss.begin,  # train.objective=dpo
-    preference.PreferenceLoss.__call__,
     preference.PreferenceLoss.output_loss,
     preference.PreferenceLoss.end,
     preference.Reference.__call__,

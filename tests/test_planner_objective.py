@@ -18,10 +18,9 @@ from moetrain.planner.layout_cost import measure_layout, peak_bytes, step_bytes,
 from moetrain.planner.model_counts import flops_per_token
 from moetrain.planner.report import estimate_notes, format_report, report
 from moetrain.planner.step_cost import estimate
-from moetrain.prepare.cli import main as prepare
 from tests.chat_model import save_chat_model
 from tests.test_dry_run import CONFIG
-from tests.test_preference_prepare import preference_pairs
+from tests.test_preference_prepare import preference_pairs, prepare_pairs
 
 B, S, MICRO_BATCHES, WORLD = 4, 128, 2, 2
 LOGPS = MICRO_BATCHES * B * S * 8  # the step's reference sums, a float64 per document slot
@@ -115,10 +114,7 @@ def pairs(tmp_path_factory):
     """A prepared preference corpus (40 pairs) and the model its tokenizer belongs to."""
     root = tmp_path_factory.mktemp("planned_pairs")
     save_chat_model(root / "model")
-    (root / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preference_pairs(40)))
-    argv = ["--source", "jsonl", "--format", "preference", "--path", str(root / "p.jsonl")]
-    argv += ["--tokenizer", str(root / "model"), "--out", str(root / "pairs"), "--workers", "1"]
-    assert prepare(argv) == 0
+    prepare_pairs(preference_pairs(40), root / "model", root / "pairs")
     return root
 
 

@@ -29,6 +29,16 @@ def preference_pairs(count: int) -> list[dict]:
     return pairs
 
 
+def prepare_pairs(pairs: list[dict], tokenizer, out) -> None:
+    """`pairs` written as JSON lines beside `out` and prepared into `out` with the tokenizer
+    (a model directory) as a user runs it, on one worker."""
+    source = out.parent / f"{out.name}.jsonl"
+    source.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    argv = ["--source", "jsonl", "--format", "preference", "--path", str(source)]
+    argv += ["--tokenizer", str(tokenizer), "--workers", "1", "--out", str(out)]
+    assert prepare(argv) == 0
+
+
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("pref")

@@ -46,7 +46,6 @@ from moetrain.build.lora import adapters_disabled
 from moetrain.config.objective import DpoSection
 from moetrain.data.batch import IGNORE_INDEX, Batch
 from moetrain.loop.losses import BalanceTerms, LossScope, StepLoss, model_inputs
-from moetrain.models.common.output import CausalLMOutput
 from moetrain.models.spec import LossTerms
 from moetrain.parallelisms.context_parallel import ContextParallelAttention, use_cp_table
 
@@ -336,12 +335,6 @@ class PreferenceLoss(StepLoss):
         reference = whole[1] if references else [None] * len(micro_batches)
         self._pending = list(zip(micro_batches, reference, tokens, strict=True))
         self._pair_sums: torch.Tensor | None = None
-
-    def __call__(self, out: CausalLMOutput, batch: Batch) -> torch.Tensor:
-        loss = self.output_loss(out.logits, out.mtp_logits, batch.labels, batch.mtp_labels)
-        if out.router_stats is not None:
-            loss = loss + self.router_loss(out.router_stats)
-        return loss
 
     def output_loss(
         self,
