@@ -158,15 +158,26 @@ def check_base(path: str, record: dict[str, Any], cfg: JobConfig | None = None) 
                 f"model.init_from_hf={ours['hf']}" if ours["hf"] else f"train.seed={ours['seed']}"
             )
             raise CheckpointError(f"{what}; this run has {mine}: resume with {describe(record)}")
-    if record["source"] == "seed":
-        return
-    if not os.path.isdir(record["path"]):
+    problem = weights_problem(record)
+    if problem == "gone":
         raise CheckpointError(f"{what}, and {record['path']} is gone{keep}")
-    if record.get("fingerprint") is not None and fingerprint(record) != record["fingerprint"]:
+    if problem == "changed":
         raise CheckpointError(
             f"{what}, but the weights at {record['path']} changed since (their content "
             f"fingerprint differs): the adapters would apply to another model{keep}"
         )
+
+
+def weights_problem(record: dict[str, Any]) -> str | None:
+    """Whether the weights `record` names are not as it recorded them: "gone" (their path),
+    "changed" (their content fingerprint, where recorded), else None (the seed: always)."""
+    if record["source"] == "seed":
+        return None
+    if not os.path.isdir(record["path"]):
+        return "gone"
+    if record.get("fingerprint") is not None and fingerprint(record) != record["fingerprint"]:
+        return "changed"
+    return None
 
 
 def load_base(

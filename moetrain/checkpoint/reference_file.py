@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from moetrain.checkpoint.frozen_base import fingerprint
+from moetrain.checkpoint.frozen_base import weights_problem
 from moetrain.config import JobConfig
 from moetrain.config.objective_checks import dpo_reference
 from moetrain.data.shards import file_sha256
@@ -110,12 +110,11 @@ def check_recorded(checkpoint: str, record: dict | None, cfg: JobConfig) -> dict
         return record
     record = check_initial(checkpoint, record, cfg, "reference copy's weights")
     base = record["base"]
-    if base["source"] == "seed":
-        return record
-    where = f"{checkpoint}'s DPO reference is the model at {base['path']} as the run started"
-    if not os.path.isdir(base["path"]):
+    problem = weights_problem(base)  # as a LoRA base is judged (`check_base`)
+    where = f"{checkpoint}'s DPO reference is the model at {base.get('path')} as the run started"
+    if problem == "gone":
         raise CheckpointError(f"{where}, and it is gone; restore it, or {FRESH}")
-    if fingerprint(base) != base.get("fingerprint"):
+    if problem == "changed":
         raise CheckpointError(
             f"{where}, but its weights changed since (their content fingerprint differs); "
             f"restore them, or {FRESH}"

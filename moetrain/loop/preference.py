@@ -316,7 +316,7 @@ class PreferenceLoss(StepLoss):
     def begin(self, micro_batches: list[Batch]) -> None:
         super().begin(micro_batches)
         group = self.scope.cp_group
-        self._width = micro_batches[0].labels.shape[1] * self.scope.dims.cp
+        self._width = document_width(micro_batches, group)
         parts = [torch.stack([trained_tokens(mb, self._width) for mb in micro_batches])]
         references = self.reference(micro_batches, self._width)  # the last stage's ranks
         if references:
